@@ -1,0 +1,10 @@
+"""marft_jax: Multi-Agent Reinforcement Fine-Tuning of LLM agent teams in JAX.
+
+Subpackages, each importable on its own:
+  models  - Llama/Qwen2 decoder as a pure function of parameter pytrees, loaders, sampler.
+  lora    - LoRA adapters as pytrees, stacked per agent and routed per token.
+  ppo     - the RL maths: advantages, token-level backups, PPO/value/KL losses.
+  envs    - host-side environments and agent graphs.
+"""
+
+__version__ = "0.1.0"
