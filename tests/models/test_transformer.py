@@ -1,0 +1,94 @@
+"""The decoder's own invariants: cache chunking, padding, dtypes, config errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax.models import config as config_lib
+from marft_jax.models import transformer
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request):
+  config = config_lib.tiny_config(request.param)
+  return config, transformer.init_params(config, jax.random.key(1), std=0.1)
+
+
+def test_chunked_cache_equals_one_pass(model):
+  """Feeding 5 + 1 + 3 tokens through a cache gives the logits of one 9-token pass."""
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, config.vocab_size)
+  full, _ = transformer.forward(params, tokens, config)
+  cache = transformer.init_cache(config, batch=2, size=16)
+  pieces = []
+  for start, stop in [(0, 5), (5, 6), (6, 9)]:
+    logits, cache = transformer.forward(params, tokens[:, start:stop], config, cache=cache)
+    pieces.append(logits)
+  np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=0)
+  assert int(cache.index) == 9 and bool(cache.valid[:, :9].all()) and not cache.valid[:, 9:].any()
+
+
+def test_padding_inside_cache_is_invisible(model):
+  """Padding slots between chunks (rows of unequal length) change nothing for real tokens."""
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(3), (1, 7), 0, config.vocab_size)
+  full, _ = transformer.forward(params, tokens, config)
+  cache = transformer.init_cache(config, batch=1, size=16)
+  padded = jnp.concatenate([tokens[:, :4], jnp.zeros((1, 2), tokens.dtype)], axis=1)
+  mask = jnp.array([[True] * 4 + [False] * 2])
+  first, cache = transformer.forward(params, padded, config, mask=mask, cache=cache)
+  rest, cache = transformer.forward(params, tokens[:, 4:], config, cache=cache)
+  np.testing.assert_allclose(first[:, :4], full[:, :4], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(rest, full[:, 4:], atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(cache.next_positions(), [7])
+
+
+def test_left_padding_does_not_change_logits(model):
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(4), (1, 6), 0, config.vocab_size)
+  alone, _ = transformer.forward(params, tokens, config)
+  padded = jnp.concatenate([jnp.full((1, 3), 7), tokens], axis=1)
+  mask = jnp.arange(9)[None, :] >= 3
+  logits, _ = transformer.forward(params, padded, config, mask=mask)
+  np.testing.assert_allclose(logits[:, 3:], alone, atol=1e-5, rtol=0)
+  assert np.isfinite(np.asarray(logits)).all()  # fully masked padding rows give no NaN
+
+
+def test_bfloat16_params_and_compute_track_float32(model):
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, config.vocab_size)
+  ref, _ = transformer.forward(params, tokens, config)
+  bf16 = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  logits, _ = jax.jit(transformer.forward, static_argnums=2)(params16, tokens, bf16)
+  assert logits.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(logits - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
+
+
+def test_gradients_flow_and_are_finite(model):
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(6), (2, 8), 0, config.vocab_size)
+
+  def loss(p):
+    logits, _ = transformer.forward(p, tokens[:, :-1], config)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+  grads = jax.jit(jax.grad(loss))(params)
+  norms = jax.tree.map(lambda g: float(jnp.linalg.norm(g)), grads)
+  assert all(np.isfinite(n) and n > 0 for n in jax.tree.leaves(norms))
+
+
+def test_config_validation_names_the_key():
+  with pytest.raises(ValueError, match="num_key_value_heads=3"):
+    config_lib.tiny_config(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match="compute_dtype='float16'"):
+    config_lib.tiny_config(compute_dtype="float16")
+  hf = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, rope_scaling={"rope_type": "yarn"})
+  with pytest.raises(ValueError, match="my.json.*yarn"):
+    config_lib.ModelConfig.from_hf_config(hf, "my.json")
+  del hf["rope_scaling"], hf["vocab_size"]
+  with pytest.raises(ValueError, match="my.json: missing key 'vocab_size'"):
+    config_lib.ModelConfig.from_hf_config(hf, "my.json")
