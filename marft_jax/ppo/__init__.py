@@ -1,1 +1,64 @@
-"""marft_jax.ppo."""
+"""marft_jax.ppo: the RL maths of MARFT as pure JAX functions of arrays.
+
+Importable on its own: nothing here sees a model or a config object. Every function takes
+unbatched arrays (one sequence or trajectory) or arrays of any shape, and works under
+`jax.jit`, `jax.vmap` and `jax.grad`.
+
+- returns: `masked_gae`, `action_level_advantages` (MARFT-A),
+  `token_level_advantages` (MARFT-T), `sequence_advantages` (AReaL form).
+- credit: where each agent's reward lands in a token sequence.
+- logprobs: token and action log-probabilities, entropies.
+- policy_loss / value_loss / kl: PPO-family losses, critic losses, KL estimators.
+- normalize: reward shaping and batch / group / agent-within-group normalisation.
+- masked: masked reductions.
+"""
+
+from marft_jax.ppo.credit import (
+    equal_credit,
+    per_step_credit,
+    step_discount_credit,
+    step_ends,
+    token_to_action_frame,
+)
+from marft_jax.ppo.kl import (
+    KLEstimator,
+    approx_kl,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_penalty,
+    kl_reward,
+)
+from marft_jax.ppo.logprobs import (
+    action_log_prob,
+    action_log_prob_per_token,
+    action_log_prob_per_word,
+    masked_entropy,
+    token_entropy,
+    token_logprobs,
+)
+from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
+from marft_jax.ppo.normalize import (
+    agent_group_normalize,
+    group_normalize,
+    normalize,
+    shape_rewards,
+)
+from marft_jax.ppo.policy_loss import (
+    clip_fraction,
+    clipped_surrogate,
+    decoupled_ppo_loss,
+    gspo_loss,
+    ppo_clip_loss,
+)
+from marft_jax.ppo.returns import (
+    action_level_advantages,
+    masked_gae,
+    sequence_advantages,
+    token_level_advantages,
+)
+from marft_jax.ppo.value_loss import (
+    clipped_huber_value_loss,
+    clipped_value_loss,
+    huber_loss,
+)

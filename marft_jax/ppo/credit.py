@@ -1,0 +1,100 @@
+"""Credit assignment: where each agent's reward lands in one multi-agent token sequence.
+
+Frames. An episode record stores per-token arrays (token frame): `tokens[j]`,
+`loss_mask[j]` = 1 on generated tokens, `step_ids[j]` = the agent step that generated
+token j (−1 on prompt and transition tokens). The loss, the values and the advantages
+live in the action frame, where position t is the decision that emits token t+1 (the
+logits at t predict token t+1). `token_to_action_frame` converts, and every other
+function here takes action-frame step ids.
+
+A step's reward belongs to the decision that emits its last token: action-frame
+position e_i − 2 when step i's tokens end (exclusively) at e_i. The AReaL code writes it
+at e_i − 1, a transition position with loss mask 0, and its GAE loop then drops it
+(marft-areal §5); `credit_strategy` then changes nothing but the logs.
+
+Step ids count agent turns in execution order (0 … S−1), so one role may own several
+steps; in a plain sequential chain they equal the agent ids. A step's positions must be
+contiguous in the sequence. A step that emitted no token has no decision to credit.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
+  """out[t] = x[t+1] for t < T−1 and out[T−1] = fill: token frame → action frame.
+
+  Unlike AReaL's `roll(x, −1)`, nothing wraps around from the start of the sequence.
+
+  Args:
+    x_t: [T] per-token array (loss mask, step ids, behaviour log-probs, versions).
+    fill: value for the last position, which emits no token (0, −1, …).
+  Returns:
+    [T] array in x's dtype.
+  """
+  chex.assert_rank(x_t, 1)
+  return jnp.concatenate([x_t[1:], jnp.full((1,), fill, x_t.dtype)])
+
+
+def step_ends(step_ids_t: jax.Array) -> jax.Array:
+  """[T] bool, True at the last decision of each step: step_ids_t ≥ 0 and step_ids_{t+1} ≠ step_ids_t."""
+  chex.assert_rank(step_ids_t, 1)
+  next_ids = jnp.concatenate([step_ids_t[1:], jnp.full((1,), -1, step_ids_t.dtype)])
+  return (step_ids_t >= 0) & (next_ids != step_ids_t)
+
+
+def equal_credit(reward: jax.Array | float, step_ids_t: jax.Array) -> jax.Array:
+  """`equal`: the team reward R at the last decision of the sequence, 0 elsewhere.
+
+  Agents share R through the critic and GAE; credit across agents is the backup's job.
+
+  Args:
+    reward: scalar team reward R.
+    step_ids_t: [T] action-frame step ids, −1 where no decision.
+  Returns:
+    [T] per-position rewards.
+  """
+  chex.assert_rank(step_ids_t, 1)
+  is_decision = step_ids_t >= 0
+  decisions_from_here = jnp.cumsum(is_decision[::-1])[::-1]
+  is_last = is_decision & (decisions_from_here == 1)
+  reward = jnp.asarray(reward, jnp.float32)
+  return jnp.where(is_last, reward, jnp.zeros_like(reward))
+
+
+def step_discount_credit(reward: jax.Array | float, step_ids_t: jax.Array,
+                         num_steps: jax.Array | int, gamma_c: float) -> jax.Array:
+  """`step_discount`: R·γ_c^(S−1−i) at the last decision of every step i.
+
+  Earlier agents get less of the team reward (γ_c = 0.5 with three steps gives 0.25, 0.5, 1).
+
+  Args:
+    reward: scalar team reward R.
+    step_ids_t: [T] action-frame step ids, −1 where no decision.
+    num_steps: S, the number of steps in the episode.
+    gamma_c: credit discount in [0, 1].
+  Returns:
+    [T] per-position rewards.
+  """
+  chex.assert_rank(step_ids_t, 1)
+  steps_to_go = (num_steps - 1 - step_ids_t).astype(jnp.float32)
+  credit = jnp.asarray(reward, jnp.float32) * jnp.power(jnp.asarray(gamma_c, jnp.float32), steps_to_go)
+  return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))
+
+
+def per_step_credit(step_rewards_s: jax.Array, step_ids_t: jax.Array) -> jax.Array:
+  """`per_step`: each step's own reward r_i at its last decision.
+
+  Args:
+    step_rewards_s: [S] reward of step i (from the role's reward function).
+    step_ids_t: [T] action-frame step ids in [0, S) or −1 where no decision.
+  Returns:
+    [T] per-position rewards.
+  """
+  chex.assert_rank([step_rewards_s, step_ids_t], 1)
+  ids = jnp.clip(step_ids_t, 0, step_rewards_s.shape[0] - 1)
+  credit = step_rewards_s[ids]
+  return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))

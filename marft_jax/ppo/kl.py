@@ -1,0 +1,101 @@
+"""KL estimators from sampled-token log-probs (Schulman, "Approximating KL divergence").
+
+With tokens w ~ π and log r = log π_ref(w) − log π(w), each estimator's mean over samples
+estimates KL(π ‖ π_ref):
+
+    k1 = −log r              unbiased, high variance, negative on some samples
+    k2 = ½ (log r)²          biased (exact to second order), low variance
+    k3 = (r − 1) − log r     unbiased, low variance, never negative
+
+As a loss term the gradient matters, not the value. On on-policy samples, ∇ mean(k2) is
+∇KL(π ‖ π_ref); ∇ mean(k1) is 0 in expectation (the score function has mean 0), so a k1
+loss does nothing on average; ∇ mean(k3) is ∇KL(π_ref ‖ π), the forward KL. As a reward
+(`kl_reward`, AReaL's KL-in-reward, k3 with coefficient 0.1 in MARFT) only the value is
+used and the critic and GAE carry it.
+
+All functions are elementwise or masked means over arrays of any (equal) shape.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from marft_jax.ppo.masked import masked_mean
+
+
+def kl_k1(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
+  """k1 = log π(w_t) − log π_ref(w_t), elementwise."""
+  chex.assert_equal_shape([logp_t, ref_logp_t])
+  return logp_t - ref_logp_t
+
+
+def kl_k2(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
+  """k2 = ½ (log π(w_t) − log π_ref(w_t))², elementwise."""
+  chex.assert_equal_shape([logp_t, ref_logp_t])
+  return 0.5 * (logp_t - ref_logp_t) ** 2
+
+
+def kl_k3(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
+  """k3 = exp(log r) − 1 − log r with log r = log π_ref(w_t) − log π(w_t), elementwise."""
+  chex.assert_equal_shape([logp_t, ref_logp_t])
+  log_r = ref_logp_t - logp_t
+  return jnp.expm1(log_r) - log_r
+
+
+KLEstimator = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def kl_penalty(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array,
+               estimator: KLEstimator = kl_k3) -> jax.Array:
+  """KL loss term: (1/Σm) Σ_t m_t k(log π(w_t), log π_ref(w_t)).
+
+  Args:
+    logp_t: current-policy log-probs (carry the gradient).
+    ref_logp_t: reference-policy log-probs (treated as constants).
+    mask_t: non-zero on valid tokens. All the same shape.
+    estimator: `kl_k1`, `kl_k2` or `kl_k3` (static under jit).
+  Returns:
+    scalar.
+  """
+  chex.assert_equal_shape([logp_t, ref_logp_t, mask_t])
+  valid = mask_t != 0
+  # Padding may hold garbage; keep it out of exp() so no inf reaches the gradient.
+  logp_t = jnp.where(valid, logp_t, jnp.zeros_like(logp_t))
+  ref_logp_t = jnp.where(valid, jax.lax.stop_gradient(ref_logp_t), jnp.zeros_like(logp_t))
+  return masked_mean(estimator(logp_t, ref_logp_t), mask_t)
+
+
+def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_coef: float,
+              estimator: KLEstimator = kl_k3) -> jax.Array:
+  """KL-in-reward: r_t^KL = −β k(log π_behav(w_t), log π_ref(w_t)) on valid tokens, 0 elsewhere.
+
+  Add it to the per-position rewards before the backup (`sequence_advantages`).
+
+  Args:
+    logp_t: log-probs of the policy that sampled the tokens.
+    ref_logp_t: reference-policy log-probs.
+    mask_t: non-zero on valid tokens. All the same shape.
+    kl_coef: β.
+    estimator: `kl_k1`, `kl_k2` or `kl_k3` (static under jit).
+  Returns:
+    rewards, same shape.
+  """
+  chex.assert_equal_shape([logp_t, ref_logp_t, mask_t])
+  valid = mask_t != 0
+  kl = estimator(jnp.where(valid, logp_t, 0.0), jnp.where(valid, ref_logp_t, 0.0))
+  return jnp.where(valid, -kl_coef * jax.lax.stop_gradient(kl), jnp.zeros_like(kl))
+
+
+def approx_kl(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
+  """Diagnostic KL(π_old ‖ π) ≈ mean_t[(ρ_t − 1) − log ρ_t], ρ_t = π(a_t)/π_old(a_t).
+
+  k3 on samples from π_old, as the original's `approx_kl`. Any shape; scalar, no gradient.
+  """
+  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
+  valid = mask_t != 0
+  kl = kl_k3(jnp.where(valid, old_logp_t, 0.0), jnp.where(valid, logp_t, 0.0))
+  return jax.lax.stop_gradient(masked_mean(kl, mask_t))

@@ -1,0 +1,107 @@
+"""Reward and advantage shaping: affine transform and clip, then masked normalisation.
+
+Normalisation pools only the elements a mask marks as genuine. The original excluded
+exact zeros (reference defect D7), which drops genuine zero rewards/advantages from the
+statistics and then normalises the padding; here the mask decides, genuine zeros count,
+and masked elements come back as 0 without touching the statistics.
+
+Pools:
+- `normalize`: one pool over the whole array (AReaL `batch`; the original's per-minibatch
+  advantage whitening).
+- `group_normalize`: one pool per group, e.g. the G rollouts of one prompt (GRPO), with
+  an optional leave-one-out mean (RLOO).
+- `agent_group_normalize`: one pool per (group, agent): each role is normalised against
+  its own rollouts of the same prompt, so a planner's rewards are not measured against a
+  verifier's (the agent-wise GRPO normalisation AReaL issue #1114 asks for).
+
+Arrays may have any shape (sequence rewards [B], per-token rewards [B, T], …); ids and
+masks have the same shape as the data.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
+                  clip: float | None = None) -> jax.Array:
+  """r' = clip((r + bias) · scale, −clip, clip), elementwise (AReaL's order)."""
+  r = (r + bias) * scale
+  return r if clip is None else jnp.clip(r, -clip, clip)
+
+
+def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_groups: int, *,
+                    center: bool = True, scale: bool = True, leave_one_out: bool = False,
+                    unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
+  """x' = (x − b_g) / (σ_g + eps) within each group g, over its valid elements.
+
+      n_g = Σ_{j∈g} m_j,   μ_g = Σ_{j∈g} m_j x_j / n_g,   σ_g² = Σ_{j∈g} m_j (x_j − μ_g)² / (n_g − u)
+      b_g = μ_g,  or with leave_one_out  b_{g,i} = (n_g μ_g − x_i) / (n_g − 1)
+
+  u = 1 if unbiased else 0. A group with one valid element has no leave-one-out baseline
+  and is centred to 0, as with the plain mean. center=False skips b; scale=False skips σ
+  (Dr. GRPO).
+
+  Args:
+    x: data, any shape. mask: same shape, non-zero on genuine elements.
+    group_ids: same shape, ints in [0, num_groups) on valid elements.
+    num_groups: static number of groups.
+  Returns:
+    normalised x, same shape and dtype, 0 where mask is 0.
+  """
+  chex.assert_equal_shape([x, mask, group_ids])
+  valid = (mask != 0).reshape(-1)
+  ids = jnp.where(valid, group_ids.reshape(-1), 0)
+  xs = jnp.where(valid, x.reshape(-1), jnp.zeros((), x.dtype))
+  segment_sum = functools.partial(jax.ops.segment_sum, segment_ids=ids, num_segments=num_groups)
+  count = segment_sum(valid.astype(x.dtype))
+  mean = segment_sum(xs) / jnp.maximum(count, 1.0)
+  sq_dev = jnp.where(valid, (xs - mean[ids]) ** 2, jnp.zeros_like(xs))
+  std = jnp.sqrt(segment_sum(sq_dev) / jnp.maximum(count - float(unbiased), 1.0))
+  out = xs
+  if center:
+    out = xs - _baseline(xs, mean[ids], count[ids], leave_one_out)
+  if scale:
+    out = out / (std[ids] + eps)
+  return jnp.where(valid, out, jnp.zeros_like(out)).reshape(x.shape)
+
+
+def _baseline(xs: jax.Array, mean: jax.Array, count: jax.Array, leave_one_out: bool):
+  if not leave_one_out:
+    return mean
+  others = (count * mean - xs) / jnp.maximum(count - 1.0, 1.0)
+  return jnp.where(count > 1, others, xs)
+
+
+def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool = True,
+              unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
+  """x' = (x − μ) / (σ + eps) with μ, σ over all valid elements; 0 where mask is 0.
+
+  The original whitened advantages with eps 1e-8 and the biased std; AReaL uses eps 1e-5
+  and the unbiased std. See `group_normalize` for the formulas.
+  """
+  return group_normalize(x, mask, jnp.zeros(x.shape, jnp.int32), 1, center=center,
+                         scale=scale, unbiased=unbiased, eps=eps)
+
+
+def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
+                          agent_ids: jax.Array, num_groups: int, num_agents: int, *,
+                          center: bool = True, scale: bool = True, leave_one_out: bool = False,
+                          unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
+  """`group_normalize` with one pool per (group, agent): pool id = group · A + agent.
+
+  Args:
+    x, mask: any shape. group_ids, agent_ids: same shape; agent_ids in [0, num_agents)
+      on valid elements (−1 on prompt tokens is fine where mask is 0).
+    num_groups, num_agents: static sizes.
+  Returns:
+    normalised x, 0 where mask is 0.
+  """
+  chex.assert_equal_shape([x, mask, group_ids, agent_ids])
+  pool_ids = group_ids * num_agents + agent_ids
+  return group_normalize(x, mask, pool_ids, num_groups * num_agents, center=center,
+                         scale=scale, leave_one_out=leave_one_out, unbiased=unbiased, eps=eps)

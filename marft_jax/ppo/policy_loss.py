@@ -1,0 +1,139 @@
+"""PPO policy losses: clipped surrogate, dual clip, clip-higher, decoupled PPO, GSPO.
+
+Index convention: t indexes whatever carries a ratio. For action-level PPO (MARFT-A) it
+is one action per (sample, agent) and log-probs come from `action_log_prob*`; for
+per-token PPO (MARFT-T, AReaL) it is one token. Arrays may have any shape as long as all
+have the same; losses are masked means over every element, so vmap over sequences gives
+per-sequence means and a flat call gives the token mean over the batch.
+
+Gradients flow through `logp_t` only: old, proximal and behaviour log-probs and the
+advantages are wrapped in `stop_gradient`. Losses are to be minimised.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
+
+_sg = jax.lax.stop_gradient
+
+
+def _ratio(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
+  # Padding may hold garbage log-probs; their exp must not overflow into inf * 0.
+  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
+  return jnp.exp(jnp.where(mask_t != 0, logp_t - _sg(old_logp_t), jnp.zeros_like(logp_t)))
+
+
+def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
+                      epsilon_high: float | None = None,
+                      dual_clip: float | None = None) -> jax.Array:
+  """Per-element PPO loss (Schulman et al. 2017) with clip-higher and dual clip.
+
+      ℓ_t = max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε, 1 + ε_high))
+      dual clip (c > 1, Ye et al. 2020):  ℓ_t ← min(ℓ_t, −c A_t)  where A_t < 0
+
+  ε_high > ε (DAPO's clip-higher) lets unlikely tokens grow faster; it defaults to ε.
+  The dual clip bounds the loss of a negative-advantage element whose ratio exploded.
+
+  Args:
+    ratio_t: ρ_t = π(a_t) / π_old(a_t), any shape.
+    adv_t: A_t, same shape.
+  Returns:
+    ℓ_t, same shape.
+  """
+  chex.assert_equal_shape([ratio_t, adv_t])
+  epsilon_high = epsilon if epsilon_high is None else epsilon_high
+  clipped = jnp.clip(ratio_t, 1.0 - epsilon, 1.0 + epsilon_high)
+  loss = jnp.maximum(-adv_t * ratio_t, -adv_t * clipped)
+  if dual_clip is not None:
+    loss = jnp.where(adv_t < 0, jnp.minimum(loss, -dual_clip * adv_t), loss)
+  return loss
+
+
+def ppo_clip_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv_t: jax.Array,
+                  mask_t: jax.Array, epsilon: float, epsilon_high: float | None = None,
+                  dual_clip: float | None = None) -> jax.Array:
+  """L = (1/Σm) Σ_t m_t ℓ_t(ρ_t, A_t) with ρ_t = exp(log π(a_t) − log π_old(a_t)).
+
+  ℓ_t is `clipped_surrogate`. Action-level (MARFT-A): t = (sample, agent) and log π is an
+  action log-prob. Per-token (MARFT-T): t = token, A_t the token advantage.
+
+  Args:
+    logp_t, old_logp_t, adv_t, mask_t: same shape.
+    epsilon, epsilon_high, dual_clip: see `clipped_surrogate`.
+  Returns:
+    scalar loss, 0 when every element is masked.
+  """
+  chex.assert_equal_shape([logp_t, old_logp_t, adv_t, mask_t])
+  ratio = _ratio(logp_t, old_logp_t, mask_t)
+  return masked_mean(clipped_surrogate(ratio, _sg(adv_t), epsilon, epsilon_high, dual_clip),
+                     mask_t)
+
+
+def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: jax.Array,
+                       adv_t: jax.Array, mask_t: jax.Array, epsilon: float,
+                       epsilon_high: float | None = None, dual_clip: float | None = None,
+                       imp_weight_cap: float | None = None) -> jax.Array:
+  """Decoupled PPO (Hilton et al. 2022; AReaL): clip against π_prox, correct for π_behav.
+
+      ρ_t = π_θ(a_t) / π_prox(a_t),    w_t = π_prox(a_t) / π_behav(a_t)
+      L = (1/Σm) Σ_t m_t 1[w_t ≤ cap] w_t ℓ_t(ρ_t, A_t)
+
+  π_behav generated the tokens (possibly several policy versions ago, or one version per
+  token after an interrupted generation); π_prox is the recent policy recomputed on the
+  same tokens. Elements whose weight exceeds the cap are dropped from the sum but still
+  count in the denominator, as in AReaL.
+
+  Args:
+    logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t: same shape.
+    epsilon, epsilon_high, dual_clip: see `clipped_surrogate`.
+    imp_weight_cap: drop elements with w_t above it; None keeps all.
+  Returns:
+    scalar loss.
+  """
+  chex.assert_equal_shape([logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t])
+  ratio = _ratio(logp_t, prox_logp_t, mask_t)
+  weight = _ratio(prox_logp_t, behav_logp_t, mask_t)
+  keep = mask_t != 0
+  if imp_weight_cap is not None:
+    keep = keep & (weight <= imp_weight_cap)
+  loss = weight * clipped_surrogate(ratio, _sg(adv_t), epsilon, epsilon_high, dual_clip)
+  return masked_sum(loss, keep) / jnp.maximum(masked_count(mask_t), 1.0)
+
+
+def gspo_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv: jax.Array, mask_t: jax.Array,
+              epsilon: float, epsilon_high: float | None = None) -> jax.Array:
+  """GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
+
+      s = exp((1/|y|) Σ_t m_t (log π(w_t) − log π_old(w_t))),    L = ℓ(s, A)
+
+  with ℓ the clipped surrogate and A the sequence advantage. This is action-level PPO
+  with `action_log_prob_per_token`; GSPO's ε is small (3e-4 to 4e-4 in the paper).
+  Batch with vmap and average over sequences.
+
+  Args:
+    logp_t, old_logp_t, mask_t: [T] tokens of one sequence.
+    adv: scalar sequence advantage.
+  Returns:
+    scalar loss, 0 for a sequence with no valid token.
+  """
+  chex.assert_rank([logp_t, adv], [1, 0])
+  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
+  log_ratio = masked_mean(logp_t - _sg(old_logp_t), mask_t)
+  loss = clipped_surrogate(jnp.exp(log_ratio), _sg(adv), epsilon, epsilon_high)
+  return jnp.where(masked_count(mask_t) > 0, loss, jnp.zeros_like(loss))
+
+
+def clip_fraction(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array,
+                  epsilon: float, epsilon_high: float | None = None) -> jax.Array:
+  """Diagnostic: fraction of valid elements with ρ_t outside [1 − ε, 1 + ε_high].
+
+  Any shape; returns a scalar in [0, 1] with no gradient.
+  """
+  epsilon_high = epsilon if epsilon_high is None else epsilon_high
+  ratio = _sg(_ratio(logp_t, old_logp_t, mask_t))
+  outside = (ratio < 1.0 - epsilon) | (ratio > 1.0 + epsilon_high)
+  return masked_mean(outside.astype(jnp.float32), mask_t)
