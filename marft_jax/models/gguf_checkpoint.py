@@ -1,0 +1,211 @@
+"""Loading a llama.cpp GGUF file (Llama or Qwen2 architecture) without torch.
+
+The file's metadata becomes a Hugging Face style config dict (`hf_config_from_gguf`), every
+tensor is dequantized to f32 with `gguf.quants.dequantize` (NumPy; the same arithmetic that
+transformers' GGUF loader uses, so the weights are bit-identical), renamed to its Hugging Face
+name and handed to `hf_checkpoint.params_from_hf_tensors`, which owns the layout of our tree.
+
+Two things differ from a Hugging Face checkpoint:
+
+* Names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on
+  (`GGUF_LAYER_NAMES`, keyed by our target names so that the Hugging Face side comes from
+  `hf_checkpoint` and is not written twice).
+* RoPE row order (Llama only): llama.cpp's converter permutes the rows of `attn_q` and `attn_k`
+  so that each head's rotary pairs are adjacent (GPT-J style, `(x0, x1), (x2, x3), ...`) instead
+  of half a head apart (GPT-NeoX style, `(x0, x_{E/2}), ...`) as transformers and we rotate.
+  `unpermute_rope_rows` undoes it, with the query-head count for `attn_q` and the kv-head count
+  for `attn_k`. Qwen2 files are not permuted (llama.cpp runs Qwen2 in NeoX order).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping, Union
+
+import numpy as np
+
+from marft_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from marft_jax.models.hf_checkpoint import HF_LAYER_NORMS, hf_module_path, params_from_hf_tensors
+from marft_jax.models.transformer import LINEAR_TARGETS, Params
+
+# Our target / norm name -> the tensor name inside GGUF block `blk.{i}`.
+GGUF_LAYER_NAMES = {
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+    "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+    "input_norm": "attn_norm", "post_attention_norm": "ffn_norm",
+}
+GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+GGUFSource = Union[str, os.PathLike, "gguf.GGUFReader"]  # noqa: F821
+
+
+def open_gguf(path: Union[str, os.PathLike]):
+  """Opens (memory-maps) a GGUF file; errors name the file."""
+  import gguf
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: GGUF file not found")
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, OSError) as e:
+    raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+
+
+def _reader_and_source(path_or_reader: GGUFSource):
+  if isinstance(path_or_reader, (str, os.PathLike)):
+    return open_gguf(path_or_reader), os.fspath(path_or_reader)
+  return path_or_reader, os.fspath(path_or_reader.data.filename)
+
+
+def gguf_metadata(reader) -> dict[str, Any]:
+  """Every scalar and short-array metadata field, decoded (long token arrays are skipped)."""
+  out = {}
+  for name, field in reader.fields.items():
+    if name.startswith("tokenizer.ggml.") and len(field.data) > 1:
+      continue  # tokens, merges, token types: read by the tokenizer when needed.
+    out[name] = field.contents()
+  return out
+
+
+def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_shapes: Mapping[str, tuple],
+                        source: str) -> dict:
+  """A Hugging Face `config.json`-style dict from GGUF metadata (`{arch}.block_count`, ...).
+
+  Args:
+    metadata: as returned by `gguf_metadata`.
+    tensor_shapes: name -> NumPy-order shape of every tensor in the file. Tied embeddings: no
+      `output.weight`; without `{arch}.vocab_size` the vocabulary is `token_embd`'s row count.
+    source: the file, named in errors.
+  Raises:
+    ValueError naming `source` and the key for an unsupported architecture, a missing key or a
+    RoPE variant we do not implement.
+  """
+  arch = metadata.get("general.architecture")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"{source}: general.architecture={arch!r} is not supported; "
+                     f"supported: {SUPPORTED_ARCHITECTURES}")
+
+  def need(key):
+    if f"{arch}.{key}" not in metadata:
+      raise ValueError(f"{source}: missing metadata key {arch}.{key!r}")
+    return metadata[f"{arch}.{key}"]
+
+  hidden, heads = need("embedding_length"), need("attention.head_count")
+  head_dim = metadata.get(f"{arch}.attention.key_length", hidden // heads)
+  rotary = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+  if rotary != head_dim:
+    raise ValueError(f"{source}: {arch}.rope.dimension_count={rotary} != head dim {head_dim} "
+                     "(partial rotary embeddings are not supported)")
+  if "rope_freqs.weight" in tensor_shapes:
+    raise ValueError(f"{source}: tensor 'rope_freqs.weight' (per-frequency RoPE factors, "
+                     "e.g. Llama 3.1 scaling) is not supported")
+  hf = {
+      "model_type": arch,
+      "num_hidden_layers": need("block_count"),
+      "hidden_size": hidden,
+      "intermediate_size": need("feed_forward_length"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": metadata.get(f"{arch}.attention.head_count_kv", heads),
+      "head_dim": head_dim,
+      "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+      "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
+      "tie_word_embeddings": "output.weight" not in tensor_shapes,
+      "vocab_size": metadata.get(f"{arch}.vocab_size",
+                                 tensor_shapes.get("token_embd.weight", (None,))[0]),
+  }
+  scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+  if scaling == "linear":
+    hf["rope_scaling"] = {"rope_type": "linear",
+                          "factor": metadata[f"{arch}.rope.scaling.factor"]}
+  elif scaling != "none":
+    raise ValueError(f"{source}: {arch}.rope.scaling.type={scaling!r} is not supported; "
+                     "supported: 'none', 'linear'")
+  return hf
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undoes llama.cpp's `permute` of a q/k projection: GGUF row order -> Hugging Face order.
+
+  llama.cpp writes `w.reshape(n_head, 2, E // 2, D).swapaxes(1, 2)` (so row `2j + c` of a head
+  holds Hugging Face row `c * E/2 + j`); this is its inverse.
+
+  Args:
+    w: [n_head * E, D] torch layout (`[out, in]`).
+    n_head: query heads for `attn_q`, kv heads for `attn_k`.
+  """
+  d_out, d_in = w.shape
+  return w.reshape(n_head, d_out // n_head // 2, 2, d_in).swapaxes(1, 2).reshape(d_out, d_in)
+
+
+def _hf_to_gguf_names(num_layers: int) -> dict[str, str]:
+  """Hugging Face tensor name -> GGUF tensor name, for every tensor a Llama/Qwen2 model has."""
+  names = dict(GGUF_GLOBAL_NAMES)
+  for i in range(num_layers):
+    for ours, hf in HF_LAYER_NORMS.items():
+      names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{GGUF_LAYER_NAMES[ours]}.weight"
+    for target in LINEAR_TARGETS:
+      for kind in ("weight", "bias"):
+        names[f"{hf_module_path(target, i)}.{kind}"] = f"blk.{i}.{GGUF_LAYER_NAMES[target]}.{kind}"
+  return names
+
+
+def _numpy_shape(tensor) -> tuple[int, ...]:
+  """NumPy order: the reverse of ggml's `ne` order (`[in, out]` there is `[out, in]` here)."""
+  return tuple(int(n) for n in reversed(tensor.shape))
+
+
+def _dequantize(tensor) -> np.ndarray:
+  """One GGUF tensor as f32 in NumPy order."""
+  from gguf.quants import dequantize
+  w = dequantize(tensor.data, tensor.tensor_type)
+  return np.asarray(w, np.float32).reshape(_numpy_shape(tensor))
+
+
+def load_gguf_checkpoint(path: GGUFSource, **config_overrides) -> tuple[Params, ModelConfig]:
+  """Loads a Llama/Qwen2 GGUF file (any quantization `gguf` can dequantize) into (params, config).
+
+  Tensors are dequantized one at a time, in NumPy (no torch), then cast to `param_dtype`.
+
+  Args:
+    path: the `.gguf` file, or an open `gguf.GGUFReader` (to share one parse of the file with
+      `tokenizer.gguf_tokenizer`).
+    **config_overrides: `ModelConfig` fields to set, e.g. `param_dtype="bfloat16"`.
+  Raises:
+    FileNotFoundError for a missing file; ValueError naming the file (and the tensor, by both its
+    GGUF and Hugging Face names) for an unsupported architecture, a missing tensor or a tensor
+    whose shape disagrees with the metadata.
+  """
+  reader, source = _reader_and_source(path)
+  tensors = {t.name: t for t in reader.tensors}
+  shapes = {name: _numpy_shape(t) for name, t in tensors.items()}
+  hf = hf_config_from_gguf(gguf_metadata(reader), shapes, source)
+  config = ModelConfig.from_hf_config(hf, source, **config_overrides)
+  names = _hf_to_gguf_names(config.num_layers)
+  permute = config.architecture == "llama"
+  rope_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+
+  def get(hf_name: str) -> np.ndarray:
+    gguf_name = names.get(hf_name, hf_name)
+    if gguf_name not in tensors:
+      raise KeyError(hf_name)
+    w = _dequantize(tensors[gguf_name])
+    kind = gguf_name.split(".")[-2]
+    if permute and kind in rope_heads and w.ndim == 2:
+      n_head = rope_heads[kind]
+      if w.shape[0] == n_head * config.head_dim:  # else the shape check below reports it
+        w = unpermute_rope_rows(w, n_head)
+    return w
+
+  try:
+    params = params_from_hf_tensors(config, get, source)
+  except ValueError as e:
+    match = re.search(r"tensor '([^']+)'", str(e))
+    if not match or match.group(1) not in names:
+      raise
+    raise ValueError(f"{e} (GGUF tensor {names[match.group(1)]!r})") from None
+  return params, config
