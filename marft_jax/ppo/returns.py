@@ -53,9 +53,10 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
   """
   chex.assert_rank([r_t, discount_t, v_t, mask_t], 1)
   chex.assert_equal_shape([r_t, discount_t, v_t, mask_t])
-  dtype = v_t.dtype
-  xs = (r_t.astype(dtype), discount_t.astype(dtype),
-        jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), v_t, mask_t != 0)
+  dtype = _float_dtype(v_t)
+  xs = (jnp.asarray(r_t, dtype), jnp.asarray(discount_t, dtype),
+        jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), jnp.asarray(v_t, dtype),
+        jnp.asarray(mask_t) != 0)
 
   def backup(carry, x):
     v_next, adv_next, r_acc, g_acc, gl_acc = carry
@@ -72,6 +73,11 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
   init = (jnp.asarray(v_bootstrap, dtype), zero, zero, one, one)
   _, adv_t = jax.lax.scan(backup, init, xs, reverse=True)
   return adv_t
+
+
+def _float_dtype(x) -> jnp.dtype:
+  # At least f32 for the accumulation; f64 inputs stay f64 only when x64 is enabled.
+  return jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
 
 
 def _agent_hops(done_t: jax.Array, num_agents: int, gamma, lambda_, gamma_agent, lambda_agent,
@@ -125,6 +131,7 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   chex.assert_equal_shape_prefix([r_t, done_t], 1)
   gamma_agent = gamma if gamma_agent is None else gamma_agent
   lambda_agent = lambda_ if lambda_agent is None else lambda_agent
+  v_t = jnp.asarray(v_t, _float_dtype(v_t))
   discount, lambdas = _agent_hops(done_t, r_t.shape[1], gamma, lambda_, gamma_agent,
                                   lambda_agent, v_t.dtype)
   adv = masked_gae(r_t.reshape(-1), discount.reshape(-1), lambdas.reshape(-1),
@@ -182,7 +189,8 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   lambda_token = lambda_ if lambda_token is None else lambda_token
   gamma_agent = gamma if gamma_agent is None else gamma_agent
   lambda_agent = lambda_ if lambda_agent is None else lambda_agent
-  dtype, valid = v_t.dtype, mask_t != 0
+  v_t = jnp.asarray(v_t, _float_dtype(v_t))
+  dtype, valid = v_t.dtype, jnp.asarray(mask_t) != 0
   # A token hop happens where a valid token follows some earlier valid token of the action;
   # every other slot-to-slot step inside the padded action is an identity hop.
   token_hop = (jnp.cumsum(valid, axis=-1) > 0)[..., :-1] & valid[..., 1:]
@@ -193,7 +201,7 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
                              dtype)
   discount = jnp.concatenate([g_in, g_out[..., None]], axis=-1)
   lambdas = jnp.concatenate([l_in, l_out[..., None]], axis=-1)
-  rewards = jnp.concatenate([jnp.zeros_like(g_in), r_t.astype(dtype)[..., None]], axis=-1)
+  rewards = jnp.concatenate([jnp.zeros_like(g_in), jnp.asarray(r_t, dtype)[..., None]], axis=-1)
   adv = masked_gae(rewards.reshape(-1), discount.reshape(-1), lambdas.reshape(-1),
                    v_t.reshape(-1), valid.reshape(-1), v_bootstrap).reshape(v_t.shape)
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
@@ -230,8 +238,9 @@ def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   """
   chex.assert_rank([r_t, v_t, mask_t], 1)
   chex.assert_equal_shape([r_t, v_t, mask_t])
+  v_t = jnp.asarray(v_t, _float_dtype(v_t))
   dtype = v_t.dtype
-  valid = (mask_t != 0).at[-1].set(False)
+  valid = (jnp.asarray(mask_t) != 0).at[-1].set(False)
   one = jnp.ones((), dtype)
   discount = jnp.where(valid, jnp.asarray(gamma, dtype), one)
   lambdas = jnp.where(valid, jnp.asarray(lambda_, dtype), one)

@@ -1,0 +1,1 @@
+"""Tests of marft_jax.ppo."""

@@ -1,0 +1,319 @@
+"""Advantages: reference test vectors, NumPy loops from the formulas, rlax, AReaL's loop."""
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import rlax
+
+from marft_jax import ppo
+
+ATOL = 1e-5
+
+
+# --- NumPy references, written from the docstring formulas -------------------------------
+
+def np_masked_gae(r, discount, lam, v, mask, v_bootstrap):
+  """For each state p, find the next state q by a forward search and compose the hops."""
+  T = len(r)
+  lam = np.broadcast_to(lam, (T,))
+  states = [t for t in range(T) if mask[t]]
+  adv = np.zeros(T)
+  next_v, next_adv = v_bootstrap, 0.0
+  for p in reversed(states):
+    later = [q for q in states if q > p]
+    q_end = later[0] if later else T
+    r_pq, g, gl = 0.0, 1.0, 1.0
+    for s in range(p, q_end):
+      r_pq += g * r[s]
+      g, gl = g * discount[s], gl * discount[s] * lam[s]
+    next_v = v[q_end] if later else v_bootstrap
+    next_adv = adv[q_end] if later else 0.0
+    adv[p] = r_pq + g * next_v - v[p] + gl * next_adv
+  return adv
+
+
+def np_action_level(r, v, done, v_boot, gamma, lam, gamma_a, lam_a):
+  """§3.3 with the done flag applied only to the hop between env steps (D4 fixed)."""
+  T, N = r.shape
+  adv, gae = np.zeros((T, N)), 0.0
+  for t in reversed(range(T)):
+    for i in reversed(range(N)):
+      if i == N - 1:
+        not_done = 1.0 - done[t]
+        next_v = (v[t + 1, 0] if t + 1 < T else v_boot) * not_done
+        gae = r[t, i] + gamma * next_v - v[t, i] + gamma * lam * not_done * gae
+      else:
+        gae = r[t, i] + gamma_a * v[t, i + 1] - v[t, i] + gamma_a * lam_a * gae
+      adv[t, i] = gae
+  return adv
+
+
+def np_action_level_original(r, v, done, v_boot, gamma, lam):
+  """The original buffer's loop, mask bug D4 included: m[t] = 1 − done[t−1]."""
+  T, N = r.shape
+  m = np.ones(T + 1)
+  m[1:] = 1.0 - done
+  V = np.concatenate([v, np.full((1, N), v_boot)])
+  adv, gae = np.zeros((T, N)), 0.0
+  for t in reversed(range(T)):
+    for i in reversed(range(N)):
+      t_next, i_next = (t + 1, 0) if i == N - 1 else (t, i + 1)
+      delta = r[t, i] + gamma * V[t_next, i_next] * m[t_next] - V[t, i]
+      gae = delta + gamma * lam * m[t_next] * gae
+      adv[t, i] = gae
+  return adv
+
+
+def np_token_level(r, v, mask, done, v_boot, g, lam, g_tok, lam_tok, g_a, lam_a):
+  """§4.2 as nested loops; 'next' means the next valid token, searching forward."""
+  T, N, K = v.shape
+  order = [(t, i, k) for t in range(T) for i in range(N) for k in range(K) if mask[t, i, k]]
+  adv = np.zeros((T, N, K))
+
+  def agent_hop(t, i):  # (discount, lambda) of the hop leaving agent i's action at step t
+    if i < N - 1:
+      return g_a, lam_a
+    return g * (1.0 - done[t]), lam
+
+  for pos in reversed(range(len(order))):
+    t, i, k = order[pos]
+    later = [kk for kk in range(k + 1, K) if mask[t, i, kk]]
+    if later:
+      kk = later[0]
+      adv[t, i, k] = g_tok * v[t, i, kk] - v[t, i, k] + g_tok * lam_tok * adv[t, i, kk]
+      continue
+    # Last token of the action: hop agent by agent, collecting rewards of empty actions.
+    r_acc, disc, trace, (tt, ii) = 0.0, 1.0, 1.0, (t, i)
+    while True:
+      hop_g, hop_l = agent_hop(tt, ii)
+      r_acc += disc * r[tt, ii]
+      disc, trace = disc * hop_g, trace * hop_g * hop_l
+      tt, ii = (tt + 1, 0) if ii == N - 1 else (tt, ii + 1)
+      if tt == T or mask[tt, ii].any():
+        break
+    if tt == T:
+      next_v, next_adv = v_boot, 0.0
+    else:
+      k0 = int(np.argmax(mask[tt, ii]))
+      next_v, next_adv = v[tt, ii, k0], adv[tt, ii, k0]
+    adv[t, i, k] = r_acc + disc * next_v - v[t, i, k] + trace * next_adv
+  return adv
+
+
+def np_areal_gae(r, v, loss_mask, no_eos, gamma, lam):
+  """AReaL `compute_advantages`' GAE loop for one sequence, transcribed."""
+  L = len(r)
+  adv = np.zeros(L)
+  lastgaelam, nextvalues = 0.0, v[L - 1] * no_eos
+  for t in reversed(range(L - 1)):
+    delta = r[t] + gamma * nextvalues - v[t]
+    newgaelam = delta + gamma * lam * lastgaelam
+    m = loss_mask[t]
+    nextvalues = nextvalues * (1 - m) + v[t] * m
+    lastgaelam = lastgaelam * (1 - m) + newgaelam * m
+    adv[t] = lastgaelam
+  return adv
+
+
+# --- Reference test vectors (marft-original §3.3, §4.2) ----------------------------------
+
+def test_action_level_vector():
+  r = jnp.array([[0.0, 0.0], [0.0, 1.0]])
+  v = jnp.array([[0.2, 0.4], [0.5, 0.6]])
+  adv, ret = ppo.action_level_advantages(r, v, jnp.array([0, 1]), 0.7, 0.9, 0.5)
+  np.testing.assert_allclose(adv, [[0.22705, 0.149], [0.22, 0.4]], atol=ATOL)
+  np.testing.assert_allclose(ret, [[0.42705, 0.549], [0.72, 1.0]], atol=ATOL)
+
+
+def token_vector_inputs():
+  """Action lengths (2, 3) at step 0 and (1, 2) at step 1; values 0.1 … 0.8 in order."""
+  v = np.zeros((2, 2, 3), np.float32)
+  mask = np.zeros((2, 2, 3), bool)
+  for (t, i), values in {(0, 0): [.1, .2], (0, 1): [.3, .4, .5], (1, 0): [.6],
+                         (1, 1): [.7, .8]}.items():
+    v[t, i, :len(values)] = values
+    mask[t, i, :len(values)] = True
+  return np.array([[0.0, 0.0], [0.0, 1.0]], np.float32), v, mask
+
+
+def test_token_level_vector():
+  # §4.2 gives A to 3-4 digits from values it does not list; these values reproduce every
+  # digit, and the exact A below follow from them by hand (δ's of .02 … .08 plus traces).
+  r, v, mask = token_vector_inputs()
+  adv, ret = ppo.token_level_advantages(r, v, mask, jnp.array([0, 1]), 0.9, 0.9, 0.5)
+  expected = np.zeros((2, 2, 3))
+  expected[1, 1, :2] = [0.11, 0.2]
+  expected[1, 0, :1] = [0.0795]
+  expected[0, 1, :3] = [0.0978444, 0.08409875, 0.075775]
+  expected[0, 0, :2] = [0.1313135, 0.11403]
+  np.testing.assert_allclose(adv, expected, atol=ATOL)
+  published = {(1, 1): [.11, .2], (1, 0): [.0795], (0, 1): [.0978, .0841, .0758],
+               (0, 0): [.1313, .114]}
+  for (t, i), digits in published.items():
+    np.testing.assert_allclose(adv[t, i, :len(digits)], digits, atol=5e-5)
+  np.testing.assert_allclose(ret, np.where(mask, v + expected, 0.0), atol=ATOL)
+
+
+# --- Plain GAE against rlax -----------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(3))
+def test_masked_gae_unmasked_equals_rlax(seed):
+  rng = np.random.default_rng(seed)
+  T = 7
+  r, v = rng.normal(size=T).astype(np.float32), rng.normal(size=T + 1).astype(np.float32)
+  discount = (0.9 * (rng.random(T) > 0.2)).astype(np.float32)
+  lam = rng.random(T).astype(np.float32)
+  expected = rlax.truncated_generalized_advantage_estimation(r, discount, lam, v)
+  got = ppo.masked_gae(r, discount, lam, v[:-1], np.ones(T), v[-1])
+  np.testing.assert_allclose(got, expected, atol=ATOL)
+
+
+# --- Against the NumPy loops on random inputs -----------------------------------------------
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    r=hnp.arrays(np.float32, 6, elements=st.floats(-2, 2, width=32)),
+    discount=hnp.arrays(np.float32, 6, elements=st.sampled_from([0.0, 0.5, 0.9, 1.0])),
+    lam=hnp.arrays(np.float32, 6, elements=st.floats(0, 1, width=32)),
+    v=hnp.arrays(np.float32, 7, elements=st.floats(-2, 2, width=32)),
+    mask=hnp.arrays(bool, 6))
+def test_masked_gae_matches_numpy(r, discount, lam, v, mask):
+  got = ppo.masked_gae(r, discount, lam, v[:-1], mask, v[-1])
+  np.testing.assert_allclose(got, np_masked_gae(r, discount, lam, v[:-1], mask, v[-1]),
+                             atol=1e-4)
+
+
+def test_masked_gae_all_masked_and_empty():
+  np.testing.assert_array_equal(ppo.masked_gae(*[jnp.ones(4)] * 4, jnp.zeros(4), 1.0),
+                                np.zeros(4))
+  assert ppo.masked_gae(*[jnp.zeros(0)] * 5, 1.0).shape == (0,)
+
+
+@pytest.mark.parametrize("T,N", [(1, 1), (3, 2), (4, 3)])
+def test_action_level_matches_numpy(T, N):
+  rng = np.random.default_rng(T * 10 + N)
+  for _ in range(3):
+    r, v = rng.normal(size=(T, N)), rng.normal(size=(T, N))
+    done = rng.random(T) < 0.4
+    v_boot = rng.normal()
+    args = (0.95, 0.8, 0.9, 0.7)
+    adv, ret = ppo.action_level_advantages(
+        r.astype(np.float32), v.astype(np.float32), done, v_boot, *args)
+    np.testing.assert_allclose(adv, np_action_level(r, v, done, v_boot, *args), atol=ATOL)
+    np.testing.assert_allclose(ret, v + adv, atol=ATOL)
+
+
+def test_action_level_done_does_not_cut_the_agent_chain():
+  # Episode ends after step 0; step 1 is a new episode whose agents must stay chained (D4).
+  r = np.array([[0.0, 1.0], [0.0, 1.0]])
+  v = np.array([[0.1, 0.2], [0.3, 0.4]])
+  done = np.array([1, 0])
+  adv, _ = ppo.action_level_advantages(r, v, done, 0.5, 0.9, 0.5)
+  np.testing.assert_allclose(adv, np_action_level(r, v, done, 0.5, 0.9, 0.5, 0.9, 0.5),
+                             atol=ATOL)
+  original = np_action_level_original(r, v, done, 0.5, 0.9, 0.5)
+  assert abs(original[1, 0] - adv[1, 0]) > 0.1  # the original zeroed V[1,1] and the trace
+  np.testing.assert_allclose(adv[0], [0.9 * 0.2 - 0.1 + 0.45 * 0.8, 0.8], atol=ATOL)
+
+
+def random_token_inputs(rng, T, N, K):
+  lengths = rng.integers(0, K + 1, size=(T, N))
+  mask = np.arange(K) < lengths[..., None]
+  holes = rng.random((T, N, K)) < 0.15  # also non-prefix masks and leading padding
+  mask = mask ^ (holes & (rng.random() < 0.5))
+  # Padding holds garbage: the result must not read it (D6).
+  v = np.where(mask, rng.normal(size=(T, N, K)), rng.normal(size=(T, N, K)) * 1e3)
+  return rng.normal(size=(T, N)), v, mask, rng.random(T) < 0.4, rng.normal()
+
+
+@pytest.mark.parametrize("T,N,K", [(1, 1, 1), (2, 3, 4), (3, 2, 5)])
+def test_token_level_matches_numpy(T, N, K):
+  rng = np.random.default_rng(T * 100 + N * 10 + K)
+  for _ in range(4):
+    r, v, mask, done, v_boot = random_token_inputs(rng, T, N, K)
+    hops = (0.95, 0.8, 1.0, 0.9, 0.9, 0.7)
+    adv, ret = ppo.token_level_advantages(
+        r.astype(np.float32), v.astype(np.float32), mask, done, v_boot, *hops)
+    expected = np_token_level(r, v, mask, done, v_boot, *hops)
+    np.testing.assert_allclose(adv, expected, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(ret)[~mask], 0.0)
+    np.testing.assert_allclose(np.asarray(ret)[mask], (v + expected)[mask], atol=1e-4)
+
+
+def test_token_level_ignores_padding_values():
+  r, v, mask = token_vector_inputs()
+  garbage = np.where(mask, v, 123.0)
+  a1, r1 = ppo.token_level_advantages(r, v, mask, np.array([0, 1]), 0.9, 0.9, 0.5)
+  a2, r2 = ppo.token_level_advantages(r, garbage, mask, np.array([0, 1]), 0.9, 0.9, 0.5)
+  np.testing.assert_array_equal(a1, a2)
+  np.testing.assert_array_equal(r1, r2)
+
+
+def test_token_level_unit_token_discount_telescopes_to_action_level():
+  rng = np.random.default_rng(0)
+  T, N, K = 3, 3, 4
+  v = rng.normal(size=(T, N, K)).astype(np.float32)
+  mask = np.arange(K) < rng.integers(1, K + 1, size=(T, N))[..., None]
+  r, done = rng.normal(size=(T, N)).astype(np.float32), np.array([0, 1, 0])
+  adv_tok, _ = ppo.token_level_advantages(r, v, mask, done, 0.3, 0.9, 0.8, gamma_token=1.0,
+                                          lambda_token=1.0)
+  adv_act, _ = ppo.action_level_advantages(r, v[..., 0], done, 0.3, 0.9, 0.8)
+  np.testing.assert_allclose(adv_tok[..., 0], adv_act, atol=ATOL)
+
+
+def test_token_level_empty_action_keeps_its_reward():
+  # Agent 1 emits nothing; its reward reaches agent 0's last token through one agent hop.
+  r = np.array([[0.0, 1.0, 0.0]])
+  v = np.zeros((1, 3, 2))
+  mask = np.array([[[1, 1], [0, 0], [1, 0]]], bool)
+  adv, _ = ppo.token_level_advantages(r, v, mask, np.array([1]), 0.0, 0.9, 1.0)
+  np.testing.assert_allclose(adv[0, 0], [0.9 * 0.9, 0.9], atol=ATOL)
+  np.testing.assert_array_equal(adv[0, 1], 0.0)
+
+
+# --- The AReaL single-sequence form ---------------------------------------------------------
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_sequence_advantages_matches_areal_loop(truncated):
+  rng = np.random.default_rng(int(truncated))
+  L = 12
+  for _ in range(4):
+    mask = rng.random(L) < 0.6
+    mask[-1] = False  # the shifted loss mask: the last position emits nothing
+    r = np.where(mask, rng.normal(size=L), 0.0)  # AReaL only reads rewards on decisions
+    v = rng.normal(size=L)
+    adv, ret = ppo.sequence_advantages(r, v, mask, truncated, 0.95, 0.9)
+    expected = np_areal_gae(r, v, mask, float(truncated), 0.95, 0.9)
+    np.testing.assert_allclose(np.asarray(adv)[mask], expected[mask], atol=ATOL)
+    np.testing.assert_array_equal(np.asarray(adv)[~mask], 0.0)
+    np.testing.assert_allclose(np.asarray(ret)[mask], (v + expected)[mask], atol=ATOL)
+
+
+def test_sequence_advantages_truncation_bootstrap():
+  mask = np.array([0, 1, 1, 0])
+  v = np.array([0.0, 0.0, 0.0, 2.0])
+  adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, True, 1.0, 1.0)
+  np.testing.assert_allclose(adv, [0, 2, 2, 0], atol=ATOL)
+  adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, False, 1.0, 1.0)
+  np.testing.assert_array_equal(adv, np.zeros(4))
+
+
+def test_sequence_advantages_keeps_reward_on_a_transparent_position():
+  # AReaL drops a reward written at a mask-0 position (marft-areal §5); it is kept here.
+  mask = np.array([0, 1, 1, 0, 1, 0])
+  r = np.array([0, 0, 0, 1.0, 0, 0])
+  adv, _ = ppo.sequence_advantages(r, np.zeros(6), mask, False, 1.0, 1.0)
+  np.testing.assert_allclose(adv, [0, 1, 1, 0, 0, 0], atol=ATOL)
+  assert np.all(np_areal_gae(r, np.zeros(6), mask, 0.0, 1.0, 1.0) == 0.0)
+
+
+def test_returns_are_jittable_and_vmappable():
+  r, v, mask = token_vector_inputs()
+  fn = jax.jit(lambda r, v, m: ppo.token_level_advantages(r, v, m, jnp.array([0, 1]), 0.9,
+                                                          0.9, 0.5))
+  batched = jax.vmap(fn)(np.stack([r, r]), np.stack([v, v]), np.stack([mask, mask]))
+  np.testing.assert_allclose(batched[0][1], fn(r, v, mask)[0], atol=ATOL)
