@@ -1,0 +1,349 @@
+"""Batched sampling in one jit-compiled `lax.while_loop` over a preallocated KV cache.
+
+`generate` encodes a chunk of prompt tokens (a fresh prompt, or the next agent's transition
+text appended to an earlier call's cache), then samples up to N new tokens per row. Each row
+stops at its first stop token (EOS or one of its own stop ids) or after its own
+`max_new_tokens`; the loop ends when every row has stopped.
+
+Cache layout (see `transformer.KVCache`): all rows write at one shared slot index, padding
+slots are invalid and never attended. One call uses slots `[index, index + P + N)`:
+the P-slot (bucketed) prompt chunk, then one slot per decode step. The returned cache holds
+every real prompt token and every valid generated token (stop tokens included), so a later
+call continues it exactly as if the whole history had been one prompt.
+
+Log-probabilities are those of the distribution the token was drawn from: the model's
+logits divided by the temperature, restricted to the top-k and then to the top-p nucleus,
+renormalised. At temperature 1 without top-k/top-p they equal a teacher-forced forward's
+`log_softmax`, so PPO's first importance ratio is 1. Greedy rows (temperature 0) take the
+argmax; their log-prob is the model's own (temperature-1, unfiltered) log-softmax.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import transformer
+from marft_jax.models.config import ModelConfig
+from marft_jax.models.transformer import KVCache, Params
+
+# Bucket sizes are powers of two from these minima: prompt chunks and N round up to them.
+MIN_PROMPT_BUCKET = 16
+MIN_NEW_TOKENS_BUCKET = 16
+MIN_STOP_IDS_BUCKET = 4
+# Inverse-CDF sampling sums probabilities in blocks of this many tokens (two-level search).
+_CDF_BLOCK = 256
+# 2^30 > the int32 bit pattern of 1.0f: 30 halvings pin an f32 probability threshold exactly.
+_TOP_P_ITERATIONS = 30
+
+
+@struct.dataclass
+class SampleOutput:
+  """What one `generate` call produced. N is the bucketed number of new tokens."""
+
+  tokens: jax.Array  # [B, N] int32 sampled tokens; `pad_id` where `mask` is False.
+  logprobs: jax.Array  # [B, N] f32 log-prob of each token under its sampling distribution; 0 off mask.
+  mask: jax.Array  # [B, N] bool: True up to and including the stop token.
+  lengths: jax.Array  # [B] int32 number of valid generated tokens.
+  cache: KVCache  # every real prompt token and valid generated token; continue from it.
+
+
+def bucket(n: int, minimum: int) -> int:
+  """The smallest power of two ≥ max(n, minimum) (`minimum` a power of two)."""
+  return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+
+
+# --- sampling one token ---------------------------------------------------------------------
+
+
+def _top_p_keep(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+  """[B, V] bool: the nucleus, the most probable tokens whose mass first reaches `top_p`.
+
+  Token i is kept iff the mass of tokens strictly more probable than i is < top_p (ties at the
+  boundary are all kept). Instead of sorting V logits, a bisection over the int32 bit patterns
+  of the probabilities (monotone for non-negative floats) finds the largest threshold t with
+  mass(p ≥ t) ≥ top_p; it is exact after 30 halvings. Rows with top_p ≥ 1 keep everything.
+
+  Args:
+    logits: [B, V] f32, -inf on tokens already filtered out. top_p: [B] f32 in (0, 1].
+  """
+  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # the max is exactly 1.0
+  bits = jax.lax.bitcast_convert_type(p, jnp.int32)
+  target = top_p * jnp.sum(p, axis=-1)
+
+  def halve(_, bounds):
+    lo, hi = bounds  # mass(bits ≥ lo) ≥ target > mass(bits ≥ hi)
+    mid = lo + (hi - lo) // 2
+    ok = jnp.sum(jnp.where(bits >= mid[:, None], p, 0.0), axis=-1) >= target
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  B = logits.shape[0]
+  one = jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32)
+  lo, _ = jax.lax.fori_loop(0, _TOP_P_ITERATIONS, halve,
+                            (jnp.zeros((B,), jnp.int32), jnp.full((B,), one + 1, jnp.int32)))
+  return (bits >= lo[:, None]) | (top_p >= 1.0)[:, None]
+
+
+def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> jax.Array:
+  """[B] one draw per row from softmax(logits), with one uniform per row.
+
+  Two-level inverse CDF: block sums locate the block holding u · Z, a cumulative sum inside
+  that block locates the token. No full-vocabulary sort, cumsum or V random numbers per row.
+  Tokens with logit -inf (probability 0) are never drawn.
+  """
+  B, V = logits.shape
+  pad = -V % _CDF_BLOCK
+  if pad:
+    logits = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+  blocks = p.reshape(B, -1, _CDF_BLOCK)
+  block_mass = jnp.sum(blocks, axis=-1)  # [B, V / block]
+  block_cdf = jnp.cumsum(block_mass, axis=-1)
+  target = jax.random.uniform(rng, (B,)) * block_cdf[:, -1]
+
+  def first_above(cdf, mass, t):  # first index whose cdf exceeds t, clamped to nonzero mass
+    n = cdf.shape[-1]
+    last_nonzero = n - 1 - jnp.argmax(mass[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(jnp.sum(cdf <= t[:, None], axis=-1), last_nonzero)
+
+  block = first_above(block_cdf, block_mass, target)
+  below = jnp.take_along_axis(block_cdf - block_mass, block[:, None], axis=-1)[:, 0]
+  inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, block]
+  offset = first_above(jnp.cumsum(inner, axis=-1), inner, target - below)
+  return (block * _CDF_BLOCK + offset).astype(jnp.int32)
+
+
+def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array,
+                  top_p: Optional[jax.Array] = None, *, top_k: Optional[int] = None,
+                  greedy: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Draws one token per row and returns its log-prob under the distribution used.
+
+  The distribution is softmax(logits / temperature) restricted to the `top_k` most probable
+  tokens (ties broken towards the lower id), then to the top-p nucleus of those, renormalised.
+  Rows with temperature 0 take the argmax and report the model's unfiltered log-softmax.
+
+  Args:
+    rng: a PRNG key. logits: [B, V] f32.
+    temperature: [B] f32 ≥ 0 (traced). top_p: [B] f32 in (0, 1] or None (traced).
+    top_k: static; None keeps the whole vocabulary.
+    greedy: static fast path: every row is greedy (temperature ignored).
+  Returns:
+    tokens [B] int32, logprobs [B] f32.
+  """
+  model_logprob = lambda tok: (jnp.take_along_axis(logits, tok[:, None], -1)[:, 0]
+                               - jax.nn.logsumexp(logits, axis=-1))
+  if greedy:
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return tok, model_logprob(tok)
+  is_greedy = temperature <= 0.0
+  scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
+  ids = None
+  if top_k is not None and top_k < logits.shape[-1]:
+    scaled, ids = jax.lax.top_k(scaled, top_k)  # [B, k], sorted: the top-p search is a cumsum
+  if top_p is not None:
+    if ids is None:
+      keep = _top_p_keep(scaled, top_p)
+    else:
+      p = jax.nn.softmax(scaled, axis=-1)
+      keep = (jnp.cumsum(p, axis=-1) - p < top_p[:, None]) | (top_p >= 1.0)[:, None]
+    scaled = jnp.where(keep, scaled, -jnp.inf)
+  choice = _inverse_cdf_sample(rng, scaled)
+  logprob = (jnp.take_along_axis(scaled, choice[:, None], -1)[:, 0]
+             - jax.nn.logsumexp(scaled, axis=-1))
+  tok = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], -1)[:, 0]
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  tok = jnp.where(is_greedy, argmax, tok)
+  return tok, jnp.where(is_greedy, model_logprob(argmax), logprob)
+
+
+# --- the jitted loop ------------------------------------------------------------------------
+
+
+@struct.dataclass
+class _LoopState:
+  step: jax.Array  # [] int32: tokens sampled so far (the next output column).
+  last: jax.Array  # [B] int32: the token sampled last, not yet in the cache.
+  last_valid: jax.Array  # [B] bool: `last` is a real generated token (write it to the cache).
+  active: jax.Array  # [B] bool: the row samples again at this step.
+  tokens: jax.Array  # [B, N] int32
+  logprobs: jax.Array  # [B, N] f32
+  mask: jax.Array  # [B, N] bool
+  cache: KVCache
+
+
+def _last_real_hidden(h: jax.Array, mask: jax.Array) -> jax.Array:
+  """[B, T, D], [B, T] -> [B, D]: the hidden state at each row's last real token."""
+  T = mask.shape[1]
+  last = T - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+  return jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+
+
+def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, top_p,
+              max_new_tokens, stop_ids, *, config, num_new, top_k, greedy, pad_id):
+  """See `generate_jit`."""
+  B = tokens.shape[0]
+  sample = functools.partial(sample_tokens, top_k=top_k, greedy=greedy)
+  model = functools.partial(transformer.hidden_states, params, config=config, lora=lora,
+                            adapter_ids=adapter_ids)
+
+  def record(state: _LoopState, logits):
+    """Samples column `state.step` for the active rows."""
+    tok, logprob = sample(jax.random.fold_in(rng, state.step), logits, temperature, top_p)
+    active = state.active
+    tok = jnp.where(active, tok, pad_id)
+    column = lambda buf, value: jax.lax.dynamic_update_slice(buf, value[:, None], (0, state.step))
+    stop = jnp.any(tok[:, None] == stop_ids, axis=-1)
+    step = state.step + 1
+    return state.replace(
+        step=step, last=tok, last_valid=active,
+        active=active & ~stop & (step < max_new_tokens),
+        tokens=column(state.tokens, tok),
+        logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)),
+        mask=column(state.mask, active))
+
+  # --- prefill: encode the chunk, logits only at each row's last real token ---
+  h, cache = model(tokens, mask=mask, cache=cache)
+  logits = transformer.logits_from_hidden(params, _last_real_hidden(h, mask), config)
+  state = _LoopState(
+      step=jnp.zeros((), jnp.int32), last=jnp.full((B,), pad_id, jnp.int32),
+      last_valid=jnp.zeros((B,), bool), active=max_new_tokens > 0,
+      tokens=jnp.full((B, num_new), pad_id, jnp.int32),
+      logprobs=jnp.zeros((B, num_new), jnp.float32), mask=jnp.zeros((B, num_new), bool),
+      cache=cache)
+  state = record(state, logits)
+
+  # --- decode: feed the last token, sample the next ---
+  def feed(state: _LoopState) -> tuple[jax.Array, KVCache]:
+    h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache)
+    return h[:, 0], cache
+
+  def body(state: _LoopState) -> _LoopState:
+    h, cache = feed(state)
+    logits = transformer.logits_from_hidden(params, h, config)
+    return record(state.replace(cache=cache), logits)
+
+  cond = lambda state: (state.step < num_new) & jnp.any(state.active)
+  state = jax.lax.while_loop(cond, body, state)
+  # The tokens sampled at the last step are not in the cache yet: write them.
+  _, cache = feed(state)
+  return SampleOutput(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask,
+                      lengths=jnp.sum(state.mask, axis=-1, dtype=jnp.int32), cache=cache)
+
+
+_STATIC = ("config", "num_new", "top_k", "greedy", "pad_id")
+_generate_jit = jax.jit(_generate, static_argnames=_STATIC, donate_argnames=("cache",))
+
+
+def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCache,
+                 lora: Optional[Adapters], adapter_ids: jax.Array, rng: jax.Array,
+                 temperature: jax.Array, top_p: Optional[jax.Array], max_new_tokens: jax.Array,
+                 stop_ids: jax.Array, *, config: ModelConfig, num_new: int,
+                 top_k: Optional[int], greedy: bool, pad_id: int) -> SampleOutput:
+  """The jitted generation loop; `generate` pads and buckets its arguments and calls this.
+
+  Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
+  maximum of `max_new_tokens`), `top_k`, `greedy`, `pad_id`, and whether `top_p` and `lora`
+  are None. Every array's shape is also part of the compile key, so `generate` buckets them:
+
+    P (prompt chunk width)  next power of two ≥ max(16, last real token + 1)
+    N (new tokens)          next power of two ≥ max(16, max(max_new_tokens))
+    M (stop ids per row)    next power of two ≥ max(4, number of stop ids)
+    S (cache slots)         fresh: `cache_size` or P + N; continued: kept if
+                            index + P + N fits, else the next power of two ≥ that
+
+  Traced (changing them does not compile): tokens [B, P], mask [B, P], cache (S slots,
+  donated: its buffers become the returned cache's), lora, adapter_ids [B], rng,
+  temperature [B], top_p [B], max_new_tokens [B], stop_ids [B, M] (-1 = unused).
+  """
+  return _generate_jit(params, tokens, mask, cache, lora, adapter_ids, rng, temperature,
+                       top_p, max_new_tokens, stop_ids, config=config, num_new=num_new,
+                       top_k=top_k, greedy=greedy, pad_id=pad_id)
+
+
+# --- the host-side entry point --------------------------------------------------------------
+
+
+def _per_row(value, batch: int, dtype) -> np.ndarray:
+  return np.broadcast_to(np.asarray(value, dtype), (batch,)).copy()
+
+
+def _stop_id_table(eos_ids, stop_ids, batch: int) -> np.ndarray:
+  """[B, M] int32: EOS ids then each row's own stop ids, -1 padded, M bucketed."""
+  eos = np.atleast_1d(np.asarray(() if eos_ids is None else eos_ids, np.int32))
+  rows = np.broadcast_to(eos, (batch, eos.size))
+  if stop_ids is not None:
+    rows = np.concatenate([rows, np.asarray(stop_ids, np.int32).reshape(batch, -1)], axis=1)
+  width = bucket(rows.shape[1], MIN_STOP_IDS_BUCKET)
+  return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=-1)
+
+
+def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed: int,
+               cache_size: Optional[int]) -> KVCache:
+  """A cache with room for `needed` more slots: a fresh one, the given one, or it grown."""
+  if cache is None:
+    return transformer.init_cache(config, batch, max(needed, cache_size or 0))
+  index = int(cache.index)
+  if index + needed <= cache.size:
+    return cache
+  grow = bucket(index + needed, MIN_PROMPT_BUCKET) - cache.size
+  pad = lambda x, axis: jnp.pad(x, [(0, grow if a == axis else 0) for a in range(x.ndim)])
+  return cache.replace(k=pad(cache.k, 2), v=pad(cache.v, 2), valid=pad(cache.valid, 1))
+
+
+def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
+             max_new_tokens: Union[int, Sequence[int], np.ndarray],
+             prompt_lens=None, prompt_mask=None, cache: Optional[KVCache] = None,
+             cache_size: Optional[int] = None, lora: Optional[Adapters] = None,
+             adapter_ids=None, temperature=1.0, top_k: Optional[int] = None, top_p=None,
+             eos_ids: Union[int, Sequence[int], None] = None, stop_ids=None,
+             pad_id: int = 0) -> SampleOutput:
+  """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
+
+  Args:
+    params: the model's parameter tree. tokens: [B, P] int prompt tokens (the new chunk when
+      continuing `cache`), padded anywhere (right padding with `prompt_lens`).
+    config: the static model config.
+    rng: a PRNG key; the same key gives the same output.
+    max_new_tokens: int or [B] per-row limits (0: only encode the prompt).
+    prompt_lens: [B] real tokens at the start of each row; or `prompt_mask` [B, P] bool.
+      Default: every token is real. A row that samples needs ≥ 1 real token in the chunk.
+    cache: continue an earlier call's `SampleOutput.cache` (donated; don't reuse it).
+    cache_size: slots of a fresh cache, to leave room for later continuations.
+    lora, adapter_ids: adapters and [B] per-row adapter ids (-1 = base) for prompt and output.
+    temperature: scalar or [B]; 0 = greedy. top_k: static int or None.
+    top_p: None, scalar or [B] in (0, 1].
+    eos_ids: stop ids of every row; stop_ids: [B, M] further per-row stop ids (-1 = none).
+    pad_id: fills `tokens` off the mask.
+  Returns:
+    A `SampleOutput`; N = `bucket(max(max_new_tokens), 16)`.
+  """
+  tokens = np.asarray(tokens, np.int32)
+  B, P = tokens.shape
+  if prompt_mask is not None:
+    mask = np.asarray(prompt_mask, bool)
+  elif prompt_lens is not None:
+    mask = np.arange(P)[None, :] < np.asarray(prompt_lens)[:, None]
+  else:
+    mask = np.ones((B, P), bool)
+  max_new = _per_row(max_new_tokens, B, np.int32)
+  if np.any((max_new > 0) & ~mask.any(axis=1)):
+    raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
+  width = bucket(int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1, MIN_PROMPT_BUCKET)
+  tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
+  mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
+  num_new = bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
+  temperature = _per_row(temperature, B, np.float32)
+  return generate_jit(
+      params, jnp.asarray(tokens), jnp.asarray(mask),
+      _fit_cache(cache, config, B, width + num_new, cache_size), lora,
+      jnp.asarray(_per_row(0 if adapter_ids is None else adapter_ids, B, np.int32)), rng,
+      jnp.asarray(temperature), None if top_p is None else jnp.asarray(_per_row(top_p, B, np.float32)),
+      jnp.asarray(max_new), jnp.asarray(_stop_id_table(eos_ids, stop_ids, B)),
+      config=config, num_new=num_new, top_k=top_k, greedy=bool(np.all(temperature <= 0)),
+      pad_id=pad_id)

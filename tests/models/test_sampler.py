@@ -1,0 +1,211 @@
+"""The KV-cache sampler against uncached greedy decoding, teacher-forced log-probs and NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import sampler, transformer
+from marft_jax.models.config import tiny_config
+
+CONFIG = tiny_config()
+V = CONFIG.vocab_size
+LENS = np.array([11, 4, 7])  # real prompt tokens per row (bucket 16)
+N = 12
+
+
+@pytest.fixture(scope="module")
+def params():
+  # std 0.1 gives peaked, tie-free next-token distributions at the tiny model's width.
+  return transformer.init_params(CONFIG, jax.random.key(0), std=0.1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  return np.random.default_rng(0).integers(0, V, size=(3, 13))
+
+
+@jax.jit
+def _forward(params, tokens, mask):
+  return transformer.forward(params, tokens, CONFIG, mask=mask)[0]
+
+
+def _padded(rows, width=32):
+  tokens = np.zeros((len(rows), width), np.int32)
+  mask = np.zeros((len(rows), width), bool)
+  for b, row in enumerate(rows):
+    tokens[b, :len(row)], mask[b, :len(row)] = row, True
+  return jnp.asarray(tokens), jnp.asarray(mask)
+
+
+def _teacher_forced_logits(params, prompt_rows, out):
+  """[B, N, V] logits of a plain forward over prompt + generated, at each generated token."""
+  rows = [list(p) + list(np.asarray(t)[np.asarray(m)]) for p, t, m in
+          zip(prompt_rows, out.tokens, out.mask)]
+  logits = np.asarray(_forward(params, *_padded(rows)))
+  n = out.tokens.shape[1]
+  at = lambda b, p: np.stack([logits[b, min(p - 1 + i, logits.shape[1] - 1)] for i in range(n)])
+  return np.stack([at(b, len(p)) for b, p in enumerate(prompt_rows)])
+
+
+def _rows(prompts, lens=LENS):
+  return [prompts[b, :n] for b, n in enumerate(lens)]
+
+
+def _generate(params, prompts, lens=LENS, **kw):
+  kw = {"max_new_tokens": N, "rng": jax.random.key(7), **kw}
+  return sampler.generate(params, prompts, CONFIG, prompt_lens=lens, **kw)
+
+
+def test_cached_greedy_equals_uncached_greedy(params, prompts):
+  out = _generate(params, prompts, temperature=0.0)
+  assert out.tokens.shape == (3, 16) and np.all(np.asarray(out.lengths) == N)
+  for b, row in enumerate(_rows(prompts)):
+    seq = list(row)
+    for _ in range(N):  # argmax loop over the full forward, no cache
+      logits = _forward(params, *_padded([seq]))
+      seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :N]), seq[len(row):])
+
+
+def test_temperature_one_logprobs_equal_teacher_forced_log_softmax(params, prompts):
+  out = _generate(params, prompts, temperature=1.0)
+  ref = jax.nn.log_softmax(_teacher_forced_logits(params, _rows(prompts), out), axis=-1)
+  ref = np.take_along_axis(np.asarray(ref), np.asarray(out.tokens)[..., None], -1)[..., 0]
+  m = np.asarray(out.mask)
+  assert m.sum() == 3 * N
+  np.testing.assert_allclose(np.asarray(out.logprobs)[m], ref[m], atol=1e-5, rtol=0)
+
+
+def _numpy_filtered_log_probs(logits, temperature, top_k, top_p):
+  """Reference: sort, keep top-k, keep the smallest prefix with mass ≥ top_p, renormalise."""
+  x = logits.astype(np.float64) / temperature
+  order = np.argsort(-x, kind="stable")
+  keep = np.zeros(x.shape, bool)
+  kept = order[:top_k] if top_k else order
+  p = np.exp(x[kept] - x[kept].max())
+  p /= p.sum()
+  before = np.cumsum(p) - p
+  keep[kept[before < top_p]] = True
+  z = np.log(np.sum(np.exp(x[keep] - x.max()))) + x.max()
+  return np.where(keep, x - z, -np.inf)
+
+
+# top_p=1.0 (traced) shares a compile with top_p=0.7: one compile per top_k.
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 1.0), (0.9, 20, 0.7),
+                                                    (1.3, None, 0.8)])
+def test_filtered_logprobs_equal_numpy_reference(params, prompts, temperature, top_k, top_p):
+  out = _generate(params, prompts, temperature=temperature, top_k=top_k, top_p=top_p)
+  logits = _teacher_forced_logits(params, _rows(prompts), out)
+  m = np.asarray(out.mask)
+  for b, i in zip(*np.nonzero(m)):
+    ref = _numpy_filtered_log_probs(logits[b, i], temperature, top_k, top_p)
+    tok = int(out.tokens[b, i])
+    assert np.isfinite(ref[tok]), "sampled a filtered-out token"
+    assert abs(float(out.logprobs[b, i]) - ref[tok]) <= 1e-5
+    assert np.isfinite(ref).sum() < V  # the filter removed something
+
+
+@pytest.mark.parametrize("top_k", [None, 6])
+def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
+  logits = np.random.default_rng(1).normal(size=300).astype(np.float32) * 3
+  rows = 8192
+  tile = lambda x: jnp.tile(jnp.asarray(x, jnp.float32), (rows,) + (1,) * np.ndim(x))
+  sample = jax.jit(sampler.sample_tokens, static_argnames=("top_k", "greedy"))
+  for top_p in (1.0, 0.6):
+    tok, logprob = sample(jax.random.key(3), tile(logits), tile(1.0), tile(top_p), top_k=top_k)
+    ref = _numpy_filtered_log_probs(logits, 1.0, top_k, top_p)
+    np.testing.assert_allclose(np.asarray(logprob), ref[np.asarray(tok)], atol=1e-5)
+    freq = np.bincount(np.asarray(tok), minlength=300) / rows
+    np.testing.assert_allclose(freq, np.exp(ref), atol=0.03)
+
+
+def test_padding_never_leaks(params, prompts):
+  out = _generate(params, prompts, temperature=1.0)
+  # Other rows' contents and lengths change, padding holds other ids: row 0 is unchanged.
+  other = prompts.copy()
+  other[1:] = np.random.default_rng(5).integers(0, V, size=other[1:].shape)
+  changed = _generate(params, other, lens=np.array([11, 9, 2]), temperature=1.0)
+  # Row 0 left-padded by 3 (a mask) instead of right-padded.
+  shifted = np.zeros_like(prompts)
+  shifted[0, 2:13] = prompts[0, :11]
+  mask = np.arange(13)[None, :] < LENS[:, None]
+  mask[0] = np.arange(13) >= 2
+  left = sampler.generate(params, shifted, CONFIG, prompt_mask=mask, max_new_tokens=N,
+                          rng=jax.random.key(7))
+  for o in (changed, left):
+    np.testing.assert_array_equal(np.asarray(o.tokens[0]), np.asarray(out.tokens[0]))
+    np.testing.assert_allclose(np.asarray(o.logprobs[0]), np.asarray(out.logprobs[0]), atol=1e-5)
+
+
+def test_same_key_same_output_different_key_differs(params, prompts):
+  a, b = (_generate(params, prompts, temperature=1.0) for _ in range(2))
+  c = _generate(params, prompts, temperature=1.0, rng=jax.random.key(8))
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.logprobs), np.asarray(b.logprobs))
+  assert np.any(np.asarray(a.tokens) != np.asarray(c.tokens))
+
+
+def test_stop_tokens_and_max_new_tokens(params, prompts):
+  free = np.asarray(_generate(params, prompts, temperature=0.0).tokens)
+  eos = free[0, 3]  # row 0 stops at its first eos
+  stop_ids = np.array([[-1], [free[1, 5]], [-1]])  # row 1 at its own stop id
+  max_new = np.array([N, N, 4])  # row 2 after 4 tokens
+  out = _generate(params, prompts, temperature=0.0, eos_ids=[eos], stop_ids=stop_ids,
+                  max_new_tokens=max_new)
+  first = lambda row, ids: int(np.nonzero(np.isin(row, ids))[0][0]) + 1
+  expect = [first(free[0], [eos]), first(free[1], [eos, free[1, 5]]),
+            min(4, first(np.append(free[2], eos), [eos]))]
+  np.testing.assert_array_equal(np.asarray(out.lengths), expect)
+  for b, n in enumerate(expect):
+    np.testing.assert_array_equal(np.asarray(out.mask[b]), np.arange(16) < n)
+    np.testing.assert_array_equal(np.asarray(out.tokens[b, :n]), free[b, :n])
+    assert np.all(np.asarray(out.tokens[b, n:]) == 0)
+    assert np.all(np.asarray(out.logprobs[b, n:]) == 0)
+
+
+def test_continuing_a_cache_equals_one_call_over_the_concatenation(params, prompts):
+  first = _generate(params, prompts, temperature=0.0, eos_ids=[int(prompts[0, 0])],
+                    max_new_tokens=np.array([5, 9, 3]), cache_size=96)
+  g1 = [np.asarray(t)[np.asarray(m)] for t, m in zip(first.tokens, first.mask)]
+  chunk = np.random.default_rng(2).integers(0, V, size=(3, 6))
+  chunk_lens = np.array([6, 1, 3])
+  cont = _generate(params, chunk, lens=chunk_lens, temperature=0.0, cache=first.cache)
+  whole = [np.concatenate([p, g, c[:n]]) for p, g, c, n in
+           zip(_rows(prompts), g1, chunk, chunk_lens)]
+  once = _generate(params, _padded(whole)[0], lens=[len(w) for w in whole], temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(cont.tokens), np.asarray(once.tokens))
+  np.testing.assert_allclose(np.asarray(cont.logprobs), np.asarray(once.logprobs), atol=1e-5)
+  assert cont.cache.size == 96  # continued in place, no new cache
+
+
+def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):
+  _generate(params, prompts, lens=np.array([3, 9, 13]), temperature=1.0)
+  compiled = sampler._generate_jit._cache_size()
+  out = _generate(params, prompts[:, :12], lens=np.array([12, 5, 1]), temperature=0.5,
+                  top_p=None, max_new_tokens=np.array([9, 2, 16]))
+  assert sampler._generate_jit._cache_size() == compiled
+  np.testing.assert_array_equal(np.asarray(out.lengths), [9, 2, 16])
+
+
+def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
+  A, R, L = 2, 4, CONFIG.num_layers
+  keys = iter(jax.random.split(jax.random.key(11), 16))
+  layers = {}
+  for name, (d_in, d_out) in transformer.linear_shapes(CONFIG).items():
+    if name in ("q_proj", "v_proj", "down_proj"):
+      layers[name] = {"a": 0.3 * jax.random.normal(next(keys), (L, A, d_in, R)),
+                      "b": 0.3 * jax.random.normal(next(keys), (L, A, R, d_out))}
+  lora = Adapters(layers=layers, scale=2.0)
+  ids = np.array([1, -1, 0])
+  out = _generate(params, prompts, temperature=0.0, lora=lora, adapter_ids=ids)
+  # Each row against a batch where every row uses that row's adapter (-1: the base model).
+  for b, adapter in enumerate(ids):
+    alone = _generate(params, prompts, temperature=0.0, lora=lora,
+                      adapter_ids=np.full(3, adapter))
+    np.testing.assert_array_equal(np.asarray(alone.tokens[b]), np.asarray(out.tokens[b]))
+    np.testing.assert_allclose(np.asarray(alone.logprobs[b]), np.asarray(out.logprobs[b]),
+                               atol=1e-5)
+  base = np.asarray(_generate(params, prompts, temperature=0.0).tokens)
+  assert np.all(np.any(np.asarray(out.tokens) != base, axis=1) == (ids >= 0))
