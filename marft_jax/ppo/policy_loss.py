@@ -120,6 +120,7 @@ def gspo_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv: jax.Array, mask_t: 
   Returns:
     scalar loss, 0 for a sequence with no valid token.
   """
+  adv = jnp.asarray(adv)
   chex.assert_rank([logp_t, adv], [1, 0])
   chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
   log_ratio = masked_mean(logp_t - _sg(old_logp_t), mask_t)
