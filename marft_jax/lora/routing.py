@@ -1,14 +1,18 @@
-"""Routing tokens through per-agent LoRA adapters inside one batched matmul.
+"""Routing tokens through per-agent LoRA adapters inside one batched forward.
 
 An adapter set holds A adapters stacked on a leading axis; each token carries the id of the
 adapter it goes through (`adapter_ids`, -1 = no adapter: the frozen base model). One forward
 therefore serves a batch that mixes agents, and a sequence whose tokens belong to different
 agents, without a pass per agent.
+
+The ids must be the ones the tokens were sampled with: a token's keys and values (and so every
+later token's output) depend on the adapter that processed it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,45 +25,120 @@ NO_ADAPTER = -1
 class Adapters:
   """LoRA weights for every target linear layer, A adapters stacked.
 
-  `layers` maps a target name of the base tree (`"q_proj"`, ..., `"down_proj"`) to
-  `{"a": [L, A, D_in, R], "b": [L, A, R, D_out]}`: L layers (scanned with the base), A adapters.
-  The update of target W for an adapter is `scale * x @ a @ b` (PEFT's `lora_B(lora_A(x))`).
+  `layers` maps a target name of the base tree to its two factors, L layers (scanned with the
+  base) by A adapters::
+
+      {"q_proj": {"a": [L, A, D_in, R], "b": [L, A, R, D_out]}, "v_proj": {...}, ...}
+
+  The update of target W for adapter i is `scale * dropout(x) @ a[:, i] @ b[:, i]`; `a` is
+  PEFT's `lora_A.weight` transposed, `b` is `lora_B.weight` transposed.
+
+  `dropout_rng` is set only inside a training loss (`with_dropout`): it is not a trainable
+  leaf, so the adapters passed to `jax.grad` leave it None, and without it there is no dropout.
   """
 
   layers: dict[str, dict[str, jax.Array]]
   scale: float = struct.field(pytree_node=False, default=1.0)  # alpha / R, or alpha / sqrt(R).
+  dropout_rate: float = struct.field(pytree_node=False, default=0.0)
+  dropout_rng: Optional[jax.Array] = None
 
   @property
   def num_adapters(self) -> int:
-    first = next(iter(self.layers.values()))
-    return first["a"].shape[1]
+    return next(iter(self.layers.values()))["a"].shape[1]
+
+  @property
+  def num_layers(self) -> int:
+    return next(iter(self.layers.values()))["a"].shape[0]
+
+  @property
+  def rank(self) -> int:
+    return next(iter(self.layers.values()))["a"].shape[-1]
+
+  def with_dropout(self, rng: jax.Array) -> "Adapters":
+    """These adapters with LoRA dropout on (a no-op when `dropout_rate` is 0)."""
+    return self.replace(dropout_rng=rng)
+
+  def scan_inputs(self) -> dict[str, dict[str, jax.Array]]:
+    """The per-layer tree scanned with the base layers: `layers`, plus a dropout key [L] per
+    target when dropout is on (independent masks for every layer and target)."""
+    if self.dropout_rng is None or self.dropout_rate == 0.0:
+      return self.layers
+    names = sorted(self.layers)
+    keys = jax.random.split(self.dropout_rng, (self.num_layers, len(names)))
+    return {name: dict(self.layers[name], dropout_key=keys[:, i]) for i, name in enumerate(names)}
+
+  def delta_fn(self) -> Callable[[jax.Array, dict, jax.Array], jax.Array]:
+    """`routed_lora_delta` with this set's static scale and dropout rate bound: what a layer
+    calls on its slice of `scan_inputs()`."""
+    return functools.partial(routed_lora_delta, scale=self.scale, dropout_rate=self.dropout_rate)
 
 
-def routed_lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, adapter_ids: jax.Array,
-                      scale: float) -> jax.Array:
-  """Δy[b,t] = scale · x[b,t] @ a[id] @ b[id] with id = adapter_ids[b,t]; 0 where id = -1.
+def canonical_adapter_ids(adapter_ids: Any, batch: int, time: int) -> jax.Array:
+  """A scalar becomes per-sequence ids [B]; [B] and per-token [B, T] ids are kept as they are.
 
-  All A down-projections are computed (R is small, so this is cheap) and the one-hot of the
-  id selects which one reaches the up-projection; the result is exactly the per-adapter
-  output because the unselected terms are multiplied by 0.
-
-  Args:
-    x: [B, T, D_in]. a: [A, D_in, R]. b: [A, R, D_out].
-    adapter_ids: [B, T] int in [-1, A).
-    scale: the LoRA scale.
-  Returns:
-    [B, T, D_out] in x's dtype.
+  Per-sequence ids take the cheaper gather path of `routed_lora_delta`.
   """
-  onehot = jax.nn.one_hot(adapter_ids, a.shape[0], dtype=x.dtype)  # -1 gives a zero row.
-  down = jnp.einsum("btd,adr->btar", x, a.astype(x.dtype)) * onehot[..., None]
-  return jnp.einsum("btar,aro->bto", down, b.astype(x.dtype)) * jnp.asarray(scale, x.dtype)
+  ids = jnp.asarray(adapter_ids, jnp.int32)
+  if ids.ndim == 0:
+    return jnp.full((batch,), ids)
+  if ids.shape not in ((batch,), (batch, time)):
+    raise ValueError(f"adapter_ids has shape {ids.shape}; expected (), ({batch},) or "
+                     f"({batch}, {time})")
+  return ids
 
 
 def broadcast_adapter_ids(adapter_ids: Any, batch: int, time: int) -> jax.Array:
   """Per-sequence ids [B] (or a scalar) become per-token ids [B, T]."""
-  ids = jnp.asarray(adapter_ids, jnp.int32)
-  if ids.ndim == 0:
-    ids = jnp.full((batch,), ids)
-  if ids.ndim == 1:
-    ids = jnp.broadcast_to(ids[:, None], (batch, time))
-  return ids
+  ids = canonical_adapter_ids(adapter_ids, batch, time)
+  return ids if ids.ndim == 2 else jnp.broadcast_to(ids[:, None], (batch, time))
+
+
+def adapter_ids_for_agents(agent_ids: jax.Array, shared: bool) -> jax.Array:
+  """Adapter ids from agent ids (any shape, -1 = base): identity per agent, or every agent's
+  tokens through adapter 0 when all agents share one adapter."""
+  agent_ids = jnp.asarray(agent_ids, jnp.int32)
+  return jnp.where(agent_ids >= 0, 0, NO_ADAPTER) if shared else agent_ids
+
+
+def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: jax.Array,
+                      scale: float, dropout_rate: float = 0.0) -> jax.Array:
+  """Δy[b,t] = scale · dropout(x[b,t]) @ a[i] @ b[i], i = adapter_ids[b,t]; 0 where i = -1.
+
+  Args:
+    x: [B, T, D_in].
+    adapter: one layer's {"a": [A, D_in, R], "b": [A, R, D_out]}, and "dropout_key" in training.
+    adapter_ids: [B] per-sequence or [B, T] per-token ints in [-1, A).
+    scale: the LoRA scale (static).
+    dropout_rate: applied only when `adapter` holds a "dropout_key" (static).
+  Returns:
+    [B, T, D_out] in x's dtype.
+  """
+  x = _dropout(x, adapter.get("dropout_key"), dropout_rate)
+  a, b = adapter["a"].astype(x.dtype), adapter["b"].astype(x.dtype)
+  route = _per_sequence if adapter_ids.ndim == 1 else _per_token
+  return route(x, a, b, adapter_ids) * jnp.asarray(scale, x.dtype)
+
+
+def _per_sequence(x, a, b, ids):
+  """Gathers each row's factors ([B, D_in, R], [B, R, D_out]): the cost of a single adapter."""
+  safe = jnp.maximum(ids, 0)
+  down = jnp.einsum("btd,bdr->btr", x, a[safe])
+  down = down * (ids >= 0).astype(x.dtype)[:, None, None]
+  return jnp.einsum("btr,bro->bto", down, b[safe])
+
+
+def _per_token(x, a, b, ids):
+  """All A down-projections as one [D_in, A·R] matmul; the id's one-hot keeps one of them.
+
+  Exact: the unselected terms are multiplied by 0 (and an id of -1 has an all-zero one-hot).
+  """
+  onehot = jax.nn.one_hot(ids, a.shape[0], dtype=x.dtype)  # [B, T, A]
+  down = jnp.einsum("btd,adr->btar", x, a) * onehot[..., None]
+  return jnp.einsum("btar,aro->bto", down, b)
+
+
+def _dropout(x, key, rate):
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)

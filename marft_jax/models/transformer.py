@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from marft_jax.lora.routing import Adapters, broadcast_adapter_ids, routed_lora_delta
+from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
 
@@ -104,20 +104,20 @@ def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
   return start + jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - mask.astype(jnp.int32)
 
 
-def _dense(x, p, adapter, adapter_ids, scale):
+def _dense(x, p, adapter, adapter_ids, lora_delta):
   y = jnp.einsum("btd,df->btf", x, p["kernel"].astype(x.dtype))
   if "bias" in p:
     y = y + p["bias"].astype(x.dtype)[None, None, :]
   if adapter is not None:
-    y = y + routed_lora_delta(x, adapter["a"], adapter["b"], adapter_ids, scale)
+    y = y + lora_delta(x, adapter, adapter_ids)
   return y
 
 
 def _decoder_layer(x, cache_kv, layer, adapters, layer_index, positions, allowed, kv_index,
-                   adapter_ids, scale, config: ModelConfig):
+                   adapter_ids, lora_delta, config: ModelConfig):
   """One pre-norm block. cache_kv: None or ([L, B, S, K, E], [L, B, S, K, E]) updated in place."""
   B, T, _ = x.shape
-  dense = lambda h, name: _dense(h, layer[name], adapters.get(name), adapter_ids, scale)
+  dense = lambda h, name: _dense(h, layer[name], adapters.get(name), adapter_ids, lora_delta)
   h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
   q = dense(h, "q_proj").reshape(B, T, config.num_heads, config.head_dim)
   k = dense(h, "k_proj").reshape(B, T, config.num_kv_heads, config.head_dim)
@@ -169,15 +169,15 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   kv_slots = jnp.arange(kv_valid.shape[1])
   allowed = kv_valid[:, None, :] & (kv_slots[None, None, :] <= q_slots[None, :, None])
 
-  adapter_layers, scale = ({}, 1.0) if lora is None else (lora.layers, lora.scale)
-  ids = broadcast_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T)
+  adapter_layers, lora_delta = ({}, None) if lora is None else (lora.scan_inputs(), lora.delta_fn())
+  ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T)
   x = params["embed"][tokens].astype(config.dtype)
 
   def body(carry, xs):
     x, cache_kv = carry
     layer, adapters, layer_index = xs
     x, cache_kv = _decoder_layer(x, cache_kv, layer, adapters, layer_index, positions, allowed,
-                                 kv_index, ids, scale, config)
+                                 kv_index, ids, lora_delta, config)
     return (x, cache_kv), None
 
   cache_kv = None if cache is None else (cache.k, cache.v)

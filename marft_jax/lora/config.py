@@ -1,0 +1,66 @@
+"""`LoraConfig`: rank, scaling, targets and dropout of a set of LoRA adapters.
+
+It is a frozen, hashable dataclass: `Adapters` carries it as a static field, so it is part of
+the jit cache key and never traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Union
+
+# Module binding, not `from ... import LINEAR_TARGETS`: `models.transformer` imports this
+# package, so its names may not exist yet while it loads; they are read at call time.
+from marft_jax.models import transformer as model_lib
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Hyperparameters shared by every adapter of a stack (PEFT's `LoraConfig` subset).
+
+  The update of a target linear layer W is `Δy = scale · dropout(x) @ a @ b` with
+  `scale = alpha / rank`, or `alpha / sqrt(rank)` with rsLoRA (Kalajdzievski 2023).
+  """
+
+  rank: int = 8  # R
+  alpha: float = 16.0
+  # "all-linear" (q, k, v, o, gate, up, down), a tuple of target names, or a regular expression
+  # that must match a whole target name (e.g. "q_proj|v_proj", ".*_proj").
+  targets: Union[str, tuple[str, ...]] = ALL_LINEAR
+  dropout_rate: float = 0.0  # on the LoRA branch's input, in training only (PEFT's lora_dropout).
+  use_rslora: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.targets, str):
+      object.__setattr__(self, "targets", tuple(self.targets))  # Lists would be unhashable.
+    if not (isinstance(self.rank, int) and self.rank > 0):
+      raise ValueError(f"rank={self.rank!r}: use a positive int")
+    if not self.alpha > 0:
+      raise ValueError(f"alpha={self.alpha!r}: use a positive number")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"dropout_rate={self.dropout_rate!r}: use a value in [0, 1)")
+    self.target_names()  # Raises on unknown names or a pattern that matches nothing.
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+  def target_names(self) -> tuple[str, ...]:
+    """The targets in the model's canonical order (`transformer.LINEAR_TARGETS`)."""
+    known = model_lib.LINEAR_TARGETS
+    if self.targets == ALL_LINEAR:
+      return known
+    if isinstance(self.targets, str):
+      names = tuple(t for t in known if re.fullmatch(self.targets, t))
+      if not names:
+        raise ValueError(f"targets={self.targets!r} matches none of {known}")
+      return names
+    unknown = [t for t in self.targets if t not in known]
+    if unknown or not self.targets:
+      raise ValueError(f"targets={self.targets!r}: unknown {unknown}; choose from {known} "
+                       f"or {ALL_LINEAR!r}")
+    return tuple(t for t in known if t in self.targets)
