@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax import ppo
-from tests.ppo.test_returns import np_areal_gae
+from tests.ppo.numpy_loops import np_areal_gae
 
 
 def episode_token_frame():
