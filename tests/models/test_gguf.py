@@ -1,0 +1,212 @@
+"""GGUF loading: tiny files written with `gguf.GGUFWriter` the way llama.cpp's converter writes
+them (names from gguf's own `TensorNameMap`, q/k rows permuted by llama.cpp's `permute`), and
+SmolLM2-135M against transformers' GGUF-loaded torch model."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from marft_jax.models import gguf_checkpoint, hf_checkpoint, smollm2, transformer
+from tests.models.hf_fixtures import save_tiny_model
+
+TOL = 1e-4
+# SmolLM2 in f32 over 30 layers: transformers' own f32 logits are 9e-5 from its f64 logits on
+# these prompts and ours 1.6e-4, so 1e-4 between the two f32 sides is below the noise floor.
+SMOLLM2_TOL = 3e-4
+_GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute` (Hugging Face -> GGUF row order)."""
+  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F32, drop=(),
+               replace=None, gguf_arch=None):
+  """Writes a transformers model as llama.cpp would; `drop`/`replace` corrupt named tensors."""
+  cfg = model.config
+  writer = gguf.GGUFWriter(str(path), arch=gguf_arch or arch)
+  writer.add_block_count(cfg.num_hidden_layers)
+  writer.add_context_length(cfg.max_position_embeddings)
+  writer.add_embedding_length(cfg.hidden_size)
+  writer.add_feed_forward_length(cfg.intermediate_size)
+  writer.add_head_count(cfg.num_attention_heads)
+  writer.add_head_count_kv(cfg.num_key_value_heads)
+  writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+  writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+  writer.add_vocab_size(cfg.vocab_size)
+  names = gguf.get_tensor_name_map(_GGUF_ARCH[arch], cfg.num_hidden_layers)
+  for hf_name, tensor in model.state_dict().items():
+    if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+      continue
+    w = tensor.numpy().astype(np.float32)
+    name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+      heads = cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads
+      w = _llama_cpp_permute(w, heads)
+    if name in drop:
+      continue
+    w = (replace or {}).get(name, w)
+    if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+      writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    else:
+      writer.add_tensor(name, w)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return str(path)
+
+
+def _assert_trees_equal(a, b, **tol):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(tol or dict(atol=0, rtol=0)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_equals_safetensors_and_matches_torch(tmp_path, arch):
+  model = save_tiny_model(tmp_path, arch)
+  params, config = gguf_checkpoint.load_gguf_checkpoint(write_gguf(tmp_path / "m.gguf", model, arch))
+  hf_params, hf_config = hf_checkpoint.load_hf_checkpoint(str(tmp_path))
+  assert np.float32(config.rms_norm_eps) == np.float32(hf_config.rms_norm_eps)  # GGUF: f32
+  assert config.replace(rms_norm_eps=hf_config.rms_norm_eps) == hf_config
+  _assert_trees_equal(params, hf_params)  # RoPE rows restored, names mapped, bias included
+  tokens = np.random.default_rng(1).integers(0, config.vocab_size, size=(2, 10))
+  ours, _ = transformer.forward(params, jnp.asarray(tokens), config)
+  with torch.no_grad():
+    ref = model(input_ids=torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=TOL, rtol=0)
+
+
+def test_quantized_tensors_are_dequantized_then_unpermuted(tmp_path):
+  model = save_tiny_model(tmp_path, "llama")
+  path = write_gguf(tmp_path / "q8.gguf", model, qtype=gguf.GGMLQuantizationType.Q8_0)
+  params, _ = gguf_checkpoint.load_gguf_checkpoint(path, param_dtype="bfloat16")
+  hf_params, _ = hf_checkpoint.load_hf_checkpoint(str(tmp_path))
+  assert params["layers"]["q_proj"]["kernel"].dtype == jnp.bfloat16
+  # Q8_0 keeps ~8 bits per weight (init std 0.02), bf16 8 bits of mantissa: a wrong row order
+  # would be off by ~0.05.
+  _assert_trees_equal(jax.tree.map(lambda x: x.astype(jnp.float32), params), hf_params,
+                      atol=2e-3, rtol=2 ** -8)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+  w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)
+  np.testing.assert_array_equal(gguf_checkpoint.unpermute_rope_rows(_llama_cpp_permute(w, 6), 6), w)
+
+
+def test_errors_name_file_and_tensor(tmp_path):
+  model = save_tiny_model(tmp_path, "llama")
+  with pytest.raises(FileNotFoundError, match="nowhere.gguf"):
+    gguf_checkpoint.load_gguf_checkpoint(tmp_path / "nowhere.gguf")
+  (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+  with pytest.raises(ValueError, match=r"junk\.gguf: not a readable GGUF"):
+    gguf_checkpoint.load_gguf_checkpoint(tmp_path / "junk.gguf")
+  path = write_gguf(tmp_path / "gpt2.gguf", model, gguf_arch="gpt2")
+  with pytest.raises(ValueError, match=r"gpt2\.gguf: general\.architecture='gpt2' is not supported"):
+    gguf_checkpoint.load_gguf_checkpoint(path)
+  path = write_gguf(tmp_path / "drop.gguf", model, drop=("blk.1.ffn_up.weight",))
+  with pytest.raises(ValueError, match=r"drop\.gguf: tensor .*up_proj.* is missing "
+                                       r"\(GGUF tensor 'blk\.1\.ffn_up\.weight'\)"):
+    gguf_checkpoint.load_gguf_checkpoint(path)
+  bad = np.zeros((96, 60), np.float32)
+  path = write_gguf(tmp_path / "shape.gguf", model, replace={"blk.0.ffn_gate.weight": bad})
+  with pytest.raises(ValueError, match=r"shape\.gguf: tensor .* has shape \(96, 60\), the config "
+                                       r"implies \(96, 64\) \(GGUF tensor 'blk\.0\.ffn_gate\.weight'\)"):
+    gguf_checkpoint.load_gguf_checkpoint(path)
+
+
+# --- SmolLM2-135M against transformers ------------------------------------------------------
+
+PROMPTS = ["What is the capital of France?", "Write a short story about a robot who learns "
+           "to paint.", "Explain in detail how a bicycle works."]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ours(smollm2_reader):
+  from marft_jax.models.tokenizer import gguf_tokenizer
+  params, config = gguf_checkpoint.load_gguf_checkpoint(smollm2_reader)
+  return params, config, gguf_tokenizer(smollm2_reader)
+
+
+@pytest.fixture(scope="module")
+def smollm2_torch(smollm2_reader):
+  """transformers' own GGUF path (dequantize + un-permute in transformers), f32; ≈20 s, so once.
+
+  torch runs on one thread here: on a small shared CPU, two OpenMP threads that lose their
+  core wait on each other and decoding 32 tokens took 100 s instead of 3 s.
+  """
+  import os
+  import transformers
+  threads = torch.get_num_threads()
+  torch.set_num_threads(1)
+  path = smollm2.smollm2_gguf_path()
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+  yield model.eval()
+  torch.set_num_threads(threads)
+
+
+def _chat_batch(tokenizer, prompts):
+  """Left-padded [B, T] ids and mask of the chat-formatted prompts."""
+  ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                       add_generation_prompt=True, return_dict=True)["input_ids"]
+         for p in prompts]
+  T = max(map(len, ids))
+  tokens = np.full((len(ids), T), tokenizer.pad_token_id, np.int64)
+  mask = np.zeros((len(ids), T), np.int64)
+  for row, x in enumerate(ids):
+    tokens[row, T - len(x):], mask[row, T - len(x):] = x, 1
+  return tokens, mask
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf(smollm2_ours, smollm2_torch):
+  params, config, tokenizer = smollm2_ours
+  assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+          config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+  tokens, mask = _chat_batch(tokenizer, PROMPTS)
+  ours, _ = jax.jit(transformer.forward, static_argnums=2)(
+      params, jnp.asarray(tokens), config, mask=jnp.asarray(mask, bool))
+  with torch.no_grad():
+    ref = smollm2_torch(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask),
+                        position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))).logits
+  valid = mask.astype(bool)
+  diff = np.abs(np.asarray(ours)[valid] - ref.numpy()[valid]).max()
+  print(f"smollm2 max |Δlogit| = {diff:.3g}")
+  assert diff <= SMOLLM2_TOL
+
+
+def _greedy(params, config, tokens, mask, num_new):
+  """Greedy decoding with our KV cache: the prompt in one call, then one token per call."""
+  step = jax.jit(transformer.forward, static_argnums=2)
+  cache = transformer.init_cache(config, tokens.shape[0], tokens.shape[1] + num_new)
+  logits, cache = step(params, jnp.asarray(tokens), config, mask=jnp.asarray(mask, bool),
+                       cache=cache)
+  out = []
+  for _ in range(num_new):
+    next_token = jnp.argmax(logits[:, -1], axis=-1)
+    out.append(next_token)
+    logits, cache = step(params, next_token[:, None], config, cache=cache)
+  return np.stack([np.asarray(t) for t in out], axis=1)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_continuations_match_transformers(smollm2_ours, smollm2_torch):
+  params, config, tokenizer = smollm2_ours
+  num_new = 32
+  tokens, mask = _chat_batch(tokenizer, PROMPTS[1:])
+  ours = _greedy(params, config, tokens, mask, num_new)
+  with torch.no_grad():
+    ref = smollm2_torch.generate(input_ids=torch.tensor(tokens),
+                                 attention_mask=torch.tensor(mask), do_sample=False,
+                                 max_new_tokens=num_new, pad_token_id=tokenizer.pad_token_id)
+  ref = ref[:, tokens.shape[1]:].numpy()
+  assert not np.any(ref == tokenizer.eos_token_id)  # both sides ran all 32 steps
+  np.testing.assert_array_equal(ours, ref)
+  print(tokenizer.batch_decode(ours))
