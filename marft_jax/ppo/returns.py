@@ -58,21 +58,28 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
         jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), jnp.asarray(v_t, dtype),
         jnp.asarray(mask_t) != 0)
 
-  def backup(carry, x):
-    v_next, adv_next, r_acc, g_acc, gl_acc = carry
-    r, g, lam, v, is_state = x
-    # Compose this hop with the pending hops through the transparent positions after it.
-    r_acc, g_acc, gl_acc = r + g * r_acc, g * g_acc, g * lam * gl_acc
-    adv = r_acc + g_acc * v_next - v + gl_acc * adv_next
-    at_state = (v, adv, jnp.zeros_like(v), jnp.ones_like(v), jnp.ones_like(v))
-    carry = jax.tree.map(lambda a, b: jnp.where(is_state, a, b), at_state,
-                         (v_next, adv_next, r_acc, g_acc, gl_acc))
-    return carry, jnp.where(is_state, adv, jnp.zeros_like(adv))
-
   zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
   init = (jnp.asarray(v_bootstrap, dtype), zero, zero, one, one)
-  _, adv_t = jax.lax.scan(backup, init, xs, reverse=True)
-  return adv_t
+  return _reverse_backup(init, xs)
+
+
+def _backup(carry, x):
+  v_next, adv_next, r_acc, g_acc, gl_acc = carry
+  r, g, lam, v, is_state = x
+  # Compose this hop with the pending hops through the transparent positions after it.
+  r_acc, g_acc, gl_acc = r + g * r_acc, g * g_acc, g * lam * gl_acc
+  adv = r_acc + g_acc * v_next - v + gl_acc * adv_next
+  at_state = (v, adv, jnp.zeros_like(v), jnp.ones_like(v), jnp.ones_like(v))
+  carry = jax.tree.map(lambda a, b: jnp.where(is_state, a, b), at_state,
+                       (v_next, adv_next, r_acc, g_acc, gl_acc))
+  return carry, jnp.where(is_state, adv, jnp.zeros_like(adv))
+
+
+# Jitted so that eager callers (host-side advantage computation on NumPy episode records)
+# compile the scan once per shape instead of on every call; inside an outer jit it inlines.
+@jax.jit
+def _reverse_backup(init, xs):
+  return jax.lax.scan(_backup, init, xs, reverse=True)[1]
 
 
 def _float_dtype(x) -> jnp.dtype:
