@@ -40,7 +40,7 @@ def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
 
 
 def step_ends(step_ids_t: jax.Array) -> jax.Array:
-  """[T] bool, True at the last decision of each step: step_ids_t ≥ 0 and step_ids_{t+1} ≠ step_ids_t."""
+  """[T] bool, True at each step's last decision: step_ids_t ≥ 0 and step_ids_{t+1} ≠ step_ids_t."""
   chex.assert_rank(step_ids_t, 1)
   next_ids = jnp.concatenate([step_ids_t[1:], jnp.full((1,), -1, step_ids_t.dtype)])
   return (step_ids_t >= 0) & (next_ids != step_ids_t)
@@ -81,7 +81,8 @@ def step_discount_credit(reward: jax.Array | float, step_ids_t: jax.Array,
   """
   chex.assert_rank(step_ids_t, 1)
   steps_to_go = (num_steps - 1 - step_ids_t).astype(jnp.float32)
-  credit = jnp.asarray(reward, jnp.float32) * jnp.power(jnp.asarray(gamma_c, jnp.float32), steps_to_go)
+  discount = jnp.power(jnp.asarray(gamma_c, jnp.float32), steps_to_go)
+  credit = jnp.asarray(reward, jnp.float32) * discount
   return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))
 
 

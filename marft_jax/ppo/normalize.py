@@ -39,7 +39,8 @@ def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_gro
                     unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
   """x' = (x − b_g) / (σ_g + eps) within each group g, over its valid elements.
 
-      n_g = Σ_{j∈g} m_j,   μ_g = Σ_{j∈g} m_j x_j / n_g,   σ_g² = Σ_{j∈g} m_j (x_j − μ_g)² / (n_g − u)
+      n_g = Σ_{j∈g} m_j,   μ_g = Σ_{j∈g} m_j x_j / n_g
+      σ_g² = Σ_{j∈g} m_j (x_j − μ_g)² / (n_g − u)
       b_g = μ_g,  or with leave_one_out  b_{g,i} = (n_g μ_g − x_i) / (n_g − 1)
 
   u = 1 if unbiased else 0. A group with one valid element has no leave-one-out baseline
@@ -81,7 +82,7 @@ def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool
               unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
   """x' = (x − μ) / (σ + eps) with μ, σ over all valid elements; 0 where mask is 0.
 
-  The original whitened advantages with eps 1e-8 and the biased std; AReaL uses eps 1e-5
+  The original whitened advantages with eps 1e-8 (per minibatch); AReaL uses eps 1e-5
   and the unbiased std. See `group_normalize` for the formulas.
   """
   return group_normalize(x, mask, jnp.zeros(x.shape, jnp.int32), 1, center=center,

@@ -112,21 +112,25 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
 
   With (t, i) the i-th agent's decision at env step t and V[t, i] = V(s_t, a_t^{1:i-1}):
 
-      i < N−1:  δ[t,i] = r[t,i] + γ_a V[t,i+1] − V[t,i];             A[t,i] = δ + γ_a λ_a A[t,i+1]
-      i = N−1:  δ[t,i] = r[t,i] + γ (1−d_t) V[t+1,0] − V[t,i];       A[t,i] = δ + γ λ (1−d_t) A[t+1,0]
+      i < N−1:  δ[t,i] = r[t,i] + γ_a V[t,i+1] − V[t,i]
+                A[t,i] = δ[t,i] + γ_a λ_a A[t,i+1]
+      i = N−1:  δ[t,i] = r[t,i] + γ (1−d_t) V[t+1,0] − V[t,i]
+                A[t,i] = δ[t,i] + γ λ (1−d_t) A[t+1,0]
       R[t,i] = V[t,i] + A[t,i]
 
   V[T, 0] = v_bootstrap. The done flag d_t cuts the chain only between steps t and t+1;
   the original cut the agent chain at the first step of each new episode (D4). The
-  defaults γ_a = γ, λ_a = λ are the original's (one γ, one λ at every hop). By the
-  multi-agent advantage decomposition (MARFT Theorem 1) the A[t,i] of one step sum to the
-  joint action's advantage when γ_a = λ_a = 1.
+  defaults γ_a = γ, λ_a = λ are the original's (one γ, one λ at every hop). With
+  γ_a = λ_a = 1 the agents' deltas telescope, Σ_i δ[t,i] = Σ_i r[t,i] + γ V[t+1,0] − V[t,0]
+  (the multi-agent advantage decomposition, MARFT Theorem 1), and A[t,0] is the
+  single-agent GAE of the joint action.
 
   Args:
     r_t: [T, N] reward after agent i's action at step t.
     v_t: [T, N] per-agent-position values.
     done_t: [T] non-zero if the episode ended after step t.
-    v_bootstrap: scalar value of agent 0 at step T (the next iteration's first state).
+    v_bootstrap: scalar value of agent 0 at step T, computed on agent 0's prompt like every
+      other V (the original scored the raw env string instead, D3).
     gamma, lambda_: discount and trace decay across env steps.
     gamma_agent, lambda_agent: across agents of one step; default gamma, lambda_.
 
@@ -180,7 +184,7 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
     v_t: [T, N, K] token values; read only where mask_t is set.
     mask_t: [T, N, K] non-zero on the action's tokens.
     done_t: [T] non-zero if the episode ended after step t.
-    v_bootstrap: scalar first-token value of agent 0 at step T.
+    v_bootstrap: scalar first-token value of agent 0 at step T, on agent 0's prompt (D3).
     gamma, lambda_: across env steps (and the default for the other hops).
     gamma_token, lambda_token: between tokens of one action.
     gamma_agent, lambda_agent: from an agent's last token to the next agent's first.
@@ -192,10 +196,8 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   chex.assert_equal_shape([v_t, mask_t])
   chex.assert_equal_shape_prefix([r_t, v_t], 2)
   chex.assert_equal_shape_prefix([r_t, done_t], 1)
-  gamma_token = gamma if gamma_token is None else gamma_token
-  lambda_token = lambda_ if lambda_token is None else lambda_token
-  gamma_agent = gamma if gamma_agent is None else gamma_agent
-  lambda_agent = lambda_ if lambda_agent is None else lambda_agent
+  gamma_token, gamma_agent = (gamma if g is None else g for g in (gamma_token, gamma_agent))
+  lambda_token, lambda_agent = (lambda_ if x is None else x for x in (lambda_token, lambda_agent))
   v_t = jnp.asarray(v_t, _float_dtype(v_t))
   dtype, valid = v_t.dtype, jnp.asarray(mask_t) != 0
   # A token hop happens where a valid token follows some earlier valid token of the action;
@@ -229,7 +231,7 @@ def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   The last position emits no token and is never a decision. If the sequence was cut by the
   length limit (`truncated`), the last decision bootstraps from v_{T−1}, the value after
   the last emitted token; otherwise the episode ended and the bootstrap is 0. This equals
-  AReaL's loop on masked positions, except that a reward sitting on a transparent
+  AReaL's loop on decision positions, except that a reward sitting on a transparent
   position is folded (discounted by γ) into the preceding decision instead of being
   dropped, and masked positions hold A = R = 0 instead of carried values.
 

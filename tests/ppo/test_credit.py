@@ -10,7 +10,7 @@ from tests.ppo.numpy_loops import np_areal_gae
 
 
 def episode_token_frame():
-  """prompt(3) | step 0 (3 tokens) | transition(2) | step 1 (2 tokens) | transition(2) | step 2 (1)."""
+  """prompt(3) | step 0 (3) | transition(2) | step 1 (2) | transition(2) | step 2 (1) | pad."""
   step_ids = np.array([-1, -1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, 2, -1])
   token_ends = [6, 10, 13]  # e_i, exclusive, in the token frame
   return step_ids, token_ends

@@ -122,6 +122,16 @@ def test_action_level_done_does_not_cut_the_agent_chain():
   np.testing.assert_allclose(adv[0], [0.9 * 0.2 - 0.1 + 0.45 * 0.8, 0.8], atol=ATOL)
 
 
+def test_action_level_with_unit_agent_hops_is_joint_action_gae():
+  rng = np.random.default_rng(7)
+  r, v = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(5, 3)).astype(np.float32)
+  done = np.array([0, 0, 1, 0, 0])
+  adv, _ = ppo.action_level_advantages(r, v, done, 0.4, 0.9, 0.8, 1.0, 1.0)
+  joint = rlax.truncated_generalized_advantage_estimation(
+      r.sum(1), 0.9 * (1 - done), 0.8, np.append(v[:, 0], 0.4).astype(np.float32))
+  np.testing.assert_allclose(adv[:, 0], joint, atol=ATOL)
+
+
 def random_token_inputs(rng, T, N, K):
   lengths = rng.integers(0, K + 1, size=(T, N))
   mask = np.arange(K) < lengths[..., None]
