@@ -18,3 +18,4 @@ from marft_jax.lora.merge import adapter_kernel_deltas, merge_adapter, unmerge_a
 from marft_jax.lora.training import trainable_value_and_grad, where_adapters
 from marft_jax.lora.peft_io import (load_peft_adapter, load_peft_adapters, peft_key,
                                     peft_tensors, save_peft_adapter, save_peft_adapters)
+from marft_jax.lora.sharding import adapter_logical_axes, adapter_shardings
