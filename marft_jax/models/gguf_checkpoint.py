@@ -23,6 +23,7 @@ import os
 import re
 from typing import Any, Mapping, Union
 
+import gguf
 import numpy as np
 
 from marft_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -41,12 +42,11 @@ GGUF_GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 
-GGUFSource = Union[str, os.PathLike, "gguf.GGUFReader"]  # noqa: F821
+GGUFSource = Union[str, os.PathLike, gguf.GGUFReader]
 
 
-def open_gguf(path: Union[str, os.PathLike]):
+def open_gguf(path: Union[str, os.PathLike]) -> gguf.GGUFReader:
   """Opens (memory-maps) a GGUF file; errors name the file."""
-  import gguf
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: GGUF file not found")
@@ -56,13 +56,13 @@ def open_gguf(path: Union[str, os.PathLike]):
     raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def _reader_and_source(path_or_reader: GGUFSource):
+def _reader_and_source(path_or_reader: GGUFSource) -> tuple[gguf.GGUFReader, str]:
   if isinstance(path_or_reader, (str, os.PathLike)):
     return open_gguf(path_or_reader), os.fspath(path_or_reader)
   return path_or_reader, os.fspath(path_or_reader.data.filename)
 
 
-def gguf_metadata(reader) -> dict[str, Any]:
+def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
   """Every scalar and short-array metadata field, decoded (long token arrays are skipped)."""
   out = {}
   for name, field in reader.fields.items():
@@ -161,8 +161,7 @@ def _numpy_shape(tensor) -> tuple[int, ...]:
 
 def _dequantize(tensor) -> np.ndarray:
   """One GGUF tensor as f32 in NumPy order."""
-  from gguf.quants import dequantize
-  w = dequantize(tensor.data, tensor.tensor_type)
+  w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
   return np.asarray(w, np.float32).reshape(_numpy_shape(tensor))
 
 

@@ -71,7 +71,8 @@ def _assert_trees_equal(a, b, **tol):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_gguf_equals_safetensors_and_matches_torch(tmp_path, arch):
   model = save_tiny_model(tmp_path, arch)
-  params, config = gguf_checkpoint.load_gguf_checkpoint(write_gguf(tmp_path / "m.gguf", model, arch))
+  path = write_gguf(tmp_path / "m.gguf", model, arch)
+  params, config = gguf_checkpoint.load_gguf_checkpoint(path)
   hf_params, hf_config = hf_checkpoint.load_hf_checkpoint(str(tmp_path))
   assert np.float32(config.rms_norm_eps) == np.float32(hf_config.rms_norm_eps)  # GGUF: f32
   assert config.replace(rms_norm_eps=hf_config.rms_norm_eps) == hf_config
@@ -108,7 +109,7 @@ def test_errors_name_file_and_tensor(tmp_path):
   with pytest.raises(ValueError, match=r"junk\.gguf: not a readable GGUF"):
     gguf_checkpoint.load_gguf_checkpoint(tmp_path / "junk.gguf")
   path = write_gguf(tmp_path / "gpt2.gguf", model, gguf_arch="gpt2")
-  with pytest.raises(ValueError, match=r"gpt2\.gguf: general\.architecture='gpt2' is not supported"):
+  with pytest.raises(ValueError, match=r"gpt2\.gguf: general\.architecture='gpt2' is not supp"):
     gguf_checkpoint.load_gguf_checkpoint(path)
   path = write_gguf(tmp_path / "drop.gguf", model, drop=("blk.1.ffn_up.weight",))
   with pytest.raises(ValueError, match=r"drop\.gguf: tensor .*up_proj.* is missing "
@@ -117,7 +118,7 @@ def test_errors_name_file_and_tensor(tmp_path):
   bad = np.zeros((96, 60), np.float32)
   path = write_gguf(tmp_path / "shape.gguf", model, replace={"blk.0.ffn_gate.weight": bad})
   with pytest.raises(ValueError, match=r"shape\.gguf: tensor .* has shape \(96, 60\), the config "
-                                       r"implies \(96, 64\) \(GGUF tensor 'blk\.0\.ffn_gate\.weight'\)"):
+                                       r"implies \(96, 64\) \(GGUF tensor 'blk\.0\.ffn_gate\."):
     gguf_checkpoint.load_gguf_checkpoint(path)
 
 

@@ -24,7 +24,8 @@ _SMOLLM_REGEXES = (r"\p{N}", _GPT2_REGEX)
 
 TEXTS = [
     "Hello world", "The year 2024 had 366 days.", "3.14159 + 2,718 = 5.86", "  leading spaces",
-    "trailing spaces   ", "a  b   c", "tabs\tand\nnewlines\n\n  x", "I'm sure it's fine; they'll see",
+    "trailing spaces   ", "a  b   c", "tabs\tand\nnewlines\n\n  x",
+    "I'm sure it's fine; they'll see",
     "Ünïcödé 日本語 emoji 🙂 ok", "x=1\ny=22\nz = 333", "mixed\r\nline endings\r\n",
 ]
 # Whitespace runs before a digit: where transformers' GGUF tokenizer is wrong for SmolLM2.
@@ -144,10 +145,10 @@ def test_errors_name_file_and_key(tmp_path, tiny_vocab):
   with pytest.raises(FileNotFoundError, match="nowhere"):
     tokenizer_lib.load_tokenizer(tmp_path / "nowhere")
   path = write_tokenizer_gguf(tmp_path / "spm.gguf", *tiny_vocab, model="llama")
-  with pytest.raises(ValueError, match=r"spm\.gguf: tokenizer\.ggml\.model='llama' is not supported"):
+  with pytest.raises(ValueError, match=r"spm\.gguf: tokenizer\.ggml\.model='llama' is not supp"):
     tokenizer_lib.gguf_tokenizer(path)
   path = write_tokenizer_gguf(tmp_path / "pre.gguf", *tiny_vocab, pre="mystery")
-  with pytest.raises(ValueError, match=r"pre\.gguf: tokenizer\.ggml\.pre='mystery' is not supported"):
+  with pytest.raises(ValueError, match=r"pre\.gguf: tokenizer\.ggml\.pre='mystery' is not supp"):
     tokenizer_lib.gguf_tokenizer(path)
 
 
@@ -166,7 +167,7 @@ def test_hf_folder_goes_through_auto_tokenizer(tmp_path, tiny_vocab):
   assert loaded.decode(loaded("Hello world")["input_ids"]) == "Hello world"
 
 
-# --- SmolLM2 (slow: transformers' GGUF tokenizer takes ≈10 s to build) ---------------------------
+# --- SmolLM2 (slow: transformers' GGUF tokenizer takes ≈10 s to build) -------------------------
 
 
 @pytest.fixture(scope="module")
