@@ -36,12 +36,14 @@ def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
     [T] array in x's dtype.
   """
   chex.assert_rank(x_t, 1)
+  x_t = jnp.asarray(x_t)
   return jnp.concatenate([x_t[1:], jnp.full((1,), fill, x_t.dtype)])
 
 
 def step_ends(step_ids_t: jax.Array) -> jax.Array:
   """[T] bool, True at each step's last decision: step_ids_t ≥ 0 and step_ids_{t+1} ≠ step_ids_t."""
   chex.assert_rank(step_ids_t, 1)
+  step_ids_t = jnp.asarray(step_ids_t)
   next_ids = jnp.concatenate([step_ids_t[1:], jnp.full((1,), -1, step_ids_t.dtype)])
   return (step_ids_t >= 0) & (next_ids != step_ids_t)
 
@@ -58,7 +60,7 @@ def equal_credit(reward: jax.Array | float, step_ids_t: jax.Array) -> jax.Array:
     [T] per-position rewards.
   """
   chex.assert_rank(step_ids_t, 1)
-  is_decision = step_ids_t >= 0
+  is_decision = jnp.asarray(step_ids_t) >= 0
   decisions_from_here = jnp.cumsum(is_decision[::-1])[::-1]
   is_last = is_decision & (decisions_from_here == 1)
   reward = jnp.asarray(reward, jnp.float32)
@@ -96,6 +98,6 @@ def per_step_credit(step_rewards_s: jax.Array, step_ids_t: jax.Array) -> jax.Arr
     [T] per-position rewards.
   """
   chex.assert_rank([step_rewards_s, step_ids_t], 1)
-  ids = jnp.clip(step_ids_t, 0, step_rewards_s.shape[0] - 1)
-  credit = step_rewards_s[ids]
+  ids = jnp.clip(jnp.asarray(step_ids_t), 0, step_rewards_s.shape[0] - 1)
+  credit = jnp.asarray(step_rewards_s)[ids]
   return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))

@@ -52,11 +52,12 @@ def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_gro
     group_ids: same shape, ints in [0, num_groups) on valid elements.
     num_groups: static number of groups.
   Returns:
-    normalised x, same shape and dtype, 0 where mask is 0.
+    normalised x (float), same shape, 0 where mask is 0.
   """
   chex.assert_equal_shape([x, mask, group_ids])
-  valid = (mask != 0).reshape(-1)
-  ids = jnp.where(valid, group_ids.reshape(-1), 0)
+  x = jnp.asarray(x, jnp.promote_types(jnp.asarray(x).dtype, jnp.float32))
+  valid = (jnp.asarray(mask) != 0).reshape(-1)
+  ids = jnp.where(valid, jnp.asarray(group_ids).reshape(-1), 0)
   xs = jnp.where(valid, x.reshape(-1), jnp.zeros((), x.dtype))
   segment_sum = functools.partial(jax.ops.segment_sum, segment_ids=ids, num_segments=num_groups)
   count = segment_sum(valid.astype(x.dtype))

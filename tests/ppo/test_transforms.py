@@ -178,3 +178,11 @@ def test_value_loss_gradients_match_finite_differences(huber):
       loss = lambda v_: ppo.clipped_value_loss(v_, old_v, ret, mask, 0.2)
     check_grads(loss, (jnp.asarray(v),), order=1, modes=("rev",), eps=1e-6, atol=1e-6,
                 rtol=1e-6)
+
+
+def test_entropy_bonus_gradient_matches_finite_differences():
+  with jax.enable_x64(True):
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(T, V)))
+    mask = jnp.asarray(np.array([1, 1, 0, 1, 0, 1], bool))
+    check_grads(lambda l: ppo.masked_entropy(l, mask, 0.7), (logits,), order=1, modes=("rev",),
+                eps=1e-6, atol=1e-6, rtol=1e-6)
