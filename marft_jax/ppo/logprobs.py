@@ -17,6 +17,14 @@ import jax.numpy as jnp
 from marft_jax.ppo.masked import masked_mean, masked_sum
 
 
+def _log_softmax(logits_t: jax.Array, temperature: float) -> jax.Array:
+  # bf16 logits are scored in f32: the log-probs feed exp(Δ) ratios, where bf16 rounding
+  # would read as a spurious policy change.
+  logits_t = jnp.asarray(logits_t)
+  logits_t = logits_t.astype(jnp.promote_types(logits_t.dtype, jnp.float32))
+  return jax.nn.log_softmax(logits_t / temperature, axis=-1)
+
+
 def token_logprobs(logits_t: jax.Array, tokens_t: jax.Array,
                    temperature: float = 1.0) -> jax.Array:
   """log π(w_t) = log_softmax(logits_t / τ)[w_t].
@@ -26,21 +34,21 @@ def token_logprobs(logits_t: jax.Array, tokens_t: jax.Array,
     tokens_t: [T] int token ids.
     temperature: τ, the sampling temperature.
   Returns:
-    [T] float32 log-probabilities.
+    [T] log-probabilities, at least float32.
   """
   chex.assert_rank([logits_t, tokens_t], [2, 1])
   chex.assert_equal_shape_prefix([logits_t, tokens_t], 1)
-  logp = jax.nn.log_softmax(logits_t.astype(jnp.float32) / temperature, axis=-1)
+  logp = _log_softmax(logits_t, temperature)
   return jnp.take_along_axis(logp, tokens_t[:, None], axis=-1)[:, 0]
 
 
 def token_entropy(logits_t: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """H_t = −Σ_v p_v log p_v with p = softmax(logits_t / τ); [T, V] → [T] float32.
+  """H_t = −Σ_v p_v log p_v with p = softmax(logits_t / τ); [T, V] → [T], at least f32.
 
   Vocabulary entries with probability 0 (logit −inf) contribute 0, not NaN.
   """
   chex.assert_rank(logits_t, 2)
-  logp = jax.nn.log_softmax(logits_t.astype(jnp.float32) / temperature, axis=-1)
+  logp = _log_softmax(logits_t, temperature)
   p = jnp.exp(logp)
   return -jnp.sum(jnp.where(p > 0, p * logp, jnp.zeros_like(p)), axis=-1)
 
