@@ -1,6 +1,7 @@
 """GGUF loading: tiny files written with `gguf.GGUFWriter` the way llama.cpp's converter writes
 them (names from gguf's own `TensorNameMap`, q/k rows permuted by llama.cpp's `permute`), and
-SmolLM2-135M against transformers' GGUF-loaded torch model."""
+SmolLM2-135M against transformers' GGUF-loaded torch model: logits, and greedy decoding with our
+KV-cache sampler against `generate(do_sample=False)`."""
 
 import gguf
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from marft_jax.models import gguf_checkpoint, hf_checkpoint, smollm2, transformer
+from marft_jax.models import gguf_checkpoint, hf_checkpoint, sampler, smollm2, transformer
 from tests.models.hf_fixtures import save_tiny_model
 
 TOL = 1e-4
@@ -194,31 +195,20 @@ def test_smollm2_logits_match_transformers_gguf(smollm2_ours, smollm2_torch):
   assert diff <= SMOLLM2_TOL
 
 
-def _greedy(params, config, tokens, mask, num_new):
-  """Greedy decoding with our KV cache: the prompt in one call, then one token per call."""
-  step = jax.jit(transformer.forward, static_argnums=2)
-  cache = transformer.init_cache(config, tokens.shape[0], tokens.shape[1] + num_new)
-  logits, cache = step(params, jnp.asarray(tokens), config, mask=jnp.asarray(mask, bool),
-                       cache=cache)
-  out = []
-  for _ in range(num_new):
-    next_token = jnp.argmax(logits[:, -1], axis=-1)
-    out.append(next_token)
-    logits, cache = step(params, next_token[:, None], config, cache=cache)
-  return np.stack([np.asarray(t) for t in out], axis=1)
-
-
 @pytest.mark.slow
 def test_smollm2_greedy_continuations_match_transformers(smollm2_ours, smollm2_torch):
   params, config, tokenizer = smollm2_ours
   num_new = 32
   tokens, mask = _chat_batch(tokenizer, PROMPTS[1:])
-  ours = _greedy(params, config, tokens, mask, num_new)
+  out = sampler.generate(params, tokens, config, rng=jax.random.key(0), max_new_tokens=num_new,
+                         prompt_mask=mask.astype(bool), temperature=0.0,
+                         eos_ids=tokenizer.eos_token_id)
+  assert np.asarray(out.mask).all()  # no EOS within 32 tokens: both sides ran every step
+  ours = np.asarray(out.tokens)
   with torch.no_grad():
     ref = smollm2_torch.generate(input_ids=torch.tensor(tokens),
                                  attention_mask=torch.tensor(mask), do_sample=False,
                                  max_new_tokens=num_new, pad_token_id=tokenizer.pad_token_id)
   ref = ref[:, tokens.shape[1]:].numpy()
-  assert not np.any(ref == tokenizer.eos_token_id)  # both sides ran all 32 steps
   np.testing.assert_array_equal(ours, ref)
   print(tokenizer.batch_decode(ours))
