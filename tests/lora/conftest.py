@@ -43,3 +43,20 @@ def random_params(config=CONFIG, seed=0):
 @pytest.fixture(scope="session")
 def params():
   return random_params()
+
+
+# A training batch shared by the gradient tests (one compile serves several modules). Row 0: a
+# prompt (base), agent 0's reply, then agent 1's; row 1: agent 2; rows 2, 3: agent 0, the base.
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 8)))
+IDS = jnp.asarray([[-1, -1, 0, 0, 0, 1, 1, 1], [2] * 8, [0] * 8, [-1] * 8])
+
+
+def nll(trainable, base, tokens, ids, loss_mask):
+  """Mean next-token NLL over positions where `loss_mask` [B, T] is set."""
+  logits, _ = transformer.forward(base, tokens, CONFIG, lora=trainable, adapter_ids=ids)
+  logp = jax.nn.log_softmax(logits[:, :-1])
+  token_nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(token_nll * loss_mask[:, :-1]) / jnp.sum(loss_mask[:, :-1])
+
+
+nll_value_and_grad = jax.jit(lora.trainable_value_and_grad(nll))

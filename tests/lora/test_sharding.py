@@ -7,17 +7,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from marft_jax import lora, sharding
-from marft_jax.models import transformer
-from tests.lora.conftest import CONFIG, random_adapters
-
-TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 8)))
-IDS = jnp.asarray(np.repeat([[0, 1], [2, -1], [1, 1], [-1, 0]], 4, axis=1))
-
-
-def _loss(adapters, params, tokens, ids):
-  logits, _ = transformer.forward(params, tokens, CONFIG, lora=adapters, adapter_ids=ids)
-  return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-
+from tests.lora.conftest import IDS, TOKENS, nll, nll_value_and_grad, random_adapters
 
 def test_specs_follow_the_base_kernel_axes(params):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -35,15 +25,16 @@ def test_specs_follow_the_base_kernel_axes(params):
 def test_sharded_routed_gradients_equal_single_device(params):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   adapters = random_adapters(3)
-  step = jax.value_and_grad(_loss)
-  loss, grads = jax.jit(step)(adapters, params, TOKENS, IDS)
+  mask = jnp.ones(IDS.shape)
+  loss, grads = nll_value_and_grad(adapters, params, TOKENS, IDS, mask)
   adapter_sh = lora.adapter_shardings(mesh, adapters)
   batch = sharding.batch_sharding(mesh, 2)
-  sharded_step = jax.jit(step, in_shardings=(adapter_sh, sharding.param_shardings(mesh, params),
-                                             batch, batch),
+  sharded_step = jax.jit(lora.trainable_value_and_grad(nll),
+                         in_shardings=(adapter_sh, sharding.param_shardings(mesh, params),
+                                       batch, batch, batch),
                          out_shardings=(sharding.replicated(mesh), adapter_sh))
   placed = jax.device_put(adapters, adapter_sh)
-  sharded_loss, sharded_grads = sharded_step(placed, params, TOKENS, IDS)
+  sharded_loss, sharded_grads = sharded_step(placed, params, TOKENS, IDS, mask)
   assert placed.layers["gate_proj"]["b"].sharding.spec == P(None, None, None, "tensor")
   assert sharded_grads.layers["o_proj"]["a"].sharding.spec == P(None, None, "tensor", None)
   np.testing.assert_allclose(sharded_loss, loss, atol=1e-5, rtol=0)

@@ -8,24 +8,7 @@ import numpy as np
 import optax
 
 from marft_jax import lora
-from marft_jax.models import transformer
-from tests.lora.conftest import CONFIG, random_adapters
-
-T = 12
-TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, T)))
-# Row 0: a prompt (base), agent 0's reply, then agent 1's; row 1: agent 2 alone.
-IDS = jnp.asarray([[-1] * 2 + [0] * 5 + [1] * 5, [2] * T])
-
-
-def _nll(trainable, base, loss_mask):
-  """Mean next-token NLL over positions where `loss_mask` [B, T] is set."""
-  logits, _ = transformer.forward(base, TOKENS, CONFIG, lora=trainable, adapter_ids=IDS)
-  logp = jax.nn.log_softmax(logits[:, :-1])
-  nll = -jnp.take_along_axis(logp, TOKENS[:, 1:, None], axis=-1)[..., 0]
-  return jnp.sum(nll * loss_mask[:, :-1]) / jnp.sum(loss_mask[:, :-1])
-
-
-_value_and_grad = jax.jit(lora.trainable_value_and_grad(_nll))
+from tests.lora.conftest import IDS, TOKENS, nll, nll_value_and_grad, random_adapters
 
 
 def _dot_output_shapes(jaxpr):
@@ -42,13 +25,13 @@ def _dot_output_shapes(jaxpr):
 def test_no_gradient_or_optimizer_state_for_base_params(params):
   adapters = random_adapters(3)
   mask = (IDS >= 0).astype(jnp.float32)
-  _, grads = _value_and_grad(adapters, params, mask)
+  _, grads = nll_value_and_grad(adapters, params, TOKENS, IDS, mask)
   assert jax.tree.structure(grads) == jax.tree.structure(adapters)
   # Weight gradients are the only dots whose output has a base weight's shape.
   base_shapes = {tuple(x.shape[-2:]) for x in jax.tree.leaves(params) if x.ndim >= 2}
-  ours = jax.make_jaxpr(lora.trainable_value_and_grad(_nll))(adapters, params, mask)
+  ours = jax.make_jaxpr(lora.trainable_value_and_grad(nll))(adapters, params, TOKENS, IDS, mask)
   assert not _dot_output_shapes(ours.jaxpr) & base_shapes
-  full = jax.make_jaxpr(jax.grad(_nll, argnums=1))(adapters, params, mask)
+  full = jax.make_jaxpr(jax.grad(nll, argnums=1))(adapters, params, TOKENS, IDS, mask)
   assert _dot_output_shapes(full.jaxpr) & base_shapes  # The probe does see weight gradients.
   opt_state = optax.adam(1e-2).init(adapters)
   sizes = [x.size for x in jax.tree.leaves(opt_state)]
@@ -71,7 +54,7 @@ def _per_adapter_changed(new, old):
 def test_step_on_agent_0_tokens_changes_only_agent_0(params):
   adapters = random_adapters(3)
   base_before = jax.tree.map(np.array, params)
-  _, grads = _value_and_grad(adapters, params, (IDS == 0).astype(jnp.float32))
+  _, grads = nll_value_and_grad(adapters, params, TOKENS, IDS, (IDS == 0).astype(jnp.float32))
   stepped, _, _ = _adam_step(adapters, grads)
   np.testing.assert_array_equal(_per_adapter_changed(stepped, adapters), [True, False, False])
   jax.tree.map(np.testing.assert_array_equal, params, base_before)
@@ -82,7 +65,7 @@ def test_later_agent_loss_reaches_earlier_agent_through_context_and_where_adapte
   # gradient of agent 1's log-probs moves adapter 0 too. An agent-by-agent schedule keeps the
   # other agents (weights and optimizer moments) with `where_adapters`.
   adapters = random_adapters(3)
-  _, grads = _value_and_grad(adapters, params, (IDS == 1).astype(jnp.float32))
+  _, grads = nll_value_and_grad(adapters, params, TOKENS, IDS, (IDS == 1).astype(jnp.float32))
   stepped, state, new_state = _adam_step(adapters, grads)
   np.testing.assert_array_equal(_per_adapter_changed(stepped, adapters), [True, True, False])
   only_1 = jnp.asarray([False, True, False])
