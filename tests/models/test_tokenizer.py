@@ -10,6 +10,8 @@ else ours must equal it token for token.
 
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -219,3 +221,21 @@ def test_smollm2_chat_template_matches_transformers(smollm2_tokenizers):
       assert ours(text)["input_ids"] == ref(text)["input_ids"]
   assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
   assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_gguf_loaders_do_not_import_torch(tmp_path, tiny_vocab):
+  """Weights and tokenizer load in a fresh process without torch (a test-only package)."""
+  from tests.models.hf_fixtures import save_tiny_model
+  from tests.models.test_gguf import write_gguf
+  weights = write_gguf(tmp_path / "m.gguf", save_tiny_model(tmp_path, "llama"))
+  vocab = write_tokenizer_gguf(tmp_path / "tok.gguf", *tiny_vocab, pre="smollm")
+  script = (
+      "import sys\n"
+      "from marft_jax.models import gguf_checkpoint, smollm2, tokenizer\n"
+      f"gguf_checkpoint.load_gguf_checkpoint({weights!r})\n"
+      f"tok = tokenizer.gguf_tokenizer({vocab!r})\n"
+      "tok.apply_chat_template([{'role': 'user', 'content': 'x'}])\n"
+      "assert 'torch' not in sys.modules, 'torch was imported'\n")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+  subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONPATH=path))
