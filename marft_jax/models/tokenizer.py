@@ -4,8 +4,8 @@ A folder goes to transformers' `AutoTokenizer` (no hub access). A GGUF file hold
 `tokenizer.json`, only llama.cpp's description of one: the vocabulary, the merges, the token
 types, the special ids, a pre-tokenizer *name* (`tokenizer.ggml.pre`) and usually a chat template.
 `gguf_tokenizer` rebuilds the byte-level BPE tokenizer it describes with the `tokenizers` library
-and wraps it in `transformers.PreTrainedTokenizerFast` (transformers' own GGUF tokenizer path
-imports torch; this one does not).
+and wraps it in `transformers.PreTrainedTokenizerFast` without importing torch (transformers'
+own GGUF path, `AutoTokenizer.from_pretrained(dir, gguf_file=...)`, is the test reference only).
 
 The pre-tokenizer (how text is cut before BPE) is named, not stored, so each name llama.cpp
 knows is mapped here to the `tokenizers` pipeline of the original `tokenizer.json`
@@ -15,12 +15,13 @@ knows is mapped here to the `tokenizers` pipeline of the original `tokenizer.jso
 
 transformers 5.23's GGUF converter has no entry for `smollm` and falls back to the GPT-2 regex
 alone, which keeps a space glued to the number after it. Single spaces come out the same (no
-merge joins `Ġ` to a digit, since digits were split off in training), but a run of spaces before a
-digit does not: for `"a  1"` GPT-2's `\\s+(?!\\S)` leaves one space on its own and glues the
-other to the digit, giving `a`, `Ġ`, `Ġ`, `1`, while SmolLM2's tokenizer (and llama.cpp) give
-`a`, `ĠĠ`, `1`. That is the known "double space before digits" difference: transformers' side
-is the wrong one, and this module follows the real tokenizer (tests/models/test_tokenizer.py
-shows both facts).
+merge joins `Ġ` to a digit, since digits were split off in training), but a whitespace run ending
+in a space before a digit does not: for `"a  1"` GPT-2's `\\s+(?!\\S)` leaves one space on its
+own and glues the other to the digit, giving `a`, `Ġ`, `Ġ`, `1`, while SmolLM2's tokenizer (and
+llama.cpp) give `a`, `ĠĠ`, `1` (likewise `"\\n  42"`: `ĊĠĠ`, `4`, `2`, not `ĊĠ`, `Ġ`, ...).
+That is the known "double space before digits" difference: transformers' side is the wrong
+one, and this module follows the real tokenizer (tests/models/test_tokenizer.py checks ours
+against llama.cpp's split on every text, and against transformers wherever it is right).
 """
 
 from __future__ import annotations
