@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import struct
 
 NO_ADAPTER = -1
+# Per-token ids with at least this many adapters take the sorted (grouped) path.
+GROUPED_MIN_ADAPTERS = 2
 
 
 @struct.dataclass
@@ -115,7 +117,10 @@ def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: 
   """
   x = _dropout(x, adapter.get("dropout_key"), dropout_rate)
   a, b = adapter["a"].astype(x.dtype), adapter["b"].astype(x.dtype)
-  route = _per_sequence if adapter_ids.ndim == 1 else _per_token
+  if adapter_ids.ndim == 1:
+    route = _per_sequence
+  else:
+    route = _per_token_grouped if a.shape[0] >= GROUPED_MIN_ADAPTERS else _per_token
   return route(x, a, b, adapter_ids) * jnp.asarray(scale, x.dtype)
 
 
@@ -131,10 +136,84 @@ def _per_token(x, a, b, ids):
   """All A down-projections as one [D_in, A·R] matmul; the id's one-hot keeps one of them.
 
   Exact: the unselected terms are multiplied by 0 (and an id of -1 has an all-zero one-hot).
+  The cost is A single-adapter LoRA branches.
   """
   onehot = jax.nn.one_hot(ids, a.shape[0], dtype=x.dtype)  # [B, T, A]
   down = jnp.einsum("btd,adr->btar", x, a) * onehot[..., None]
   return jnp.einsum("btar,aro->bto", down, b)
+
+
+def _per_token_grouped(x, a, b, ids):
+  """Tokens sorted by adapter into tiles of C rows, each tile holding one adapter's tokens.
+
+  Every token meets only its own adapter's factors (gathered per tile), so the cost is one
+  LoRA branch plus fewer than A·C padding rows and two row permutations, whatever A is. Tokens
+  with id -1 are left out of the tiles and read a zero row.
+  """
+  B, T, D = x.shape
+  N, A = B * T, a.shape[0]
+  rows = tile_rows(N, A)
+  num_tiles = (N + A * (rows - 1)) // rows  # Bounds Σ_g ceil(size_g / C) for Σ size_g ≤ N.
+  dest, tile_adapter = _tile_layout(ids.reshape(N), A, rows, num_tiles)
+  # src[r]: the token in padded row r, or N (the zero row) for padding.
+  src = jnp.full((num_tiles * rows + 1,), N, jnp.int32).at[dest].set(jnp.arange(N))[:-1]
+  tiles = _permute_rows(x.reshape(N, D), src, dest).reshape(num_tiles, rows, D)
+  down = jnp.einsum("tcd,tdr->tcr", tiles, a[tile_adapter])
+  up = jnp.einsum("tcr,tro->tco", down, b[tile_adapter])
+  return _permute_rows(up.reshape(num_tiles * rows, -1), dest, src).reshape(B, T, -1)
+
+
+@jax.custom_vjp
+def _permute_rows(x, index, inverse):
+  """y[r] = x[index[r]], or 0 where index[r] = len(x).
+
+  `inverse` maps back: inverse[n] is the one r with index[r] = n, or len(y) if none. The
+  gradient is then the gather `dx[n] = dy[inverse[n]]` rather than a scatter-add, which XLA
+  runs several times slower on CPU.
+  """
+  return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[index]
+
+
+def _permute_rows_fwd(x, index, inverse):
+  return _permute_rows(x, index, inverse), (index, inverse)
+
+
+def _permute_rows_bwd(residuals, dy):
+  index, inverse = residuals
+  return _permute_rows(dy, inverse, index), None, None
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def tile_rows(num_tokens: int, num_adapters: int) -> int:
+  """Rows per tile C: the power of two at most N / 2A, within [16, 512].
+
+  Padding (< A·C rows, so < N / 2) buys tiles big enough for efficient matmuls: on CPU, tiles
+  of 32 rows made a 4-adapter step 10% slower than tiles of 64 despite less padding.
+  """
+  target = max(num_tokens // (2 * num_adapters), 1)
+  return int(min(max(1 << (target.bit_length() - 1), 16), 512))
+
+
+def _tile_layout(ids, num_adapters, rows, num_tiles):
+  """dest [N]: each token's padded row (num_tiles·rows for id -1); tile_adapter [num_tiles].
+
+  Adapter g's tokens fill rows [start_g, start_g + size_g) in their original order, where
+  start_g is the padded size of the adapters before g rounded up to whole tiles.
+  """
+  group = jnp.where(ids < 0, num_adapters, ids)
+  order = jnp.argsort(group, stable=True)
+  sorted_pos = jnp.zeros_like(order).at[order].set(jnp.arange(ids.shape[0]))
+  sizes = jnp.bincount(group, length=num_adapters + 1)[:num_adapters]
+  padded_end = jnp.cumsum(-(-sizes // rows) * rows)
+  padded_start = padded_end - -(-sizes // rows) * rows
+  sorted_start = jnp.cumsum(sizes) - sizes
+  safe = jnp.minimum(group, num_adapters - 1)
+  dest = padded_start[safe] + sorted_pos - sorted_start[safe]
+  dest = jnp.where(ids < 0, num_tiles * rows, dest)
+  tile_adapter = jnp.searchsorted(padded_end, jnp.arange(num_tiles) * rows, side="right")
+  return dest, jnp.minimum(tile_adapter, num_adapters - 1)
 
 
 def _dropout(x, key, rate):

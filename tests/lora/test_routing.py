@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax import lora
+from marft_jax.lora import routing
 from marft_jax.models import transformer
 from tests.lora.conftest import CONFIG, random_adapters
 
@@ -95,11 +96,13 @@ def test_shared_mode_routes_every_agent_through_adapter_zero(params, adapters):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_routed_delta_against_numpy(jit):
+@pytest.mark.parametrize("num_adapters", [1, 3])  # One-hot path; sorted (grouped) path.
+def test_routed_delta_against_numpy(jit, num_adapters):
   rng = np.random.default_rng(2)
   x = rng.normal(size=(2, 5, 6)).astype(np.float32)
-  a, b = rng.normal(size=(3, 6, 2)).astype(np.float32), rng.normal(size=(3, 2, 4)).astype(np.float32)
-  ids = np.array([[0, 1, 2, -1, 1], [2, 2, -1, 0, 0]])
+  a = rng.normal(size=(num_adapters, 6, 2)).astype(np.float32)
+  b = rng.normal(size=(num_adapters, 2, 4)).astype(np.float32)
+  ids = rng.integers(-1, num_adapters, (2, 5))
   expected = np.zeros((2, 5, 4), np.float32)
   for i, j in np.ndindex(2, 5):
     if ids[i, j] >= 0:
@@ -107,9 +110,32 @@ def test_routed_delta_against_numpy(jit):
   delta = jax.jit(lora.routed_lora_delta, static_argnums=3) if jit else lora.routed_lora_delta
   np.testing.assert_allclose(delta(x, {"a": a, "b": b}, jnp.asarray(ids), 0.5), expected,
                              atol=1e-5)
-  per_row = delta(x, {"a": a, "b": b}, jnp.asarray([2, -1]), 0.5)
-  np.testing.assert_allclose(per_row[0], 0.5 * x[0] @ a[2] @ b[2], atol=1e-5)
+  per_row = delta(x, {"a": a, "b": b}, jnp.asarray([num_adapters - 1, -1]), 0.5)
+  np.testing.assert_allclose(per_row[0], 0.5 * x[0] @ a[-1] @ b[-1], atol=1e-5)
   np.testing.assert_array_equal(per_row[1], 0.0)
+
+
+@pytest.mark.parametrize("ids_kind", ["random", "one_adapter", "all_base", "runs"])
+def test_grouped_path_values_and_gradients_equal_one_hot(ids_kind):
+  rng = np.random.default_rng(5)
+  B, T, A = 3, 37, 4  # 111 tokens: tiles of 16 rows, with padding in several groups.
+  x = jnp.asarray(rng.normal(size=(B, T, 8)), jnp.float32)
+  a = jnp.asarray(rng.normal(size=(A, 8, 2)), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(A, 2, 5)), jnp.float32)
+  ids = {"random": rng.integers(-1, A, (B, T)), "one_adapter": np.full((B, T), 2),
+         "all_base": np.full((B, T), -1),
+         "runs": np.repeat(rng.integers(-1, A, (B, 4)), [9, 10, 9, 9], axis=1)}[ids_kind]
+  ids = jnp.asarray(ids, jnp.int32)
+
+  def loss(path):
+    return lambda x, a, b: jnp.sum(jnp.sin(path(x, a, b, ids)))
+
+  np.testing.assert_allclose(routing._per_token_grouped(x, a, b, ids),
+                             routing._per_token(x, a, b, ids), atol=1e-5)
+  grads = jax.grad(loss(routing._per_token_grouped), argnums=(0, 1, 2))(x, a, b)
+  expected = jax.grad(loss(routing._per_token), argnums=(0, 1, 2))(x, a, b)
+  for g, e in zip(grads, expected):
+    np.testing.assert_allclose(g, e, atol=1e-4)
 
 
 def test_dropout_only_with_a_key_and_matching_its_mask():
