@@ -18,7 +18,7 @@ projection, whose share of the work grows as layers are dropped). Timings on a s
 noisy: the configurations run interleaved and the minimum and the median over repeats are
 reported.
 
-    python bench/lora.py --layers 4 --batch 4 --time 128 --rank 32 --repeats 5
+    python bench/lora.py --layers 4 --batch 4 --time 128 --rank 32 --repeats 7
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main():
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--time", type=int, default=128)
   parser.add_argument("--rank", type=int, default=32)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--head", choices=["none", "lm"], default="none")
   args = parser.parse_args()
 

@@ -21,6 +21,8 @@ from flax import struct
 NO_ADAPTER = -1
 # Per-token ids with at least this many adapters take the sorted (grouped) path.
 GROUPED_MIN_ADAPTERS = 2
+# Tokens sorted together by the grouped path (whole rows; see `_rows_per_block`).
+BLOCK_TOKENS = 1024
 
 
 @struct.dataclass
@@ -115,8 +117,8 @@ def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: 
   Returns:
     [B, T, D_out] in x's dtype.
   """
-  x = _dropout(x, adapter.get("dropout_key"), dropout_rate)
-  a, b = adapter["a"].astype(x.dtype), adapter["b"].astype(x.dtype)
+  x = _dropout(jnp.asarray(x), adapter.get("dropout_key"), dropout_rate)
+  a, b = jnp.asarray(adapter["a"], x.dtype), jnp.asarray(adapter["b"], x.dtype)
   if adapter_ids.ndim == 1:
     route = _per_sequence
   else:
@@ -147,20 +149,44 @@ def _per_token_grouped(x, a, b, ids):
   """Tokens sorted by adapter into tiles of C rows, each tile holding one adapter's tokens.
 
   Every token meets only its own adapter's factors (gathered per tile), so the cost is one
-  LoRA branch plus fewer than A·C padding rows and two row permutations, whatever A is. Tokens
-  with id -1 are left out of the tiles and read a zero row.
+  LoRA branch plus fewer than A·C padding rows and two row permutations, whatever A is.
+
+  Sorting happens within blocks of k whole rows (`_rows_per_block`), never across them: with
+  the batch split over devices, a block then sits on one device and the permutations need no
+  communication (a sort over the whole batch made XLA all-reduce permuted activations).
   """
   B, T, D = x.shape
-  N, A = B * T, a.shape[0]
-  rows = tile_rows(N, A)
+  k = _rows_per_block(B, T)
+  blocks = jax.vmap(functools.partial(_grouped_block, a=a, b=b))(
+      x.reshape(B // k, k * T, D), ids.reshape(B // k, k * T))
+  return blocks.reshape(B, T, -1)
+
+
+def _rows_per_block(batch: int, time: int) -> int:
+  """The largest power of two k dividing B with k·T ≤ BLOCK_TOKENS (at least 1).
+
+  Blocks of ~1k tokens fill tiles big enough for efficient matmuls, and stay within one
+  device's rows unless a device holds fewer than ~1k tokens of the batch.
+  """
+  k = 1
+  while batch % (2 * k) == 0 and 2 * k * time <= BLOCK_TOKENS:
+    k *= 2
+  return k
+
+
+def _grouped_block(x, ids, a, b):
+  """`_per_token_grouped` for one block. x: [N, D_in]; ids: [N]. Tokens with id -1 are left
+  out of the tiles and read a zero row."""
+  N, A = x.shape[0], a.shape[0]
+  rows = _tile_rows(N, A)
   num_tiles = (N + A * (rows - 1)) // rows  # Bounds Σ_g ceil(size_g / C) for Σ size_g ≤ N.
-  dest, tile_adapter = _tile_layout(ids.reshape(N), A, rows, num_tiles)
+  dest, tile_adapter = _tile_layout(ids, A, rows, num_tiles)
   # src[r]: the token in padded row r, or N (the zero row) for padding.
   src = jnp.full((num_tiles * rows + 1,), N, jnp.int32).at[dest].set(jnp.arange(N))[:-1]
-  tiles = _permute_rows(x.reshape(N, D), src, dest).reshape(num_tiles, rows, D)
+  tiles = _permute_rows(x, src, dest).reshape(num_tiles, rows, -1)
   down = jnp.einsum("tcd,tdr->tcr", tiles, a[tile_adapter])
   up = jnp.einsum("tcr,tro->tco", down, b[tile_adapter])
-  return _permute_rows(up.reshape(num_tiles * rows, -1), dest, src).reshape(B, T, -1)
+  return _permute_rows(up.reshape(num_tiles * rows, -1), dest, src)
 
 
 @jax.custom_vjp
@@ -186,11 +212,12 @@ def _permute_rows_bwd(residuals, dy):
 _permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
-def tile_rows(num_tokens: int, num_adapters: int) -> int:
+def _tile_rows(num_tokens: int, num_adapters: int) -> int:
   """Rows per tile C: the power of two at most N / 2A, within [16, 512].
 
-  Padding (< A·C rows, so < N / 2) buys tiles big enough for efficient matmuls: on CPU, tiles
-  of 32 rows made a 4-adapter step 10% slower than tiles of 64 despite less padding.
+  Padding (< A·C rows: under N / 2 once N ≥ 32A) buys tiles big enough for efficient matmuls:
+  on CPU, tiles of 32 rows made a 4-adapter step 10% slower than tiles of 64 despite less
+  padding.
   """
   target = max(num_tokens // (2 * num_adapters), 1)
   return int(min(max(1 << (target.bit_length() - 1), 16), 512))

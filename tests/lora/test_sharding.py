@@ -1,6 +1,8 @@
 """Adapter factors are split like their base kernels; a sharded routed training step on 8
 virtual devices equals the single-device one."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,3 +42,22 @@ def test_sharded_routed_gradients_equal_single_device(params):
   np.testing.assert_allclose(sharded_loss, loss, atol=1e-5, rtol=0)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5, rtol=0),
                sharded_grads, grads)
+
+
+def test_grouped_routing_moves_no_activations_between_batch_shards(params):
+  # 8 rows of 256 tokens sort in blocks of 4 rows (1024 tokens); with the rows split over 2
+  # devices each block lives on one, so the only collectives are the gradient all-reduces.
+  tokens = jnp.zeros((8, 256), jnp.int32)
+  ids = jnp.asarray(np.repeat(np.random.default_rng(1).integers(-1, 3, (8, 4)), 64, axis=1))
+  adapters = random_adapters(3)
+  mesh = sharding.make_mesh(data=2)
+  batch = sharding.batch_sharding(mesh, 2)
+  step = jax.jit(lora.trainable_value_and_grad(nll),
+                 in_shardings=(lora.adapter_shardings(mesh, adapters),
+                               sharding.param_shardings(mesh, params), batch, batch, batch))
+  hlo = step.lower(adapters, params, tokens, ids, jnp.ones(ids.shape)).compile().as_text()
+  collectives = re.findall(r"= (.*?) (?:all-reduce|all-gather|all-to-all|collective-permute)"
+                           r"(?:-start)?\(", hlo)
+  sizes = [np.prod([int(d) for d in dims.split(",") if d])
+           for result in collectives for dims in re.findall(r"\w+\[([\d,]*)\]", result)]
+  assert collectives and max(sizes) <= max(x.size for x in jax.tree.leaves(adapters))
