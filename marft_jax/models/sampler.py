@@ -29,7 +29,7 @@ import numpy as np
 from flax import struct
 
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import transformer
+from marft_jax.models import decode_layout, transformer
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.transformer import KVCache, Params
 
@@ -170,10 +170,10 @@ class _LoopState:
   step: jax.Array  # [] int32: tokens sampled so far (the next output column).
   last: jax.Array  # [B] int32: the token sampled last, not yet in the cache.
   last_valid: jax.Array  # [B] bool: `last` is a real generated token (write it to the cache).
-  active: jax.Array  # [B] bool: the row samples again at this step.
-  tokens: jax.Array  # [B, N] int32
-  logprobs: jax.Array  # [B, N] f32
-  mask: jax.Array  # [B, N] bool
+  active: jax.Array  # [B] bool: the row samples again at the next step.
+  tokens: jax.Array  # [B, N + 1] int32 (the extra column takes the final, discarded draw)
+  logprobs: jax.Array  # [B, N + 1] f32
+  mask: jax.Array  # [B, N + 1] bool
   cache: KVCache
 
 
@@ -189,11 +189,13 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
   """See `generate_jit`."""
   B = tokens.shape[0]
   sample = functools.partial(sample_tokens, top_k=top_k, greedy=greedy)
-  model = functools.partial(transformer.hidden_states, params, config=config, lora=lora,
+  impl = decode_layout if decode_layout.is_decode_layout(params) else transformer
+  model = functools.partial(impl.hidden_states, params, config=config, lora=lora,
                             adapter_ids=adapter_ids)
 
-  def record(state: _LoopState, logits):
-    """Samples column `state.step` for the active rows."""
+  def record(state: _LoopState, h: jax.Array) -> _LoopState:
+    """Samples column `state.step` from hidden states h [B, D] for the active rows."""
+    logits = impl.logits_from_hidden(params, h, config)
     tok, logprob = sample(jax.random.fold_in(rng, state.step), logits, temperature, top_p)
     active = state.active
     tok = jnp.where(active, tok, pad_id)
@@ -207,33 +209,33 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
         logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)),
         mask=column(state.mask, active))
 
-  # --- prefill: encode the chunk, logits only at each row's last real token ---
+  if impl is decode_layout:
+    cache = decode_layout.split_cache(cache)
+  # --- prefill: encode the chunk; logits only at each row's last real token ---
   h, cache = model(tokens, mask=mask, cache=cache)
-  logits = transformer.logits_from_hidden(params, _last_real_hidden(h, mask), config)
   state = _LoopState(
       step=jnp.zeros((), jnp.int32), last=jnp.full((B,), pad_id, jnp.int32),
       last_valid=jnp.zeros((B,), bool), active=max_new_tokens > 0,
-      tokens=jnp.full((B, num_new), pad_id, jnp.int32),
-      logprobs=jnp.zeros((B, num_new), jnp.float32), mask=jnp.zeros((B, num_new), bool),
-      cache=cache)
-  state = record(state, logits)
+      tokens=jnp.full((B, num_new + 1), pad_id, jnp.int32),
+      logprobs=jnp.zeros((B, num_new + 1), jnp.float32),
+      mask=jnp.zeros((B, num_new + 1), bool), cache=cache)
+  state = record(state, _last_real_hidden(h, mask))
 
-  # --- decode: feed the last token, sample the next ---
-  def feed(state: _LoopState) -> tuple[jax.Array, KVCache]:
-    h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache)
-    return h[:, 0], cache
-
+  # --- decode: write the last token into the cache, sample the next ---
+  # The loop runs until no token is pending, so its last step only writes the final tokens
+  # (its draw goes to the spare column with an all-False mask): one copy of the model in
+  # the compiled loop, and the returned cache holds every valid token.
   def body(state: _LoopState) -> _LoopState:
-    h, cache = feed(state)
-    logits = transformer.logits_from_hidden(params, h, config)
-    return record(state.replace(cache=cache), logits)
+    h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache)
+    return record(state.replace(cache=cache), h[:, 0])
 
-  cond = lambda state: (state.step < num_new) & jnp.any(state.active)
-  state = jax.lax.while_loop(cond, body, state)
-  # The tokens sampled at the last step are not in the cache yet: write them.
-  _, cache = feed(state)
-  return SampleOutput(tokens=state.tokens, logprobs=state.logprobs, mask=state.mask,
-                      lengths=jnp.sum(state.mask, axis=-1, dtype=jnp.int32), cache=cache)
+  state = jax.lax.while_loop(lambda state: jnp.any(state.last_valid), body, state)
+  cache = state.cache
+  if impl is decode_layout:
+    cache = decode_layout.stack_cache(cache)
+  mask = state.mask[:, :num_new]
+  return SampleOutput(tokens=state.tokens[:, :num_new], logprobs=state.logprobs[:, :num_new],
+                      mask=mask, lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32), cache=cache)
 
 
 _STATIC = ("config", "num_new", "top_k", "greedy", "pad_id")
@@ -305,8 +307,12 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              pad_id: int = 0) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
+  For speed pass `decode_layout.to_decode_layout(params)` (made once, reused across calls):
+  decoding SmolLM2-135M is then about 1.7x (batch 1) to 2x (batch 16) faster than with the
+  stacked training tree, for a longer compile (the layers are unrolled).
+
   Args:
-    params: the model's parameter tree. tokens: [B, P] int prompt tokens (the new chunk when
+    params: the model's parameter tree, or its decode layout. tokens: [B, P] int prompt tokens (the new chunk when
       continuing `cache`), padded anywhere (right padding with `prompt_lens`).
     config: the static model config.
     rng: a PRNG key; the same key gives the same output.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import sampler, transformer
+from marft_jax.models import decode_layout, sampler, transformer
 from marft_jax.models.config import tiny_config
 
 CONFIG = tiny_config()
@@ -189,15 +189,19 @@ def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):
   np.testing.assert_array_equal(np.asarray(out.lengths), [9, 2, 16])
 
 
-def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
-  A, R, L = 2, 4, CONFIG.num_layers
+def _random_adapters(config, num_adapters=2, rank=4):
   keys = iter(jax.random.split(jax.random.key(11), 16))
   layers = {}
-  for name, (d_in, d_out) in transformer.linear_shapes(CONFIG).items():
+  for name, (d_in, d_out) in transformer.linear_shapes(config).items():
     if name in ("q_proj", "v_proj", "down_proj"):
-      layers[name] = {"a": 0.3 * jax.random.normal(next(keys), (L, A, d_in, R)),
-                      "b": 0.3 * jax.random.normal(next(keys), (L, A, R, d_out))}
-  lora = Adapters(layers=layers, scale=2.0)
+      shape = (config.num_layers, num_adapters)
+      layers[name] = {"a": 0.3 * jax.random.normal(next(keys), shape + (d_in, rank)),
+                      "b": 0.3 * jax.random.normal(next(keys), shape + (rank, d_out))}
+  return Adapters(layers=layers, scale=2.0)
+
+
+def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
+  lora = _random_adapters(CONFIG)
   ids = np.array([1, -1, 0])
   out = _generate(params, prompts, temperature=0.0, lora=lora, adapter_ids=ids)
   # Each row against a batch where every row uses that row's adapter (-1: the base model).
@@ -209,3 +213,20 @@ def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
                                atol=1e-5)
   base = np.asarray(_generate(params, prompts, temperature=0.0).tokens)
   assert np.all(np.any(np.asarray(out.tokens) != base, axis=1) == (ids >= 0))
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_decode_layout_equals_training_layout_with_lora(architecture):
+  """The decode layout (unrolled layers, out-major kernels, per-layer cache) is the same model."""
+  config = tiny_config(architecture)
+  params = transformer.init_params(config, jax.random.key(1), std=0.1)
+  lora = _random_adapters(config)
+  prompts = np.random.default_rng(3).integers(0, V, size=(3, 9))
+  kw = dict(prompt_lens=[9, 2, 5], max_new_tokens=[12, 3, 7], rng=jax.random.key(4),
+            temperature=0.8, top_p=0.9, lora=lora, adapter_ids=[1, -1, 0], cache_size=64)
+  first = sampler.generate(params, prompts, config, **kw)
+  fast = sampler.generate(decode_layout.to_decode_layout(params), prompts, config, **kw)
+  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(first.tokens))
+  np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(first.logprobs), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(fast.cache), jax.tree.leaves(first.cache)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
