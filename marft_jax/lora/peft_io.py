@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.lora.adapters import select_adapter, stack_adapters
+from marft_jax.lora.adapters import stack_adapters
 from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import transformer as model_lib  # Module binding: see config.py.
