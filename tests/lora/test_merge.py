@@ -19,7 +19,7 @@ def _forward(params, lora_, ids):
 def test_merged_forward_equals_routed_and_unmerge_restores(params):
   adapters = random_adapters(3, targets="q_proj|v_proj|o_proj|down_proj")
   merged = lora.merge_adapter(params, adapters, index=2)
-  routed = _forward(params, adapters, jnp.full((2,), 2))
+  routed = _forward(params, adapters, jnp.full((2,), 2, jnp.int32))
   plain = _forward(merged, None, jnp.zeros((2,), jnp.int32))
   np.testing.assert_allclose(np.asarray(plain), np.asarray(routed), atol=1e-5, rtol=0)
   restored = lora.unmerge_adapter(merged, adapters, index=2)

@@ -56,7 +56,7 @@ def test_our_adapters_load_in_peft_with_equal_logits(llama, tmp_path):
   peft_model.load_adapter(paths[1], adapter_name="coder")
   for i, name in enumerate(["planner", "coder"]):
     peft_model.set_adapter(name)
-    ours = _logits(params, config, adapters, jnp.full((2,), i))
+    ours = _logits(params, config, adapters, jnp.full((2,), i, jnp.int32))
     np.testing.assert_allclose(np.asarray(ours), _torch_logits(peft_model), atol=TOL, rtol=0)
   assert not np.allclose(_logits(params, config, None, jnp.zeros((2,), jnp.int32)), ours, atol=1e-2)
 

@@ -38,6 +38,7 @@ def test_no_gradient_or_optimizer_state_for_base_params(params):
   assert sum(sizes) == 2 * sum(x.size for x in jax.tree.leaves(adapters)) + 1  # mu, nu, count
 
 
+@jax.jit
 def _adam_step(adapters, grads):
   opt = optax.adam(1e-2)
   state = opt.init(adapters)
