@@ -1,7 +1,7 @@
 """`LoraConfig`: rank, scaling, targets and dropout of a set of LoRA adapters.
 
-It is a frozen, hashable dataclass: `Adapters` carries it as a static field, so it is part of
-the jit cache key and never traced.
+A frozen, hashable dataclass (usable as a static jit argument). `init_adapters` reads it;
+the `Adapters` it makes keep only what the forward needs: the scale and the dropout rate.
 """
 
 from __future__ import annotations
