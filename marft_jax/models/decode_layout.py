@@ -38,7 +38,7 @@ from flax import struct
 from marft_jax.lora.routing import Adapters, broadcast_adapter_ids
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.layers import MASK_VALUE, attention, rope_inverse_frequencies
+from marft_jax.models.layers import MASK_VALUE, rope_inverse_frequencies
 from marft_jax.models.transformer import KVCache, Params
 
 
@@ -96,31 +96,32 @@ def _linear(x, p, adapter, onehot, scale):
   return y
 
 
-def _attend_one(q, old_k, old_v, old_valid, new_k, new_v, new_valid):
-  """Attention of one new token per row over the cache before this step, plus itself.
+def _attention(q, old_k, old_v, old_valid, new_k, new_v, mask):
+  """Attention of T new tokens per row over the cache before this call and over themselves.
 
-  Reading the cache as it was (its own layout, no transposed copy) and adding the new token's
-  own term keeps the cache update in place: had the read followed the write, XLA would fuse
-  the two and copy the whole cache per layer.
+  Reading the cache as it was (and not after this call's write) keeps the write in place.
 
   Args:
-    q: [B, K, G, E]. old_k, old_v: [B, S, K, E]. old_valid: [B, S].
-    new_k, new_v: [B, K, E]. new_valid: [B].
+    q: [B, K, G, T, E]. old_k: [B, K, E, S], old_v: [B, K, S, E], old_valid: [B, S].
+    new_k: [B, K, E, T], new_v: [B, K, T, E], mask: [B, T] real new tokens.
   Returns:
-    [B, K, G, E].
+    [B, K, G, T, E].
   """
+  B, K, G, T, E = q.shape
   f32 = jnp.float32
-  scale = 1.0 / math.sqrt(q.shape[-1])
-  q = q.astype(f32)
-  old = jnp.sum(old_k[:, :, :, None, :].astype(f32) * q[:, None], axis=-1) * scale  # [B,S,K,G]
-  old = jnp.where(old_valid[:, :, None, None], old, MASK_VALUE)
-  new = jnp.sum(new_k[:, :, None, :].astype(f32) * q, axis=-1) * scale  # [B, K, G]
-  new = jnp.where(new_valid[:, None, None], new, MASK_VALUE)
-  top = jnp.maximum(jnp.max(old, axis=1), new)
-  p_old, p_new = jnp.exp(old - top[:, None]), jnp.exp(new - top)
-  total = jnp.sum(p_old, axis=1) + p_new
-  out = (jnp.sum(p_old[..., None] * old_v[:, :, :, None, :].astype(f32), axis=1)
-         + p_new[..., None] * new_v[:, :, None, :].astype(f32))
+  scale = 1.0 / math.sqrt(E)
+  causal = mask[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]  # [B, T, T]
+  old = jnp.einsum("bkgte,bkes->bkgts", q, old_k, preferred_element_type=f32) * scale
+  old = jnp.where(old_valid[:, None, None, None, :], old, MASK_VALUE)
+  new = jnp.einsum("bkgte,bkeu->bkgtu", q, new_k, preferred_element_type=f32) * scale
+  new = jnp.where(causal[:, None, None], new, MASK_VALUE)
+  top = jnp.maximum(jnp.max(old, axis=-1), jnp.max(new, axis=-1))[..., None]
+  p_old, p_new = jnp.exp(old - top), jnp.exp(new - top)
+  total = jnp.sum(p_old, axis=-1) + jnp.sum(p_new, axis=-1)
+  out = (jnp.einsum("bkgts,bkse->bkgte", p_old.astype(old_v.dtype), old_v,
+                    preferred_element_type=f32)
+         + jnp.einsum("bkgtu,bkue->bkgte", p_new.astype(new_v.dtype), new_v,
+                      preferred_element_type=f32))
   return (out / total[..., None]).astype(q.dtype)
 
 
@@ -140,9 +141,9 @@ def _layer(x, cache_k, cache_v, valid, kv_index, layer, adapters, positions, mas
   """`transformer._decoder_layer` in the decode layout.
 
   Args:
-    x: [D, N] activations, N = B·T. cache_k, cache_v: this layer's [B, S, K, E] cache before
-      this call; valid: [B, S] its valid slots. kv_index: [] where the T new slots start.
-    mask: [B, T] real tokens among the new ones.
+    x: [D, N] activations, N = B·T. cache_k [B, K, E, S], cache_v [B, K, S, E]: this layer's
+      cache before this call; valid: [B, S] its valid slots. kv_index: [] where the T new
+      slots start. mask: [B, T] real tokens among the new ones.
   Returns:
     x, and this layer's cache with the new keys and values written.
   """
@@ -152,24 +153,14 @@ def _layer(x, cache_k, cache_v, valid, kv_index, layer, adapters, positions, mas
   h = _rms_norm(x, layer["input_norm"], config.rms_norm_eps)
   q = _rope(linear(h, "q_proj").reshape(K * G, E, -1), positions, config)
   k = _rope(linear(h, "k_proj").reshape(K, E, -1), positions, config)
-  v = linear(h, "v_proj").reshape(K, E, -1)
-  to_rows = lambda a, n: a.reshape(n, E, B, T).transpose(2, 3, 0, 1)  # [B, T, n, E]
-  new_k, new_v = to_rows(k, K), to_rows(v, K)
-  old_k, old_v = cache_k.astype(x.dtype), cache_v.astype(x.dtype)
-  if T == 1:
-    out = _attend_one(q.reshape(K, G, E, B).transpose(3, 0, 1, 2), old_k, old_v, valid,
-                      new_k[:, 0], new_v[:, 0], mask[:, 0])[:, None]
-  else:  # prefill: attend over [old slots, the T new tokens] (causal among the new ones)
-    causal = mask[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
-    allowed = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (B, T, valid.shape[1])),
-                               causal], axis=-1)
-    out = attention(to_rows(q, K * G).reshape(B, T, K, G, E),
-                    jnp.concatenate([old_k, new_k], axis=1),
-                    jnp.concatenate([old_v, new_v], axis=1), allowed)
-  cache_k = _write_after(cache_k, new_k, (0, kv_index, 0, 0), out)
-  cache_v = _write_after(cache_v, new_v, (0, kv_index, 0, 0), out)
-  out = out.reshape(B, T, K * G * E).transpose(2, 0, 1).reshape(K * G * E, B * T)
-  x = x + linear(out, "o_proj")
+  v = linear(h, "v_proj").reshape(K, E, B, T)
+  new_k = k.reshape(K, E, B, T).transpose(2, 0, 1, 3)  # [B, K, E, T]
+  new_v = v.transpose(2, 0, 3, 1)  # [B, K, T, E]
+  q = q.reshape(K, G, E, B, T).transpose(3, 0, 1, 4, 2)  # [B, K, G, T, E]
+  out = _attention(q, cache_k.astype(x.dtype), cache_v.astype(x.dtype), valid, new_k, new_v, mask)
+  cache_k = _write_after(cache_k, new_k, (0, 0, 0, kv_index), out)
+  cache_v = _write_after(cache_v, new_v, (0, 0, kv_index, 0), out)
+  x = x + linear(out.transpose(1, 2, 4, 0, 3).reshape(K * G * E, B * T), "o_proj")
   h = _rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps)
   x = x + linear(jax.nn.silu(linear(h, "gate_proj")) * linear(h, "up_proj"), "down_proj")
   return x, cache_k, cache_v
@@ -177,11 +168,12 @@ def _layer(x, cache_k, cache_v, valid, kv_index, layer, adapters, positions, mas
 
 @struct.dataclass
 class LayerCaches:
-  """A `KVCache` whose layers are separate buffers: the attention reads a layer's keys in
-  place instead of copying them out of the [L, ...] stack first."""
+  """A `KVCache` in the decode layout: each layer's keys and values in their own buffers
+  (read in place rather than copied out of the [L, ...] stack), heads first, keys
+  transposed, so that attention's products read them without a transposed copy."""
 
-  k: list  # L × [B, S, K, E]
-  v: list  # L × [B, S, K, E]
+  k: list  # L × [B, K, E, S]
+  v: list  # L × [B, K, S, E]
   valid: jax.Array  # [B, S] bool
   index: jax.Array  # [] int32
 
@@ -190,12 +182,17 @@ class LayerCaches:
 
 
 def split_cache(cache: KVCache) -> LayerCaches:
-  return LayerCaches(k=list(cache.k), v=list(cache.v), valid=cache.valid, index=cache.index)
+  """[L, B, S, K, E] keys and values -> per-layer buffers in the decode layout (a copy)."""
+  return LayerCaches(k=[k.transpose(0, 2, 3, 1) for k in cache.k],
+                     v=[v.transpose(0, 2, 1, 3) for v in cache.v],
+                     valid=cache.valid, index=cache.index)
 
 
 def stack_cache(cache: LayerCaches) -> KVCache:
-  return KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v), valid=cache.valid,
-                 index=cache.index)
+  """The inverse of `split_cache`."""
+  return KVCache(k=jnp.stack([k.transpose(0, 3, 1, 2) for k in cache.k]),
+                 v=jnp.stack([v.transpose(0, 2, 1, 3) for v in cache.v]),
+                 valid=cache.valid, index=cache.index)
 
 
 def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
@@ -230,8 +227,10 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   return h, LayerCaches(k=new_k, v=new_v, valid=valid, index=cache.index + T)
 
 
-def logits_from_hidden(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
-  """[N, D] hidden states -> [N, V] f32 logits, as `transformer.logits_from_hidden`."""
+def vocab_major_logits(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
+  """[N, D] hidden states -> [V, N] f32 logits (`transformer.logits_from_hidden`, transposed).
+
+  Vocab-major because [V, D] @ [D, N] is the fast orientation of this product for small N.
+  """
   w = params["embed"] if config.tie_word_embeddings else params["lm_head_t"]
-  logits = jnp.einsum("vd,nd->vn", w.astype(h.dtype), h, preferred_element_type=jnp.float32)
-  return logits.T
+  return jnp.einsum("vd,nd->vn", w.astype(h.dtype), h, preferred_element_type=jnp.float32)

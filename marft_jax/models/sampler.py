@@ -62,8 +62,13 @@ def bucket(n: int, minimum: int) -> int:
 # --- sampling one token ---------------------------------------------------------------------
 
 
+# Everything below works vocab-major, logits [V, B]: in the decode layout the output
+# projection is fastest as [V, D] @ [D, B], and consuming its result as [B, V] would make XLA
+# compute it in the slow orientation instead.
+
+
 def _top_p_keep(logits: jax.Array, top_p: jax.Array) -> jax.Array:
-  """[B, V] bool: the nucleus, the most probable tokens whose mass first reaches `top_p`.
+  """[V, B] bool: the nucleus, the most probable tokens whose mass first reaches `top_p`.
 
   Token i is kept iff the mass of tokens strictly more probable than i is < top_p (ties at the
   boundary are all kept). Instead of sorting V logits, a bisection over the int32 bit patterns
@@ -71,52 +76,80 @@ def _top_p_keep(logits: jax.Array, top_p: jax.Array) -> jax.Array:
   mass(p ≥ t) ≥ top_p; it is exact after 30 halvings. Rows with top_p ≥ 1 keep everything.
 
   Args:
-    logits: [B, V] f32, -inf on tokens already filtered out. top_p: [B] f32 in (0, 1].
+    logits: [V, B] f32, -inf on tokens already filtered out. top_p: [B] f32 in (0, 1].
   """
-  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # the max is exactly 1.0
+  p = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))  # the max is exactly 1.0
   bits = jax.lax.bitcast_convert_type(p, jnp.int32)
-  target = top_p * jnp.sum(p, axis=-1)
+  target = top_p * jnp.sum(p, axis=0)
 
   def halve(_, bounds):
     lo, hi = bounds  # mass(bits ≥ lo) ≥ target > mass(bits ≥ hi)
     mid = lo + (hi - lo) // 2
-    ok = jnp.sum(jnp.where(bits >= mid[:, None], p, 0.0), axis=-1) >= target
+    ok = jnp.sum(jnp.where(bits >= mid[None, :], p, 0.0), axis=0) >= target
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-  B = logits.shape[0]
+  B = logits.shape[1]
   one = jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32)
   lo, _ = jax.lax.fori_loop(0, _TOP_P_ITERATIONS, halve,
                             (jnp.zeros((B,), jnp.int32), jnp.full((B,), one + 1, jnp.int32)))
-  return (bits >= lo[:, None]) | (top_p >= 1.0)[:, None]
+  return (bits >= lo[None, :]) | (top_p >= 1.0)[None, :]
 
 
 def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> jax.Array:
-  """[B] one draw per row from softmax(logits), with one uniform per row.
+  """[B] one draw per row from softmax over axis 0 of logits [V, B], one uniform per row.
 
   Two-level inverse CDF: block sums locate the block holding u · Z, a cumulative sum inside
   that block locates the token. No full-vocabulary sort, cumsum or V random numbers per row.
   Tokens with logit -inf (probability 0) are never drawn.
   """
-  B, V = logits.shape
+  V, B = logits.shape
   pad = -V % _CDF_BLOCK
   if pad:
-    logits = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-  p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-  blocks = p.reshape(B, -1, _CDF_BLOCK)
-  block_mass = jnp.sum(blocks, axis=-1)  # [B, V / block]
-  block_cdf = jnp.cumsum(block_mass, axis=-1)
-  target = jax.random.uniform(rng, (B,)) * block_cdf[:, -1]
+    logits = jnp.pad(logits, ((0, pad), (0, 0)), constant_values=-jnp.inf)
+  p = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))
+  blocks = p.reshape(-1, _CDF_BLOCK, B)
+  block_mass = jnp.sum(blocks, axis=1)  # [V / block, B]
+  block_cdf = jnp.cumsum(block_mass, axis=0)
+  target = jax.random.uniform(rng, (B,)) * block_cdf[-1]
 
   def first_above(cdf, mass, t):  # first index whose cdf exceeds t, clamped to nonzero mass
-    n = cdf.shape[-1]
-    last_nonzero = n - 1 - jnp.argmax(mass[:, ::-1] > 0, axis=-1)
-    return jnp.minimum(jnp.sum(cdf <= t[:, None], axis=-1), last_nonzero)
+    last_nonzero = cdf.shape[0] - 1 - jnp.argmax(mass[::-1] > 0, axis=0)
+    return jnp.minimum(jnp.sum(cdf <= t[None, :], axis=0), last_nonzero)
 
   block = first_above(block_cdf, block_mass, target)
-  below = jnp.take_along_axis(block_cdf - block_mass, block[:, None], axis=-1)[:, 0]
-  inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, block]
-  offset = first_above(jnp.cumsum(inner, axis=-1), inner, target - below)
+  below = jnp.take_along_axis(block_cdf - block_mass, block[None, :], axis=0)[0]
+  inner = jnp.take_along_axis(blocks, block[None, None, :], axis=0)[0]  # [block, B]
+  offset = first_above(jnp.cumsum(inner, axis=0), inner, target - below)
   return (block * _CDF_BLOCK + offset).astype(jnp.int32)
+
+
+def sample_vocab_major(rng: jax.Array, logits: jax.Array, temperature: jax.Array,
+                       top_p: Optional[jax.Array] = None, *, top_k: Optional[int] = None,
+                       greedy: bool = False) -> tuple[jax.Array, jax.Array]:
+  """`sample_tokens` for logits [V, B]."""
+  at = lambda x, i: jnp.take_along_axis(x, i[None, :], axis=0)[0]
+  model_logprob = lambda tok: at(logits, tok) - jax.nn.logsumexp(logits, axis=0)
+  argmax = jnp.argmax(logits, axis=0).astype(jnp.int32)
+  if greedy:
+    return argmax, model_logprob(argmax)
+  is_greedy = temperature <= 0.0
+  scaled = logits / jnp.where(is_greedy, 1.0, temperature)[None, :]
+  ids = None
+  if top_k is not None and top_k < logits.shape[0]:
+    values, ids = jax.lax.top_k(scaled.T, top_k)  # sorted: the top-p search is a cumsum
+    scaled, ids = values.T, ids.T  # [k, B]
+  if top_p is not None:
+    if ids is None:
+      keep = _top_p_keep(scaled, top_p)
+    else:
+      p = jax.nn.softmax(scaled, axis=0)
+      keep = (jnp.cumsum(p, axis=0) - p < top_p[None, :]) | (top_p >= 1.0)[None, :]
+    scaled = jnp.where(keep, scaled, -jnp.inf)
+  choice = _inverse_cdf_sample(rng, scaled)
+  logprob = at(scaled, choice) - jax.nn.logsumexp(scaled, axis=0)
+  tok = choice if ids is None else at(ids, choice)
+  tok = jnp.where(is_greedy, argmax, tok)
+  return tok, jnp.where(is_greedy, model_logprob(argmax), logprob)
 
 
 def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array,
@@ -136,30 +169,7 @@ def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array,
   Returns:
     tokens [B] int32, logprobs [B] f32.
   """
-  model_logprob = lambda tok: (jnp.take_along_axis(logits, tok[:, None], -1)[:, 0]
-                               - jax.nn.logsumexp(logits, axis=-1))
-  if greedy:
-    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return tok, model_logprob(tok)
-  is_greedy = temperature <= 0.0
-  scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]
-  ids = None
-  if top_k is not None and top_k < logits.shape[-1]:
-    scaled, ids = jax.lax.top_k(scaled, top_k)  # [B, k], sorted: the top-p search is a cumsum
-  if top_p is not None:
-    if ids is None:
-      keep = _top_p_keep(scaled, top_p)
-    else:
-      p = jax.nn.softmax(scaled, axis=-1)
-      keep = (jnp.cumsum(p, axis=-1) - p < top_p[:, None]) | (top_p >= 1.0)[:, None]
-    scaled = jnp.where(keep, scaled, -jnp.inf)
-  choice = _inverse_cdf_sample(rng, scaled)
-  logprob = (jnp.take_along_axis(scaled, choice[:, None], -1)[:, 0]
-             - jax.nn.logsumexp(scaled, axis=-1))
-  tok = choice if ids is None else jnp.take_along_axis(ids, choice[:, None], -1)[:, 0]
-  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  tok = jnp.where(is_greedy, argmax, tok)
-  return tok, jnp.where(is_greedy, model_logprob(argmax), logprob)
+  return sample_vocab_major(rng, logits.T, temperature, top_p, top_k=top_k, greedy=greedy)
 
 
 # --- the jitted loop ------------------------------------------------------------------------
@@ -188,14 +198,17 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
               max_new_tokens, stop_ids, *, config, num_new, top_k, greedy, pad_id):
   """See `generate_jit`."""
   B = tokens.shape[0]
-  sample = functools.partial(sample_tokens, top_k=top_k, greedy=greedy)
+  sample = functools.partial(sample_vocab_major, top_k=top_k, greedy=greedy)
   impl = decode_layout if decode_layout.is_decode_layout(params) else transformer
   model = functools.partial(impl.hidden_states, params, config=config, lora=lora,
                             adapter_ids=adapter_ids)
 
   def record(state: _LoopState, h: jax.Array) -> _LoopState:
     """Samples column `state.step` from hidden states h [B, D] for the active rows."""
-    logits = impl.logits_from_hidden(params, h, config)
+    if impl is decode_layout:
+      logits = decode_layout.vocab_major_logits(params, h, config)
+    else:
+      logits = transformer.logits_from_hidden(params, h, config).T
     tok, logprob = sample(jax.random.fold_in(rng, state.step), logits, temperature, top_p)
     active = state.active
     tok = jnp.where(active, tok, pad_id)
@@ -304,7 +317,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              cache_size: Optional[int] = None, lora: Optional[Adapters] = None,
              adapter_ids=None, temperature=1.0, top_k: Optional[int] = None, top_p=None,
              eos_ids: Union[int, Sequence[int], None] = None, stop_ids=None,
-             pad_id: int = 0) -> SampleOutput:
+             pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
   For speed pass `decode_layout.to_decode_layout(params)` (made once, reused across calls):
@@ -326,8 +339,10 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     top_p: None, scalar or [B] in (0, 1].
     eos_ids: stop ids of every row; stop_ids: [B, M] further per-row stop ids (-1 = none).
     pad_id: fills `tokens` off the mask.
+    max_new_tokens_bucket: N, the static output width (≥ max(max_new_tokens)); default
+      `bucket(max(max_new_tokens), 16)`. Fixing it keeps one compile across varying limits.
   Returns:
-    A `SampleOutput`; N = `bucket(max(max_new_tokens), 16)`.
+    A `SampleOutput` with N output columns.
   """
   tokens = np.asarray(tokens, np.int32)
   B, P = tokens.shape
@@ -343,7 +358,9 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   width = bucket(int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1, MIN_PROMPT_BUCKET)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
   mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
-  num_new = bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
+  num_new = max_new_tokens_bucket or bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
+  if num_new < max_new.max(initial=0):
+    raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={max_new.max()}")
   temperature = _per_row(temperature, B, np.float32)
   return generate_jit(
       params, jnp.asarray(tokens), jnp.asarray(mask),

