@@ -16,6 +16,19 @@ logits divided by the temperature, restricted to the top-k and then to the top-p
 renormalised. At temperature 1 without top-k/top-p they equal a teacher-forced forward's
 `log_softmax`, so PPO's first importance ratio is 1. Greedy rows (temperature 0) take the
 argmax; their log-prob is the model's own (temperature-1, unfiltered) log-softmax.
+
+Parameters may be the training tree (scanned layers: quick to compile, slow to decode) or
+`decode_layout.to_decode_layout(params)` (unrolled, about 2x faster decoding on CPU); the
+returned cache is a `transformer.KVCache` either way.
+
+Example (a second agent continuing the first agent's context)::
+
+    fast = decode_layout.to_decode_layout(params)  # once per set of base weights
+    first = generate(fast, prompts, config, rng=k1, max_new_tokens=64, prompt_lens=lens,
+                     eos_ids=[eos], cache_size=1024, lora=lora, adapter_ids=[0] * B)
+    second = generate(fast, transition, config, rng=k2, max_new_tokens=64,
+                      prompt_lens=transition_lens, eos_ids=[eos], cache=first.cache,
+                      lora=lora, adapter_ids=[1] * B)
 """
 
 from __future__ import annotations
@@ -78,21 +91,22 @@ def _top_p_keep(logits: jax.Array, top_p: jax.Array) -> jax.Array:
   Args:
     logits: [V, B] f32, -inf on tokens already filtered out. top_p: [B] f32 in (0, 1].
   """
-  p = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))  # the max is exactly 1.0
+  # The 30 passes reduce along the minor axis: 6x faster than down columns of [V, B].
+  p = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True)).T  # [B, V]; the max is 1.0
   bits = jax.lax.bitcast_convert_type(p, jnp.int32)
-  target = top_p * jnp.sum(p, axis=0)
+  target = top_p * jnp.sum(p, axis=-1)
 
   def halve(_, bounds):
     lo, hi = bounds  # mass(bits ≥ lo) ≥ target > mass(bits ≥ hi)
     mid = lo + (hi - lo) // 2
-    ok = jnp.sum(jnp.where(bits >= mid[None, :], p, 0.0), axis=0) >= target
+    ok = jnp.sum(jnp.where(bits >= mid[:, None], p, 0.0), axis=-1) >= target
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   B = logits.shape[1]
   one = jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32)
   lo, _ = jax.lax.fori_loop(0, _TOP_P_ITERATIONS, halve,
                             (jnp.zeros((B,), jnp.int32), jnp.full((B,), one + 1, jnp.int32)))
-  return (bits >= lo[None, :]) | (top_p >= 1.0)[None, :]
+  return (bits.T >= lo[None, :]) | (top_p >= 1.0)[None, :]
 
 
 def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> jax.Array:

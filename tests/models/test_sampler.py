@@ -201,13 +201,14 @@ def _random_adapters(config, num_adapters=2, rank=4):
 
 
 def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
+  """In the decode layout (the fast path; the next test ties it to the training layout)."""
   lora = _random_adapters(CONFIG)
+  fast = decode_layout.to_decode_layout(params)
   ids = np.array([1, -1, 0])
-  out = _generate(params, prompts, temperature=0.0, lora=lora, adapter_ids=ids)
+  out = _generate(fast, prompts, temperature=0.0, lora=lora, adapter_ids=ids)
   # Each row against a batch where every row uses that row's adapter (-1: the base model).
   for b, adapter in enumerate(ids):
-    alone = _generate(params, prompts, temperature=0.0, lora=lora,
-                      adapter_ids=np.full(3, adapter))
+    alone = _generate(fast, prompts, temperature=0.0, lora=lora, adapter_ids=np.full(3, adapter))
     np.testing.assert_array_equal(np.asarray(alone.tokens[b]), np.asarray(out.tokens[b]))
     np.testing.assert_allclose(np.asarray(alone.logprobs[b]), np.asarray(out.logprobs[b]),
                                atol=1e-5)
@@ -215,18 +216,20 @@ def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
   assert np.all(np.any(np.asarray(out.tokens) != base, axis=1) == (ids >= 0))
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_decode_layout_equals_training_layout_with_lora(architecture):
-  """The decode layout (unrolled layers, out-major kernels, per-layer cache) is the same model."""
-  config = tiny_config(architecture)
+def test_decode_layout_equals_training_layout():
+  """Qwen2 (qkv biases, untied output projection), LoRA, top-p, a continued cache."""
+  config = tiny_config("qwen2")
   params = transformer.init_params(config, jax.random.key(1), std=0.1)
   lora = _random_adapters(config)
   prompts = np.random.default_rng(3).integers(0, V, size=(3, 9))
   kw = dict(prompt_lens=[9, 2, 5], max_new_tokens=[12, 3, 7], rng=jax.random.key(4),
             temperature=0.8, top_p=0.9, lora=lora, adapter_ids=[1, -1, 0], cache_size=64)
-  first = sampler.generate(params, prompts, config, **kw)
-  fast = sampler.generate(decode_layout.to_decode_layout(params), prompts, config, **kw)
-  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(first.tokens))
-  np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(first.logprobs), atol=1e-5)
-  for a, b in zip(jax.tree.leaves(fast.cache), jax.tree.leaves(first.cache)):
+  outs = []
+  for p in (params, decode_layout.to_decode_layout(params)):
+    first = sampler.generate(p, prompts, config, **kw)
+    outs.append(sampler.generate(p, prompts[:, ::-1], config, cache=first.cache, **kw))
+  slow, fast = outs
+  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(slow.tokens))
+  np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(slow.logprobs), atol=1e-5)
+  for a, b in zip(jax.tree.leaves(fast.cache), jax.tree.leaves(slow.cache)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
