@@ -103,7 +103,8 @@ def torch_model(params, config: ModelConfig):
   model = transformers.LlamaForCausalLM(hf).eval()
   t = lambda x: torch.from_numpy(np.array(x, np.float32))
   layers = params["layers"]
-  state = {"model.embed_tokens.weight": t(params["embed"]), "model.norm.weight": t(params["final_norm"])}
+  state = {"model.embed_tokens.weight": t(params["embed"]),
+           "model.norm.weight": t(params["final_norm"])}
   for i in range(config.num_layers):
     pre = f"model.layers.{i}."
     state[pre + "input_layernorm.weight"] = t(layers["input_norm"][i])

@@ -61,7 +61,7 @@ class SampleOutput:
   """What one `generate` call produced. N is the bucketed number of new tokens."""
 
   tokens: jax.Array  # [B, N] int32 sampled tokens; `pad_id` where `mask` is False.
-  logprobs: jax.Array  # [B, N] f32 log-prob of each token under its sampling distribution; 0 off mask.
+  logprobs: jax.Array  # [B, N] f32 log-prob under the sampling distribution; 0 off mask.
   mask: jax.Array  # [B, N] bool: True up to and including the stop token.
   lengths: jax.Array  # [B] int32 number of valid generated tokens.
   cache: KVCache  # every real prompt token and valid generated token; continue from it.
@@ -277,11 +277,14 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   """The jitted generation loop; `generate` pads and buckets its arguments and calls this.
 
   Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
-  maximum of `max_new_tokens`), `top_k`, `greedy`, `pad_id`, and whether `top_p` and `lora`
-  are None. Every array's shape is also part of the compile key, so `generate` buckets them:
+  maximum of `max_new_tokens`), `top_k`, `greedy` (every row at temperature 0), `pad_id`,
+  whether `top_p` and `lora` are None, and the params' layout (training tree or
+  `decode_layout`). Every array's shape is also part of the compile key, so `generate`
+  buckets them:
 
     P (prompt chunk width)  next power of two ≥ max(16, last real token + 1)
-    N (new tokens)          next power of two ≥ max(16, max(max_new_tokens))
+    N (new tokens)          next power of two ≥ max(16, max(max_new_tokens)), or
+                            `max_new_tokens_bucket`
     M (stop ids per row)    next power of two ≥ max(4, number of stop ids)
     S (cache slots)         fresh: `cache_size` or P + N; continued: kept if
                             index + P + N fits, else the next power of two ≥ that
@@ -339,8 +342,9 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   stacked training tree, for a longer compile (the layers are unrolled).
 
   Args:
-    params: the model's parameter tree, or its decode layout. tokens: [B, P] int prompt tokens (the new chunk when
-      continuing `cache`), padded anywhere (right padding with `prompt_lens`).
+    params: the model's parameter tree, or its decode layout.
+    tokens: [B, P] int prompt tokens (the new chunk when continuing `cache`), padded
+      anywhere (right padding with `prompt_lens`).
     config: the static model config.
     rng: a PRNG key; the same key gives the same output.
     max_new_tokens: int or [B] per-row limits (0: only encode the prompt).
@@ -369,18 +373,19 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   max_new = _per_row(max_new_tokens, B, np.int32)
   if np.any((max_new > 0) & ~mask.any(axis=1)):
     raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
-  width = bucket(int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1, MIN_PROMPT_BUCKET)
+  used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
+  width = bucket(used, MIN_PROMPT_BUCKET)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
   mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
   num_new = max_new_tokens_bucket or bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
   if num_new < max_new.max(initial=0):
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={max_new.max()}")
   temperature = _per_row(temperature, B, np.float32)
+  top_p = None if top_p is None else jnp.asarray(_per_row(top_p, B, np.float32))
+  ids = _per_row(0 if adapter_ids is None else adapter_ids, B, np.int32)
   return generate_jit(
       params, jnp.asarray(tokens), jnp.asarray(mask),
-      _fit_cache(cache, config, B, width + num_new, cache_size), lora,
-      jnp.asarray(_per_row(0 if adapter_ids is None else adapter_ids, B, np.int32)), rng,
-      jnp.asarray(temperature), None if top_p is None else jnp.asarray(_per_row(top_p, B, np.float32)),
-      jnp.asarray(max_new), jnp.asarray(_stop_id_table(eos_ids, stop_ids, B)),
-      config=config, num_new=num_new, top_k=top_k, greedy=bool(np.all(temperature <= 0)),
-      pad_id=pad_id)
+      _fit_cache(cache, config, B, width + num_new, cache_size), lora, jnp.asarray(ids), rng,
+      jnp.asarray(temperature), top_p, jnp.asarray(max_new),
+      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B)), config=config, num_new=num_new,
+      top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=pad_id)
