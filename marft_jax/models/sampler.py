@@ -109,18 +109,22 @@ def _top_p_keep(logits: jax.Array, top_p: jax.Array) -> jax.Array:
   return (bits.T >= lo[None, :]) | (top_p >= 1.0)[None, :]
 
 
-def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> jax.Array:
-  """[B] one draw per row from softmax over axis 0 of logits [V, B], one uniform per row.
+def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One draw per row from softmax over axis 0 of logits [V, B], one uniform per row.
 
   Two-level inverse CDF: block sums locate the block holding u · Z, a cumulative sum inside
   that block locates the token. No full-vocabulary sort, cumsum or V random numbers per row.
   Tokens with logit -inf (probability 0) are never drawn.
+
+  Returns:
+    tokens [B] int32, and log Z = logsumexp(logits, axis=0) [B] (a by-product).
   """
   V, B = logits.shape
   pad = -V % _CDF_BLOCK
   if pad:
     logits = jnp.pad(logits, ((0, pad), (0, 0)), constant_values=-jnp.inf)
-  p = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))
+  top = jnp.max(logits, axis=0)
+  p = jnp.exp(logits - top[None, :])
   blocks = p.reshape(-1, _CDF_BLOCK, B)
   block_mass = jnp.sum(blocks, axis=1)  # [V / block, B]
   block_cdf = jnp.cumsum(block_mass, axis=0)
@@ -134,7 +138,7 @@ def _inverse_cdf_sample(rng: jax.Array, logits: jax.Array) -> jax.Array:
   below = jnp.take_along_axis(block_cdf - block_mass, block[None, :], axis=0)[0]
   inner = jnp.take_along_axis(blocks, block[None, None, :], axis=0)[0]  # [block, B]
   offset = first_above(jnp.cumsum(inner, axis=0), inner, target - below)
-  return (block * _CDF_BLOCK + offset).astype(jnp.int32)
+  return (block * _CDF_BLOCK + offset).astype(jnp.int32), top + jnp.log(block_cdf[-1])
 
 
 def sample_vocab_major(rng: jax.Array, logits: jax.Array, temperature: jax.Array,
@@ -142,10 +146,14 @@ def sample_vocab_major(rng: jax.Array, logits: jax.Array, temperature: jax.Array
                        greedy: bool = False) -> tuple[jax.Array, jax.Array]:
   """`sample_tokens` for logits [V, B]."""
   at = lambda x, i: jnp.take_along_axis(x, i[None, :], axis=0)[0]
-  model_logprob = lambda tok: at(logits, tok) - jax.nn.logsumexp(logits, axis=0)
-  argmax = jnp.argmax(logits, axis=0).astype(jnp.int32)
+
+  def argmax_and_logprob():  # the max is the argmax's logit: log p = -log Σ exp(l - max)
+    top = jnp.max(logits, axis=0)
+    tok = jnp.argmax(logits, axis=0).astype(jnp.int32)
+    return tok, -jnp.log(jnp.sum(jnp.exp(logits - top[None, :]), axis=0))
+
   if greedy:
-    return argmax, model_logprob(argmax)
+    return argmax_and_logprob()
   is_greedy = temperature <= 0.0
   scaled = logits / jnp.where(is_greedy, 1.0, temperature)[None, :]
   ids = None
@@ -159,11 +167,13 @@ def sample_vocab_major(rng: jax.Array, logits: jax.Array, temperature: jax.Array
       p = jax.nn.softmax(scaled, axis=0)
       keep = (jnp.cumsum(p, axis=0) - p < top_p[None, :]) | (top_p >= 1.0)[None, :]
     scaled = jnp.where(keep, scaled, -jnp.inf)
-  choice = _inverse_cdf_sample(rng, scaled)
-  logprob = at(scaled, choice) - jax.nn.logsumexp(scaled, axis=0)
+  choice, log_z = _inverse_cdf_sample(rng, scaled)
   tok = choice if ids is None else at(ids, choice)
-  tok = jnp.where(is_greedy, argmax, tok)
-  return tok, jnp.where(is_greedy, model_logprob(argmax), logprob)
+  logprob = at(scaled, choice) - log_z
+  B = logits.shape[1]
+  no_greedy_row = lambda: (jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.float32))
+  greedy_tok, greedy_logprob = jax.lax.cond(jnp.any(is_greedy), argmax_and_logprob, no_greedy_row)
+  return (jnp.where(is_greedy, greedy_tok, tok), jnp.where(is_greedy, greedy_logprob, logprob))
 
 
 def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: jax.Array,

@@ -121,6 +121,21 @@ def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
     np.testing.assert_allclose(freq, np.exp(ref), atol=0.03)
 
 
+def test_sample_tokens_greedy_rows_take_the_argmax_with_the_model_logprob():
+  logits = jax.random.normal(jax.random.key(5), (4, 300)) * 3
+  temperature = jnp.array([0.0, 1.0, 0.0, 0.5])
+  tok, logprob = sampler.sample_tokens(jax.random.key(6), logits, temperature)
+  model = jax.nn.log_softmax(logits, axis=-1)
+  for b in (0, 2):
+    assert int(tok[b]) == int(jnp.argmax(logits[b]))
+    np.testing.assert_allclose(float(logprob[b]), float(model[b, tok[b]]), atol=1e-5)
+  np.testing.assert_allclose(float(logprob[1]), float(model[1, tok[1]]), atol=1e-5)
+  all_greedy = sampler.sample_tokens(jax.random.key(6), logits, temperature, greedy=True)
+  np.testing.assert_array_equal(np.asarray(all_greedy[0]), np.argmax(logits, axis=-1))
+  np.testing.assert_allclose(np.asarray(all_greedy[1]), np.max(np.asarray(model), axis=-1),
+                             atol=1e-5)
+
+
 def test_padding_never_leaks(params, prompts):
   out = _generate(params, prompts, temperature=1.0)
   # Other rows' contents and lengths change, padding holds other ids: row 0 is unchanged.
