@@ -22,7 +22,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from marft_jax.configs import from_config_dict
-from marft_jax.models import loading, sampler
+from marft_jax.models import decode_layout, loading, sampler
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "configs", "generate.py"),
@@ -67,10 +67,11 @@ def chat(config: GenerateConfig) -> str:
                 {"role": "user", "content": config.prompt}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    params = decode_layout.to_decode_layout(params)  # the sampler's fast layout
     bar.update()
 
   s = config.sampling
-  with tqdm(total=s.max_new_tokens, desc="generating", unit="tok", file=sys.stderr) as bar:
+  with tqdm(total=s.max_new_tokens, desc="generating (first step compiles)", unit="tok", file=sys.stderr) as bar:
     start = time.perf_counter()
     out = sampler.generate(
         params, np.asarray([prompt_ids]), model_config, rng=jax.random.key(config.seed),

@@ -34,7 +34,7 @@ Example (a second agent continuing the first agent's context)::
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +219,8 @@ def _last_real_hidden(h: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, top_p,
-              max_new_tokens, stop_ids, *, config, num_new, top_k, greedy, pad_id):
+              max_new_tokens, stop_ids, *, config, num_new, top_k, greedy, pad_id,
+              on_step=None):
   """See `generate_jit`."""
   B = tokens.shape[0]
   sample = functools.partial(sample_vocab_major, top_k=top_k, greedy=greedy)
@@ -264,6 +265,8 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
   # the compiled loop, and the returned cache holds every valid token.
   def body(state: _LoopState) -> _LoopState:
     h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache)
+    if on_step is not None:  # host-side progress report, e.g. a tqdm bar
+      jax.debug.callback(on_step, state.step)
     return record(state.replace(cache=cache), h[:, 0])
 
   state = jax.lax.while_loop(lambda state: jnp.any(state.last_valid), body, state)
@@ -275,7 +278,7 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
                       mask=mask, lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32), cache=cache)
 
 
-_STATIC = ("config", "num_new", "top_k", "greedy", "pad_id")
+_STATIC = ("config", "num_new", "top_k", "greedy", "pad_id", "on_step")
 _generate_jit = jax.jit(_generate, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
@@ -283,7 +286,8 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
                  lora: Optional[Adapters], adapter_ids: jax.Array, rng: jax.Array,
                  temperature: jax.Array, top_p: Optional[jax.Array], max_new_tokens: jax.Array,
                  stop_ids: jax.Array, *, config: ModelConfig, num_new: int,
-                 top_k: Optional[int], greedy: bool, pad_id: int) -> SampleOutput:
+                 top_k: Optional[int], greedy: bool, pad_id: int,
+                 on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
   """The jitted generation loop; `generate` pads and buckets its arguments and calls this.
 
   Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
@@ -305,7 +309,7 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   """
   return _generate_jit(params, tokens, mask, cache, lora, adapter_ids, rng, temperature,
                        top_p, max_new_tokens, stop_ids, config=config, num_new=num_new,
-                       top_k=top_k, greedy=greedy, pad_id=pad_id)
+                       top_k=top_k, greedy=greedy, pad_id=pad_id, on_step=on_step)
 
 
 # --- the host-side entry point --------------------------------------------------------------
@@ -344,7 +348,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              cache_size: Optional[int] = None, lora: Optional[Adapters] = None,
              adapter_ids=None, temperature=1.0, top_k: Optional[int] = None, top_p=None,
              eos_ids: Union[int, Sequence[int], None] = None, stop_ids=None,
-             pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None) -> SampleOutput:
+             pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
+             on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
   For speed pass `decode_layout.to_decode_layout(params)` (made once, reused across calls):
@@ -369,6 +374,9 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     pad_id: fills `tokens` off the mask.
     max_new_tokens_bucket: N, the static output width (≥ max(max_new_tokens)); default
       `bucket(max(max_new_tokens), 16)`. Fixing it keeps one compile across varying limits.
+    on_step: static; called on the host with the number of tokens sampled so far, once per
+      decode step (for progress bars). A new function object compiles again: pass the same
+      one to repeated calls.
   Returns:
     A `SampleOutput` with N output columns.
   """
@@ -398,4 +406,4 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       _fit_cache(cache, config, B, width + num_new, cache_size), lora, jnp.asarray(ids), rng,
       jnp.asarray(temperature), top_p, jnp.asarray(max_new),
       jnp.asarray(_stop_id_table(eos_ids, stop_ids, B)), config=config, num_new=num_new,
-      top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=pad_id)
+      top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=pad_id, on_step=on_step)
