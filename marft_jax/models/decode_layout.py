@@ -44,7 +44,7 @@ from flax import struct
 from marft_jax.lora.routing import Adapters, broadcast_adapter_ids
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.layers import MASK_VALUE, rope_inverse_frequencies
+from marft_jax.models.layers import MASK_VALUE, rms_norm, rope_inverse_frequencies
 from marft_jax.models.transformer import KVCache, Params
 
 
@@ -73,13 +73,6 @@ def to_decode_layout(params: Params) -> Params:
 
 def is_decode_layout(params: Params) -> bool:
   return isinstance(params["layers"], (list, tuple))
-
-
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """`layers.rms_norm` over the feature axis 0 of x [D, N]."""
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=0, keepdims=True) + eps)
-  return y.astype(x.dtype) * weight.astype(x.dtype)[:, None]
 
 
 def _rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
@@ -156,7 +149,7 @@ def _layer(x, cache_k, cache_v, valid, kv_index, layer, adapters, positions, mas
   B, T = mask.shape
   K, G, E = config.num_kv_heads, config.num_groups, config.head_dim
   linear = lambda h, name: _linear(h, layer[name], adapters.get(name), onehot, scale)
-  h = _rms_norm(x, layer["input_norm"], config.rms_norm_eps)
+  h = rms_norm(x, layer["input_norm"], config.rms_norm_eps, axis=0)
   q = _rope(linear(h, "q_proj").reshape(K * G, E, -1), positions, config)
   k = _rope(linear(h, "k_proj").reshape(K, E, -1), positions, config)
   v = linear(h, "v_proj").reshape(K, E, B, T)
@@ -167,7 +160,7 @@ def _layer(x, cache_k, cache_v, valid, kv_index, layer, adapters, positions, mas
   cache_k = _write_after(cache_k, new_k, (0, 0, 0, kv_index), out)
   cache_v = _write_after(cache_v, new_v, (0, 0, kv_index, 0), out)
   x = x + linear(out.transpose(1, 2, 4, 0, 3).reshape(K * G * E, B * T), "o_proj")
-  h = _rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps)
+  h = rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps, axis=0)
   x = x + linear(jax.nn.silu(linear(h, "gate_proj")) * linear(h, "up_proj"), "down_proj")
   return x, cache_k, cache_v
 
@@ -228,7 +221,7 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
                      adapters, positions.reshape(B * T), mask, onehot, scale, config)
     new_k.append(k)
     new_v.append(v)
-  h = _rms_norm(x, params["final_norm"], config.rms_norm_eps).T.reshape(B, T, -1)
+  h = rms_norm(x, params["final_norm"], config.rms_norm_eps, axis=0).T.reshape(B, T, -1)
   valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
   return h, LayerCaches(k=new_k, v=new_v, valid=valid, index=cache.index + T)
 

@@ -18,18 +18,19 @@ from marft_jax.models.config import ModelConfig, RopeScaling
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
   """y = x / sqrt(mean(x²) + eps) * weight, computed in f32 as Hugging Face does.
 
   Args:
-    x: [..., D]. weight: [D].
+    x: [..., D] (or D at `axis`: the decode layout keeps features on axis 0). weight: [D].
   Returns:
-    [..., D] in x's dtype.
+    x's shape and dtype.
   """
   x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  weight = weight.astype(x.dtype).reshape((1,) * (x.ndim - 1) + weight.shape)
-  return y.astype(x.dtype) * weight
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axis, keepdims=True) + eps)
+  shape = [1] * x.ndim
+  shape[axis] = weight.shape[0]
+  return y.astype(x.dtype) * weight.astype(x.dtype).reshape(shape)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
