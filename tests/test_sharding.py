@@ -65,7 +65,7 @@ def test_sharded_forward_equals_single_device(model, mesh_shape):
 
 
 def test_sharded_sampler_equals_single_device(model):
-  """Greedy and temperature-1 sampling with params split over a 2x2x2 mesh."""
+  """Greedy and temperature-1 sampling with params and KV cache split over a 2x2x2 mesh."""
   from marft_jax.models import sampler
   config, params = model
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
@@ -73,11 +73,17 @@ def test_sharded_sampler_equals_single_device(model):
   rng = np.random.default_rng(1)
   prompts = rng.integers(1, 128, (8, 12))
   lens = rng.integers(3, 13, 8)
+  def sharded_cache():  # rows over (data, fsdp), kv heads over tensor
+    cache = transformer.init_cache(config, batch=8, size=32)
+    return jax.device_put(cache, sharding.shardings_for(
+        mesh, cache, sharding.cache_logical_axes(cache)))
+
   for temperature in (0.0, 1.0):
     kwargs = dict(rng=jax.random.key(3), max_new_tokens=10, prompt_lens=lens,
                   temperature=temperature)
     ref = sampler.generate(params, prompts, config, **kwargs)
-    got = sampler.generate(sharded, prompts, config, **kwargs)
+    got = sampler.generate(sharded, prompts, config, cache=sharded_cache(), **kwargs)
+    assert len(got.cache.k.sharding.device_set) == mesh.size
     np.testing.assert_array_equal(got.tokens, ref.tokens)
     np.testing.assert_array_equal(got.mask, ref.mask)
     np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5)
