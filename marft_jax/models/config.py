@@ -44,6 +44,10 @@ class ModelConfig:
   num_heads: int  # H
   num_kv_heads: int  # K
   head_dim: int  # E
+  # Positions the model was trained for (RoPE positions, i.e. its context length): the sampler
+  # refuses a prompt plus new tokens longer than this. HF `max_position_embeddings`, GGUF
+  # `{arch}.context_length`.
+  max_position_embeddings: int = 2048
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling = RopeScaling()
   rms_norm_eps: float = 1e-6
@@ -63,6 +67,10 @@ class ModelConfig:
     if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not supported; "
                        f"supported: {SUPPORTED_ROPE_TYPES}")
+    if (not isinstance(self.max_position_embeddings, int) or isinstance(
+        self.max_position_embeddings, bool) or self.max_position_embeddings <= 0):
+      raise ValueError(f"max_position_embeddings={self.max_position_embeddings!r}: "
+                       "must be a positive int")
     for key in ("param_dtype", "compute_dtype"):
       if getattr(self, key) not in ("float32", "bfloat16"):
         raise ValueError(f"{key}={getattr(self, key)!r}: use 'float32' or 'bfloat16'")
@@ -119,6 +127,8 @@ class ModelConfig:
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hidden // num_heads,
+        max_position_embeddings=hf.get("max_position_embeddings",
+                                       cls.max_position_embeddings),
         rope_theta=rope_theta,
         rope_scaling=scaling,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
@@ -158,6 +168,6 @@ def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
   fields = dict(architecture=architecture, vocab_size=256, hidden_size=64, intermediate_size=128,
                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                 qkv_bias=architecture == "qwen2", tie_word_embeddings=architecture == "llama",
-                rms_norm_eps=1e-6, rope_theta=10000.0)
+                rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512)
   fields.update(overrides)
   return ModelConfig(**fields)
