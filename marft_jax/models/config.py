@@ -7,12 +7,32 @@ It is a frozen, hashable dataclass so that it can be a static argument of `jax.j
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+  """Raises ValueError(`name=value: must be a positive int`); bools and `"64"` are refused."""
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name}={value!r}: must be a positive int")
+
+
+def check_positive_number(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` unless `value` is a finite int or float above zero."""
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value) or value <= 0):
+    raise ValueError(f"{name}={value!r}: must be a finite positive number")
+
+
+def check_bool(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` unless `value` is `True` or `False` (not `"false"`)."""
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r}: must be true or false")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +45,18 @@ class RopeScaling:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in SUPPORTED_ROPE_TYPES:
+      raise ValueError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
+                       f"supported: {SUPPORTED_ROPE_TYPES}")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+      check_positive_number(f"rope_scaling.{key}", getattr(self, key))
+    check_positive_int("rope_scaling.original_max_position_embeddings",
+                       self.original_max_position_embeddings)
+    if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                       f"low_freq_factor={self.low_freq_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +90,21 @@ class ModelConfig:
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:
-      raise ValueError(
-          f"model_type={self.architecture!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+      raise ValueError(f"model_type={self.architecture!r} is not supported; "
+                       f"supported: {SUPPORTED_ARCHITECTURES}")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings"):
+      check_positive_int(key, getattr(self, key))
+    for key in ("rope_theta", "rms_norm_eps"):
+      check_positive_number(key, getattr(self, key))
+    for key in ("tie_word_embeddings", "qkv_bias"):
+      check_bool(key, getattr(self, key))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_attention_heads={self.num_heads} is not a multiple of "
           f"num_key_value_heads={self.num_kv_heads}")
-    if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-      raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not supported; "
-                       f"supported: {SUPPORTED_ROPE_TYPES}")
-    if (not isinstance(self.max_position_embeddings, int) or isinstance(
-        self.max_position_embeddings, bool) or self.max_position_embeddings <= 0):
-      raise ValueError(f"max_position_embeddings={self.max_position_embeddings!r}: "
-                       "must be a positive int")
+    if not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r}: must be a RopeScaling")
     for key in ("param_dtype", "compute_dtype"):
       if getattr(self, key) not in ("float32", "bfloat16"):
         raise ValueError(f"{key}={getattr(self, key)!r}: use 'float32' or 'bfloat16'")
@@ -91,49 +125,58 @@ class ModelConfig:
                      **overrides) -> "ModelConfig":
     """Builds a config from a Hugging Face `config.json` dict.
 
+    Absent optional keys take transformers' defaults (`num_key_value_heads`: the query heads,
+    `head_dim`: `hidden_size // num_attention_heads`, ...); present ones must be valid: a size
+    is a positive int (not `"64"`, `64.0` or `0`), a rate a finite positive number, a flag a bool.
+
     Args:
       hf: the parsed JSON.
       source: where it came from, named in error messages.
       **overrides: fields to set on top (e.g. `param_dtype="bfloat16"`).
     Raises:
-      ValueError naming `source` and the offending key.
+      ValueError naming `source` and the offending key (`config.json: num_key_value_heads=0:
+      must be a positive int`).
     """
-    def need(key):
-      if key not in hf:
-        raise ValueError(f"{source}: missing key {key!r}")
-      return hf[key]
+    def get(key, check=check_positive_int, default=None):
+      value = hf.get(key)
+      if value is None:
+        if default is None:
+          raise ValueError(f"{source}: missing key {key!r}")
+        return default
+      check(f"{source}: {key}", value)
+      return value
 
-    arch = need("model_type")
+    arch = hf.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
       raise ValueError(f"{source}: model_type={arch!r} is not supported; "
                        f"supported: {SUPPORTED_ARCHITECTURES}")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
       raise ValueError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
-    if hf.get("mlp_bias", False):
+    if get("mlp_bias", check_bool, False):
       raise ValueError(f"{source}: mlp_bias=true is not supported")
-    if arch == "qwen2" and hf.get("use_sliding_window", False):
+    if arch == "qwen2" and get("use_sliding_window", check_bool, False):
       # Every released Qwen2/2.5 checkpoint ships with it off; attending fully would be wrong.
       raise ValueError(f"{source}: use_sliding_window=true is not supported")
-    num_heads = need("num_attention_heads")
-    hidden = need("hidden_size")
+    num_heads = get("num_attention_heads")
+    hidden = get("hidden_size")
     rope_theta, scaling = _read_rope(hf, source)
     fields = dict(
         architecture=arch,
-        vocab_size=need("vocab_size"),
+        vocab_size=get("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
+        intermediate_size=get("intermediate_size"),
+        num_layers=get("num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden // num_heads,
-        max_position_embeddings=hf.get("max_position_embeddings",
-                                       cls.max_position_embeddings),
+        num_kv_heads=get("num_key_value_heads", default=num_heads),
+        head_dim=get("head_dim", default=hidden // num_heads),
+        max_position_embeddings=get("max_position_embeddings",
+                                    default=cls.max_position_embeddings),
         rope_theta=rope_theta,
         rope_scaling=scaling,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+        rms_norm_eps=get("rms_norm_eps", check_positive_number, 1e-6),
+        tie_word_embeddings=get("tie_word_embeddings", check_bool, False),
+        qkv_bias=arch == "qwen2" or get("attention_bias", check_bool, False),
     )
     fields.update(overrides)
     try:
@@ -144,23 +187,30 @@ class ModelConfig:
 
 def _read_rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling]:
   """Reads theta and scaling from v4 (`rope_theta`, `rope_scaling`) or v5 (`rope_parameters`)."""
-  params: dict[str, Any] = dict(hf.get("rope_scaling") or {})
-  params.update(hf.get("rope_parameters") or {})
-  theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-  rope_type = params.get("rope_type", params.get("type", "default"))
+  params: dict[str, tuple[str, Any]] = {}  # name -> (the key it came from, value)
+  for key in ("rope_scaling", "rope_parameters"):
+    value = hf.get(key) or {}
+    if not isinstance(value, Mapping):
+      raise ValueError(f"{source}: {key}={value!r}: must be an object")
+    params.update({name: (f"{key}.{name}", v) for name, v in value.items()})
+  theta_key, theta = params.pop("rope_theta", ("rope_theta", hf.get("rope_theta", 10000.0)))
+  check_positive_number(f"{source}: {theta_key}", theta)
+  _, rope_type = params.get("rope_type", params.get("type", (None, "default")))
   if rope_type not in SUPPORTED_ROPE_TYPES:
     raise ValueError(f"{source}: rope_scaling.rope_type={rope_type!r} is not supported; "
                      f"supported: {SUPPORTED_ROPE_TYPES}")
-  defaults = RopeScaling()
-  scaling = RopeScaling(
-      rope_type=rope_type,
-      factor=float(params.get("factor", defaults.factor)),
-      low_freq_factor=float(params.get("low_freq_factor", defaults.low_freq_factor)),
-      high_freq_factor=float(params.get("high_freq_factor", defaults.high_freq_factor)),
-      original_max_position_embeddings=int(params.get(
-          "original_max_position_embeddings", defaults.original_max_position_embeddings)),
-  )
-  return theta, scaling
+  checks = {"factor": check_positive_number, "low_freq_factor": check_positive_number,
+            "high_freq_factor": check_positive_number,
+            "original_max_position_embeddings": check_positive_int}
+  values = {}
+  for name, check in checks.items():
+    if name in params:
+      key, values[name] = params[name]
+      check(f"{source}: {key}", values[name])
+  try:
+    return float(theta), RopeScaling(rope_type=rope_type, **values)
+  except ValueError as e:
+    raise ValueError(f"{source}: {e}") from None
 
 
 def tiny_config(architecture: str = "llama", **overrides) -> ModelConfig:
