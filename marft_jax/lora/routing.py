@@ -17,6 +17,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import checkify
+
+from marft_jax.validation import check_ids, is_concrete
 
 NO_ADAPTER = -1
 # Per-token ids with at least this many adapters take the sorted (grouped) path.
@@ -77,23 +80,34 @@ class Adapters:
     return functools.partial(routed_lora_delta, scale=self.scale, dropout_rate=self.dropout_rate)
 
 
-def canonical_adapter_ids(adapter_ids: Any, batch: int, time: int) -> jax.Array:
+def canonical_adapter_ids(adapter_ids: Any, batch: int, time: int,
+                          num_adapters: Optional[int] = None) -> jax.Array:
   """A scalar becomes per-sequence ids [B]; [B] and per-token [B, T] ids are kept as they are.
 
-  Per-sequence ids take the cheaper gather path of `routed_lora_delta`.
+  Per-sequence ids take the cheaper gather path of `routed_lora_delta`. With `num_adapters`,
+  ids outside [-1, A) are refused: a ValueError naming `adapter_ids` for concrete ids, a
+  `checkify` error for traced ids under `jax.experimental.checkify.checkify` (without it
+  they route to the base model on every path, see `routed_lora_delta`).
   """
+  if num_adapters is not None:
+    check_ids("adapter_ids", adapter_ids, NO_ADAPTER, num_adapters)
   ids = jnp.asarray(adapter_ids, jnp.int32)
   if ids.ndim == 0:
-    return jnp.full((batch,), ids)
-  if ids.shape not in ((batch,), (batch, time)):
+    ids = jnp.full((batch,), ids)
+  elif ids.shape not in ((batch,), (batch, time)):
     raise ValueError(f"adapter_ids has shape {ids.shape}; expected (), ({batch},) or "
                      f"({batch}, {time})")
+  if num_adapters is not None and not is_concrete(ids):
+    checkify.check(jnp.all((ids >= NO_ADAPTER) & (ids < num_adapters)),
+                   f"adapter_ids outside [-1, {num_adapters})", debug=True)
   return ids
 
 
-def broadcast_adapter_ids(adapter_ids: Any, batch: int, time: int) -> jax.Array:
-  """Per-sequence ids [B] (or a scalar) become per-token ids [B, T]."""
-  ids = canonical_adapter_ids(adapter_ids, batch, time)
+def broadcast_adapter_ids(adapter_ids: Any, batch: int, time: int,
+                          num_adapters: Optional[int] = None) -> jax.Array:
+  """Per-sequence ids [B] (or a scalar) become per-token ids [B, T]; checked as in
+  `canonical_adapter_ids`."""
+  ids = canonical_adapter_ids(adapter_ids, batch, time, num_adapters)
   return ids if ids.ndim == 2 else jnp.broadcast_to(ids[:, None], (batch, time))
 
 
@@ -111,7 +125,9 @@ def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: 
   Args:
     x: [B, T, D_in].
     adapter: one layer's {"a": [A, D_in, R], "b": [A, R, D_out]}, and "dropout_key" in training.
-    adapter_ids: [B] per-sequence or [B, T] per-token ints in [-1, A).
+    adapter_ids: [B] per-sequence or [B, T] per-token ints in [-1, A). An id outside that
+      range (checked by `canonical_adapter_ids` where it can be) gets no adapter, on every
+      route alike, so that the sampler and the trainer never compute different policies.
     scale: the LoRA scale (static).
     dropout_rate: applied only when `adapter` holds a "dropout_key" (static).
   Returns:
@@ -119,6 +135,8 @@ def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: 
   """
   x = _dropout(jnp.asarray(x), adapter.get("dropout_key"), dropout_rate)
   a, b = jnp.asarray(adapter["a"], x.dtype), jnp.asarray(adapter["b"], x.dtype)
+  adapter_ids = jnp.where((adapter_ids >= 0) & (adapter_ids < a.shape[0]), adapter_ids,
+                          NO_ADAPTER)
   if adapter_ids.ndim == 1:
     route = _per_sequence
   else:

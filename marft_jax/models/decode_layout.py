@@ -209,7 +209,8 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
     positions = transformer.default_positions(mask, cache)
   onehot, scale, adapter_layers = None, 1.0, {}
   if lora is not None:
-    ids = broadcast_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T)
+    ids = broadcast_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T,
+                                lora.num_adapters)
     onehot = jax.nn.one_hot(ids.reshape(B * T), lora.num_adapters, dtype=config.dtype).T
     scale, adapter_layers = lora.scale, lora.layers
 

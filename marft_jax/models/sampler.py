@@ -41,10 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from marft_jax.lora.routing import Adapters
+from marft_jax.lora.routing import NO_ADAPTER, Adapters
 from marft_jax.models import decode_layout, transformer
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.sampling import check_sampling_args
 from marft_jax.models.transformer import KVCache, Params
+from marft_jax.validation import check_ids
 
 # Bucket sizes are powers of two from these minima: prompt chunks and N round up to them.
 MIN_PROMPT_BUCKET = 16
@@ -155,9 +157,12 @@ def sample_vocab_major(rng: jax.Array, logits: jax.Array, temperature: jax.Array
   if greedy:
     return argmax_and_logprob()
   is_greedy = temperature <= 0.0
-  scaled = logits / jnp.where(is_greedy, 1.0, temperature)[None, :]
+  # The max is subtracted before dividing: a tiny temperature then sends every other logit
+  # towards -inf (probability 0) instead of overflowing, and log-probs stay finite.
+  shifted = logits - jnp.max(logits, axis=0, keepdims=True)
+  scaled = shifted / jnp.where(is_greedy, 1.0, temperature)[None, :]
   ids = None
-  if top_k is not None and top_k < logits.shape[0]:
+  if top_k and top_k < logits.shape[0]:  # 0 / None: off; ≥ V: keeps everything anyway
     values, ids = jax.lax.top_k(scaled.T, top_k)  # sorted: the top-p search is a cumsum
     scaled, ids = values.T, ids.T  # [k, B]
   if top_p is not None:
@@ -315,18 +320,41 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
 # --- the host-side entry point --------------------------------------------------------------
 
 
-def _per_row(value, batch: int, dtype) -> np.ndarray:
-  return np.broadcast_to(np.asarray(value, dtype), (batch,)).copy()
+def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
+  """A scalar or [B] argument as a [B] array; other shapes name the argument."""
+  array = np.asarray(value)
+  if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != batch):
+    raise ValueError(f"{name} has shape {array.shape}; expected a scalar or ({batch},)")
+  return np.broadcast_to(array.astype(dtype), (batch,)).copy()
 
 
-def _stop_id_table(eos_ids, stop_ids, batch: int) -> np.ndarray:
+def _stop_id_table(eos_ids, stop_ids, batch: int, vocab: int) -> np.ndarray:
   """[B, M] int32: EOS ids then each row's own stop ids, -1 padded, M bucketed."""
-  eos = np.atleast_1d(np.asarray(() if eos_ids is None else eos_ids, np.int32))
+  eos = np.atleast_1d(np.asarray(() if eos_ids is None else eos_ids, np.int64))
+  check_ids("eos_ids", eos, 0, vocab)
   rows = np.broadcast_to(eos, (batch, eos.size))
   if stop_ids is not None:
-    rows = np.concatenate([rows, np.asarray(stop_ids, np.int32).reshape(batch, -1)], axis=1)
+    stop = np.asarray(stop_ids, np.int64)
+    if stop.ndim != 2 or stop.shape[0] != batch:
+      raise ValueError(f"stop_ids has shape {stop.shape}; expected ({batch}, M)")
+    check_ids("stop_ids", stop, 0, vocab, where=stop != -1)  # -1 pads a row's list
+    rows = np.concatenate([rows, stop], axis=1)
   width = bucket(rows.shape[1], MIN_STOP_IDS_BUCKET)
-  return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=-1)
+  return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=-1).astype(np.int32)
+
+
+def _prompt_mask(tokens: np.ndarray, prompt_lens, prompt_mask) -> np.ndarray:
+  B, P = tokens.shape
+  if prompt_mask is not None:
+    mask = np.asarray(prompt_mask)
+    if mask.shape != (B, P):
+      raise ValueError(f"prompt_mask has shape {mask.shape}; tokens have {(B, P)}")
+    return mask.astype(bool)
+  if prompt_lens is not None:
+    lens = _per_row("prompt_lens", prompt_lens, B, np.int64)
+    check_ids("prompt_lens", lens, 0, P + 1)
+    return np.arange(P)[None, :] < lens[:, None]
+  return np.ones((B, P), bool)
 
 
 def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed: int,
@@ -334,12 +362,28 @@ def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed
   """A cache with room for `needed` more slots: a fresh one, the given one, or it grown."""
   if cache is None:
     return transformer.init_cache(config, batch, max(needed, cache_size or 0))
+  if cache.valid.shape[0] != batch:
+    raise ValueError(f"cache holds {cache.valid.shape[0]} rows; tokens have {batch}")
   index = int(cache.index)
   if index + needed <= cache.size:
     return cache
   grow = bucket(index + needed, MIN_PROMPT_BUCKET) - cache.size
   pad = lambda x, axis: jnp.pad(x, [(0, grow if a == axis else 0) for a in range(x.ndim)])
   return cache.replace(k=pad(cache.k, 2), v=pad(cache.v, 2), valid=pad(cache.valid, 1))
+
+
+def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.ndarray,
+                     max_new: np.ndarray) -> None:
+  """Refuses rows whose positions would pass the model's `max_position_embeddings`."""
+  before = 0 if cache is None else np.asarray(cache.next_positions())
+  end = before + mask.sum(axis=1) + max_new
+  if np.any(end > config.max_position_embeddings):
+    row = int(np.argmax(end))
+    raise ValueError(
+        f"row {row}: prompt ({int(np.broadcast_to(before, end.shape)[row])} cached + "
+        f"{int(mask[row].sum())} new tokens) + max_new_tokens ({int(max_new[row])}) = "
+        f"{int(end[row])} positions, more than the model's max_position_embeddings="
+        f"{config.max_position_embeddings}")
 
 
 def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
@@ -356,22 +400,32 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   decoding SmolLM2-135M is then about 1.7x (batch 1) to 2x (batch 16) faster than with the
   stacked training tree, for a longer compile (the layers are unrolled).
 
+  Every argument is checked here, on the host, before anything is compiled: a bad value is a
+  ValueError naming the argument, never a silently wrong sample.
+
   Args:
     params: the model's parameter tree, or its decode layout.
     tokens: [B, P] int prompt tokens (the new chunk when continuing `cache`), padded
-      anywhere (right padding with `prompt_lens`).
+      anywhere (right padding with `prompt_lens`); real tokens must lie in [0, V).
     config: the static model config.
     rng: a PRNG key; the same key gives the same output.
-    max_new_tokens: int or [B] per-row limits (0: only encode the prompt).
+    max_new_tokens: int or [B] per-row limits ≥ 0 (0: only encode the prompt). Cached
+      positions + real prompt tokens + max_new_tokens may not pass
+      `config.max_position_embeddings`.
     prompt_lens: [B] real tokens at the start of each row; or `prompt_mask` [B, P] bool.
       Default: every token is real. A row that samples needs ≥ 1 real token in the chunk.
-    cache: continue an earlier call's `SampleOutput.cache` (donated; don't reuse it).
+    cache: continue an earlier call's `SampleOutput.cache` (donated; don't reuse it). It grows
+      (a copy) when the new chunk and tokens do not fit its slots.
     cache_size: slots of a fresh cache, to leave room for later continuations.
-    lora, adapter_ids: adapters and [B] per-row adapter ids (-1 = base) for prompt and output.
-    temperature: scalar or [B]; 0 = greedy. top_k: static int or None.
-    top_p: None, scalar or [B] in (0, 1].
-    eos_ids: stop ids of every row; stop_ids: [B, M] further per-row stop ids (-1 = none).
-    pad_id: fills `tokens` off the mask.
+    lora, adapter_ids: adapters and a scalar or [B] per-row adapter ids in [-1, A)
+      (-1 = base) for prompt and output.
+    temperature: scalar or [B], finite and ≥ 0; 0 = greedy. A tiny temperature is computed
+      stably (the max logit is subtracted first) and approaches greedy.
+    top_k: static int ≥ 0, or None; 0 and None are off (as in transformers).
+    top_p: None, scalar or [B] in (0, 1]; 1 and None are off.
+    eos_ids: stop ids of every row in [0, V); stop_ids: [B, M] further per-row stop ids in
+      [0, V), -1 = none.
+    pad_id: fills `tokens` off the mask (any int; never attended).
     max_new_tokens_bucket: N, the static output width (≥ max(max_new_tokens)); default
       `bucket(max(max_new_tokens), 16)`. Fixing it keeps one compile across varying limits.
     on_step: static; called on the host with the number of tokens sampled so far, once per
@@ -379,18 +433,31 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       one to repeated calls.
   Returns:
     A `SampleOutput` with N output columns.
+  Raises:
+    ValueError naming the argument for any value outside the ranges above.
   """
-  tokens = np.asarray(tokens, np.int32)
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens: expected a [B, P] integer array, got shape {tokens.shape} "
+                     f"and dtype {tokens.dtype}")
   B, P = tokens.shape
-  if prompt_mask is not None:
-    mask = np.asarray(prompt_mask, bool)
-  elif prompt_lens is not None:
-    mask = np.arange(P)[None, :] < np.asarray(prompt_lens)[:, None]
-  else:
-    mask = np.ones((B, P), bool)
-  max_new = _per_row(max_new_tokens, B, np.int32)
+  mask = _prompt_mask(tokens, prompt_lens, prompt_mask)
+  check_ids("tokens", tokens, 0, config.vocab_size, where=mask)
+  tokens = tokens.astype(np.int32)
+  if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer):
+    raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int or ints")
+  max_new = _per_row("max_new_tokens", max_new_tokens, B, np.int64)
+  check_ids("max_new_tokens", max_new, 0, np.iinfo(np.int32).max)
   if np.any((max_new > 0) & ~mask.any(axis=1)):
     raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
+  check_sampling_args(temperature, top_p, top_k)
+  if top_k is not None and (top_k == 0 or top_k >= config.vocab_size):
+    top_k = None  # off: one compile for every value that keeps the whole vocabulary
+  ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
+                 else 0 if adapter_ids is None else adapter_ids, B, np.int64)
+  check_ids("adapter_ids", ids, NO_ADAPTER, 1 if lora is None else lora.num_adapters)
+  _check_positions(config, cache, mask, max_new)
+
   used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
   width = bucket(used, MIN_PROMPT_BUCKET)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
@@ -398,12 +465,13 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   num_new = max_new_tokens_bucket or bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
   if num_new < max_new.max(initial=0):
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={max_new.max()}")
-  temperature = _per_row(temperature, B, np.float32)
-  top_p = None if top_p is None else jnp.asarray(_per_row(top_p, B, np.float32))
-  ids = _per_row(0 if adapter_ids is None else adapter_ids, B, np.int32)
+  temperature = _per_row("temperature", temperature, B, np.float32)
+  top_p = None if top_p is None else jnp.asarray(_per_row("top_p", top_p, B, np.float32))
   return generate_jit(
       params, jnp.asarray(tokens), jnp.asarray(mask),
-      _fit_cache(cache, config, B, width + num_new, cache_size), lora, jnp.asarray(ids), rng,
-      jnp.asarray(temperature), top_p, jnp.asarray(max_new),
-      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B)), config=config, num_new=num_new,
-      top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=pad_id, on_step=on_step)
+      _fit_cache(cache, config, B, width + num_new, cache_size), lora,
+      jnp.asarray(ids, jnp.int32), rng, jnp.asarray(temperature), top_p,
+      jnp.asarray(max_new, jnp.int32),
+      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)), config=config,
+      num_new=num_new, top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=int(pad_id),
+      on_step=on_step)

@@ -30,10 +30,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.experimental import checkify
 
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
+from marft_jax.validation import check_ids, is_concrete
 
 Params = dict
 
@@ -92,6 +94,25 @@ def init_params(config: ModelConfig, rng: jax.Array, std: float = 0.02) -> Param
   return params
 
 
+def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
+  """Refuses to write `num_new` slots past the end of a concrete cache.
+
+  `dynamic_update_slice` would clamp the write index and overwrite the newest slots instead.
+  Under `jit` the index is traced: there the caller sizes the cache (the sampler grows it),
+  and `checkify.checkify` reports an overflow.
+  """
+  if cache is None:
+    return
+  if is_concrete(cache.index):
+    if int(cache.index) + num_new > cache.size:
+      raise ValueError(f"cache: {num_new} new tokens at slot {int(cache.index)} do not fit its "
+                       f"{cache.size} slots; make a larger cache (init_cache) or let "
+                       "sampler.generate grow it")
+  else:
+    checkify.check(cache.index + num_new <= cache.size,
+                   f"cache: {num_new} new tokens overflow its {cache.size} slots", debug=True)
+
+
 def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
   """Positions counting real tokens only: left or inner padding does not shift RoPE.
 
@@ -146,19 +167,27 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
 
   Args:
     params: the parameter tree above.
-    tokens: [B, T] int token ids.
+    tokens: [B, T] int token ids, in [0, V) where `mask` is set.
     config: static model config.
     positions: [B, T] RoPE positions; default: real tokens counted from the cache's count.
     mask: [B, T] bool, False on padding; default all True.
     cache: None for a stand-alone (training) pass; else the tokens are written into slots
       `[cache.index, cache.index + T)` (the caller sizes S so they fit).
     lora: adapters, or None for the base model.
-    adapter_ids: [B, T] per-token or [B] per-sequence adapter ids (-1 = base); default 0.
+    adapter_ids: [B, T] per-token or [B] per-sequence adapter ids in [-1, A) (-1 = base);
+      default 0.
+
+  Concrete arguments are checked (ValueError naming `tokens`, `cache` or `adapter_ids`);
+  traced ones cannot be: an out-of-range token reads a clamped embedding row, an overflowing
+  cache write is clamped, an out-of-range adapter id gets the base model. Wrap the call in
+  `jax.experimental.checkify.checkify` to have the last two reported.
   Returns:
     h: [B, T, D] compute dtype; the new cache (None without one).
   """
   B, T = tokens.shape
   mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+  check_ids("tokens", tokens, 0, config.vocab_size, where=mask)
+  check_cache_room(cache, T)
   if positions is None:
     positions = default_positions(mask, cache)
   if cache is None:
@@ -170,7 +199,8 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   allowed = kv_valid[:, None, :] & (kv_slots[None, None, :] <= q_slots[None, :, None])
 
   adapter_layers, lora_delta = ({}, None) if lora is None else (lora.scan_inputs(), lora.delta_fn())
-  ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T)
+  ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T,
+                              None if lora is None else lora.num_adapters)
   x = params["embed"][tokens].astype(config.dtype)
 
   def body(carry, xs):

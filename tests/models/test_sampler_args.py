@@ -1,0 +1,197 @@
+"""Bad sampler and forward arguments are refused by name; edge values give correct numbers.
+
+The references: argmax for vanishing temperatures, one call over the concatenation for a
+grown cache, and every routing path (per sequence, per token, sorted, decode layout) for
+out-of-range adapter ids under jit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from marft_jax import lora as lora_lib
+from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models.config import tiny_config
+from marft_jax.models.sampling import SamplingConfig
+
+CONFIG = tiny_config(max_position_embeddings=64)
+V = CONFIG.vocab_size
+
+
+@pytest.fixture(scope="module")
+def params():
+  return transformer.init_params(CONFIG, jax.random.key(0), std=0.1)
+
+
+@pytest.fixture(scope="module")
+def adapters():
+  rng = np.random.default_rng(0)
+  layers = {}
+  for name, (d_in, d_out) in transformer.linear_shapes(CONFIG).items():
+    if name in ("q_proj", "v_proj"):
+      layers[name] = {"a": jnp.asarray(rng.normal(0, 0.3, (2, 3, d_in, 4)), jnp.float32),
+                      "b": jnp.asarray(rng.normal(0, 0.3, (2, 3, 4, d_out)), jnp.float32)}
+  return lora_lib.Adapters(layers=layers, scale=2.0)
+
+
+PROMPTS = np.random.default_rng(1).integers(0, V, size=(2, 6))
+
+
+def _generate(params, **kw):
+  kw = {"max_new_tokens": 4, "rng": jax.random.key(2), **kw}
+  return sampler.generate(params, kw.pop("tokens", PROMPTS), CONFIG, **kw)
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=[1.0, float("nan")]), "temperature"),
+    (dict(temperature=[1.0, 1.0, 1.0]), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(tokens=np.array([[1, 2, V]])), "tokens"),
+    (dict(tokens=np.array([[-1, 2, 3]])), "tokens"),
+    (dict(tokens=np.array([[1.0, 2.0]])), "tokens"),
+    (dict(eos_ids=[V]), "eos_ids"),
+    (dict(stop_ids=[[3], [-2]]), "stop_ids"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.0), "max_new_tokens"),
+    (dict(prompt_lens=[7, 2]), "prompt_lens"),
+    (dict(prompt_mask=np.ones((2, 5), bool)), "prompt_mask"),
+    (dict(max_new_tokens=60), "max_position_embeddings"),  # 6 + 60 > 64
+])
+def test_bad_arguments_are_refused_by_name(params, kw, name):
+  with pytest.raises(ValueError, match=name):
+    _generate(params, **kw)
+
+
+@pytest.mark.parametrize("ids", [[0, 3], [-2, 0], 5])
+def test_adapter_ids_out_of_range_are_refused(params, adapters, ids):
+  with pytest.raises(ValueError, match="adapter_ids"):
+    _generate(params, lora=adapters, adapter_ids=ids)
+  with pytest.raises(ValueError, match="adapter_ids"):
+    transformer.forward(params, PROMPTS, CONFIG, lora=adapters,
+                        adapter_ids=np.broadcast_to(ids, (2,)))
+
+
+def test_padding_off_the_mask_may_hold_any_id(params):
+  tokens = np.concatenate([PROMPTS, np.full((2, 3), -7)], axis=1)
+  a = _generate(params, tokens=tokens, prompt_lens=[6, 6], temperature=0.0)
+  b = _generate(params, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_position_limit_counts_the_cached_tokens(params):
+  first = _generate(params, max_new_tokens=20, temperature=0.0)  # 6 + 20 positions
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    _generate(params, tokens=PROMPTS, cache=first.cache, max_new_tokens=40)  # 26 + 6 + 40
+
+
+def test_tiny_temperature_is_stable_and_approaches_greedy():
+  # Logits as large as a real model's: dividing before subtracting the max overflows to inf.
+  logits = jax.random.normal(jax.random.key(5), (64, 300)) * 30
+  for t in (1e-10, 1e-30, 1e-37):  # (f32 denormals flush to 0 on XLA:CPU: greedy)
+    tok, logprob = sampler.sample_tokens(jax.random.key(6), logits, jnp.full((64,), t))
+    np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), axis=-1))
+    # Every other token has probability 0 at this temperature: log-prob exactly 0.
+    np.testing.assert_array_equal(np.asarray(logprob), 0.0)
+
+
+def test_tiny_temperature_generation_equals_greedy(params):
+  tiny = _generate(params, temperature=1e-10, max_new_tokens=8)
+  greedy = _generate(params, temperature=0.0, max_new_tokens=8)
+  np.testing.assert_array_equal(np.asarray(tiny.tokens), np.asarray(greedy.tokens))
+  assert np.all(np.isfinite(np.asarray(tiny.logprobs)))
+
+
+def test_top_k_zero_means_off_as_in_transformers(params):
+  off = _generate(params, temperature=1.0, top_k=0)
+  none = _generate(params, temperature=1.0, top_k=None)
+  whole = _generate(params, temperature=1.0, top_k=V)
+  for other in (none, whole):
+    np.testing.assert_array_equal(np.asarray(off.tokens), np.asarray(other.tokens))
+    np.testing.assert_array_equal(np.asarray(off.logprobs), np.asarray(other.logprobs))
+
+
+def test_sampling_config_uses_the_same_rules():
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingConfig(temperature=float("nan"))
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    SamplingConfig(max_new_tokens=0)
+  assert SamplingConfig(top_k=0, top_p=1.0).generate_kwargs()["top_k"] is None
+
+
+def test_a_continued_cache_that_is_too_small_grows(params):
+  """Continuing a full cache grows it, and the result equals one call over everything."""
+  first = _generate(params, temperature=0.0, max_new_tokens=3, cache_size=8)
+  assert first.cache.size == 32  # 16-slot prompt chunk + 16 new: the requested 8 is too few
+  g1 = [np.asarray(t)[np.asarray(m)] for t, m in zip(first.tokens, first.mask)]
+  chunk = np.random.default_rng(3).integers(0, V, size=(2, 20))
+  cont = _generate(params, tokens=chunk, temperature=0.0, cache=first.cache)
+  assert cont.cache.size > 32
+  whole = np.stack([np.concatenate([p, g, c]) for p, g, c in zip(PROMPTS, g1, chunk)])
+  once = _generate(params, tokens=whole, temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(cont.tokens), np.asarray(once.tokens))
+  np.testing.assert_allclose(np.asarray(cont.logprobs), np.asarray(once.logprobs), atol=1e-5)
+
+
+def test_forward_refuses_a_cache_write_past_its_end(params):
+  cache = transformer.init_cache(CONFIG, 2, 8)
+  _, cache = transformer.forward(params, PROMPTS, CONFIG, cache=cache)  # slots 0..5
+  with pytest.raises(ValueError, match="cache"):
+    transformer.forward(params, PROMPTS, CONFIG, cache=cache)  # slots 6..11 of 8
+
+
+def test_forward_overflow_is_reported_under_checkify(params):
+  fn = jax.jit(checkify.checkify(
+      lambda p, t, c: transformer.forward(p, t, CONFIG, cache=c)[0]))
+  cache = transformer.init_cache(CONFIG, 2, 8)
+  err, _ = fn(params, PROMPTS, cache)
+  err.throw()  # 6 of 8 slots: fine
+  err, _ = fn(params, PROMPTS, cache.replace(index=jnp.asarray(4, jnp.int32)))
+  with pytest.raises(Exception, match="overflow"):
+    err.throw()
+
+
+def test_traced_out_of_range_adapter_ids_route_to_the_base_on_every_path(params, adapters):
+  """Under jit ids can't be refused: ids ≥ A and < -1 then mean "no adapter" on every route
+  (the decode layout's one-hot has always done so), and checkify reports them."""
+  tokens = jnp.asarray(PROMPTS)
+  base = transformer.forward(params, tokens, CONFIG)[0]
+
+  @functools.partial(jax.jit, static_argnames="per_token")
+  def routed(ids, per_token):
+    ids = jnp.broadcast_to(ids[:, None], tokens.shape) if per_token else ids
+    return transformer.forward(params, tokens, CONFIG, lora=adapters, adapter_ids=ids)[0]
+
+  for per_token in (False, True):  # A = 3 takes the sorted per-token path
+    out = routed(jnp.asarray([3, -5]), per_token)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-6)
+  one = lora_lib.select_adapter(adapters, 0)  # A = 1: the one-hot per-token path
+  out = jax.jit(lambda ids: transformer.forward(params, tokens, CONFIG, lora=one,
+                                                adapter_ids=ids)[0])(
+      jnp.broadcast_to(jnp.asarray([1, 7])[:, None], tokens.shape))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-6)
+  fast = decode_layout.to_decode_layout(params)
+  dl = jax.jit(lambda ids: decode_layout.hidden_states(
+      fast, tokens, CONFIG, lora=adapters, adapter_ids=ids,
+      cache=decode_layout.split_cache(transformer.init_cache(CONFIG, 2, 8)))[0])
+  h_base = transformer.hidden_states(params, tokens, CONFIG)[0]
+  np.testing.assert_allclose(np.asarray(dl(jnp.asarray([3, -5]))), np.asarray(h_base),
+                             atol=1e-5)
+  checked = jax.jit(checkify.checkify(lambda ids: routed(ids, False)))
+  checked(jnp.asarray([2, -1]))[0].throw()
+  with pytest.raises(Exception, match="adapter_ids"):
+    checked(jnp.asarray([3, 0]))[0].throw()
