@@ -6,16 +6,24 @@ module and layer (torch layout, adapter name stripped as PEFT's `save_pretrained
     base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight   [R, D_in]   = a[3, i].T
     base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight   [D_out, R]  = b[3, i].T
 
-The safetensors metadata is `{"format": "pt"}` (transformers rejects files without it). Each
-file is written under a temporary name and moved into place with `os.replace`, so a reader
-never sees a half-written file.
+The safetensors metadata is `{"format": "pt"}` (transformers rejects files without it).
+
+Saves replace whole folders, Orbax-style: everything is written into a hidden sibling
+`.<name>.tmp-<hex>` and renamed into place, so a folder holds one save's weights and config,
+never a mix (`_write_folders_atomically` lists what a crash at each step leaves). Hidden
+`.<name>.tmp-*` / `.<name>.old-*` folders are an interrupted save's leftovers, never adapters;
+the next save of `<name>` removes them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
-from typing import Optional, Sequence
+import shutil
+import uuid
+from typing import Callable, Optional, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +40,18 @@ _PREFIX = "base_model.model."
 # PEFT features that change the maths beyond plain LoRA: a file using one is rejected.
 _UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "rank_pattern", "alpha_pattern",
                 "layer_replication", "trainable_token_indices", "target_parameters", "use_qalora")
+_is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a rank.
+_is_real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+# adapter_config.json keys we read: what each must hold. `r` and `lora_alpha` are required.
+_CONFIG_VALUES = {
+    "r": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "lora_alpha": (lambda v: _is_real(v) and math.isfinite(v) and v > 0, "a positive number"),
+    "lora_dropout": (lambda v: _is_real(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "layers_to_transform": (lambda v: v is None or _is_int(v) or (
+        isinstance(v, list) and all(map(_is_int, v))), "null, an integer or a list of integers"),
+}
+StrPath = Union[str, "os.PathLike[str]"]
 
 
 def peft_key(target: str, layer: int, factor: str) -> str:
@@ -44,6 +64,7 @@ def peft_key(target: str, layer: int, factor: str) -> str:
 
 def peft_tensors(adapters: Adapters, index: int = 0) -> dict[str, np.ndarray]:
   """Adapter `index` as PEFT's float32 tensors {key: array}, in torch layout."""
+  _check_index(index, adapters.num_adapters)
   tensors = {}
   for name, w in adapters.layers.items():
     a, b = np.asarray(w["a"][:, index], np.float32), np.asarray(w["b"][:, index], np.float32)
@@ -68,44 +89,50 @@ def peft_config_dict(adapters: Adapters, base_model_name_or_path: Optional[str] 
           "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
-def save_peft_adapter(path: str, adapters: Adapters, index: int = 0,
+def save_peft_adapter(path: StrPath, adapters: Adapters, index: int = 0,
                       base_model_name_or_path: Optional[str] = None) -> None:
-  """Writes adapter `index` of `adapters` as a PEFT adapter folder `path` (created if needed)."""
-  from safetensors.numpy import save_file
-  os.makedirs(path, exist_ok=True)
-  tensors = peft_tensors(adapters, index)
-  config = peft_config_dict(adapters, base_model_name_or_path)
-  weights_file = os.path.join(path, WEIGHTS_FILE)
-  save_file(tensors, weights_file + ".tmp", metadata={"format": "pt"})
-  os.replace(weights_file + ".tmp", weights_file)
-  config_file = os.path.join(path, CONFIG_FILE)
-  with open(config_file + ".tmp", "w") as f:
-    json.dump(config, f, indent=2)
-  os.replace(config_file + ".tmp", config_file)
+  """Writes adapter `index` of `adapters` as the PEFT adapter folder `path`, atomically.
+
+  The whole folder is replaced, so `path` must be absent, empty or an adapter folder (one with
+  `adapter_config.json` or `adapter_model.safetensors`); anything else is refused, not deleted.
+  On an exception `path` keeps its previous contents; `_write_folders_atomically` says what a
+  crash leaves.
+  """
+  _check_index(index, adapters.num_adapters)
+  _write_folders_atomically({path: functools.partial(_write_adapter, adapters=adapters,
+                                                     index=index, base=base_model_name_or_path)})
 
 
-def save_peft_adapters(root: str, adapters: Adapters, names: Sequence[str],
+def save_peft_adapters(root: StrPath, adapters: Adapters, names: Sequence[str],
                        base_model_name_or_path: Optional[str] = None) -> list[str]:
-  """One PEFT folder per agent, `root/<names[i]>/` for adapter i; returns the folders."""
-  if len(names) != adapters.num_adapters:
-    raise ValueError(f"{len(names)} names for {adapters.num_adapters} adapters")
-  paths = [os.path.join(root, name) for name in names]
-  for i, path in enumerate(paths):
-    save_peft_adapter(path, adapters, i, base_model_name_or_path)
+  """One PEFT folder per agent, `root/<names[i]>/` for adapter i; returns the folders.
+
+  All or none: every folder is written to a temporary sibling first and swapped in only once
+  all are written; an exception at any step leaves every agent's folder as it was. A crash
+  (process killed) while swapping can leave the first agents new and the rest old, each folder
+  complete (see `_write_folders_atomically`).
+  """
+  _check_names(names, adapters.num_adapters)
+  paths = [os.path.join(os.fspath(root), name) for name in names]
+  _write_folders_atomically({path: functools.partial(_write_adapter, adapters=adapters, index=i,
+                                                     base=base_model_name_or_path)
+                             for i, path in enumerate(paths)})
   return paths
 
 
-def load_peft_adapter(path: str, model_config: ModelConfig) -> Adapters:
+def load_peft_adapter(path: StrPath, model_config: ModelConfig) -> Adapters:
   """Reads a PEFT LoRA folder (ours or PEFT's own) as an A = 1 adapter set.
 
   The targets are the modules present in the weights file. Raises ValueError naming the file
-  for a feature plain LoRA cannot express, a missing layer or a shape that does not fit.
+  (and key or tensor) for a config that is not valid JSON or lacks a valid `r` or `lora_alpha`,
+  an unreadable weights file, a feature plain LoRA cannot express, a missing layer or a shape
+  that does not fit.
   """
   config_file, weights_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
   peft_config = _read_peft_config(config_file)
   tensors = _read_tensors(weights_file)
   targets = _targets_in(tensors, model_config.num_layers, weights_file)
-  config = LoraConfig(rank=int(peft_config["r"]), alpha=float(peft_config["lora_alpha"]),
+  config = LoraConfig(rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]),
                       targets=targets, dropout_rate=float(peft_config.get("lora_dropout", 0.0)),
                       use_rslora=bool(peft_config.get("use_rslora", False)))
   layers_present = peft_config.get("layers_to_transform")
@@ -116,16 +143,31 @@ def load_peft_adapter(path: str, model_config: ModelConfig) -> Adapters:
   return Adapters(layers=layers, scale=config.scale, dropout_rate=config.dropout_rate)
 
 
-def load_peft_adapters(paths: Sequence[str], model_config: ModelConfig) -> Adapters:
+def load_peft_adapters(paths: Sequence[StrPath], model_config: ModelConfig) -> Adapters:
   """Stacks several PEFT folders (one per agent, same rank/alpha/targets) on the A axis."""
   return stack_adapters([load_peft_adapter(p, model_config) for p in paths])
 
 
 def _read_peft_config(config_file: str) -> dict:
   if not os.path.isfile(config_file):
-    raise FileNotFoundError(f"{config_file}: not found (expected a PEFT adapter folder)")
-  with open(config_file) as f:
-    config = json.load(f)
+    folder = os.path.dirname(config_file)
+    moved = [p for p in _leftovers(folder) if ".old-" in os.path.basename(p)]
+    hint = (f"; an interrupted save moved the previous adapter to {moved[0]} (the next save of "
+            f"{folder} puts it back)" if moved and not os.path.exists(folder) else "")
+    raise FileNotFoundError(f"{config_file}: not found (expected a PEFT adapter folder){hint}")
+  try:
+    with open(config_file) as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_file}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                     f"{e.msg}") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"{config_file}: holds a JSON {type(config).__name__}, not an object")
+  for key, (valid, expected) in _CONFIG_VALUES.items():
+    if key in ("r", "lora_alpha") and key not in config:
+      raise ValueError(f"{config_file}: missing key {key!r} ({expected})")
+    if key in config and not valid(config[key]):
+      raise ValueError(f"{config_file}: {key}={config[key]!r}, expected {expected}")
   if str(config.get("peft_type", "")).upper() != "LORA":
     raise ValueError(f"{config_file}: peft_type={config.get('peft_type')!r}, only 'LORA' loads")
   if config.get("bias", "none") != "none":
@@ -138,10 +180,16 @@ def _read_peft_config(config_file: str) -> dict:
 
 def _read_tensors(weights_file: str) -> dict[str, np.ndarray]:
   # The flax reader also handles bfloat16 files, which NumPy has no dtype for.
+  from safetensors import SafetensorError
   from safetensors.flax import load_file
   if not os.path.isfile(weights_file):
     raise FileNotFoundError(f"{weights_file}: not found")
-  return {k: np.asarray(v, np.float32) for k, v in load_file(weights_file).items()}
+  try:
+    loaded = load_file(weights_file)
+  except SafetensorError as e:
+    raise ValueError(f"{weights_file}: not a valid safetensors file (truncated or corrupt): "
+                     f"{e}") from e
+  return {k: np.asarray(v, np.float32) for k, v in loaded.items()}
 
 
 def _targets_in(tensors: dict, num_layers: int, weights_file: str) -> tuple[str, ...]:
@@ -183,3 +231,129 @@ def _tensor(tensors, key, shape, weights_file):
     raise ValueError(f"{weights_file}: tensor {key!r} has shape {tensors[key].shape}, "
                      f"the model and rank imply {shape}")
   return tensors[key]
+
+
+def _check_index(index, num_adapters: int) -> None:
+  # Negative or large indices would wrap or clamp inside NumPy/JAX and export another adapter.
+  if not (_is_int(index) or isinstance(index, np.integer)) or not 0 <= index < num_adapters:
+    raise ValueError(f"index={index!r}: use an int in [0, {num_adapters}), the adapters hold "
+                     f"{num_adapters}")
+
+
+def _check_names(names: Sequence[str], num_adapters: int) -> None:
+  if isinstance(names, str) or len(names) != num_adapters:
+    raise ValueError(f"names={names!r}: give one name per adapter ({num_adapters})")
+  for name in names:
+    # A leading dot is refused so that no agent folder can look like a save's leftovers.
+    if (not isinstance(name, str) or not name or name.startswith(".")
+        or any(c in name for c in ("/", "\\", "\0"))):
+      raise ValueError(f"names: {name!r} is not a plain folder name (non-empty, no path "
+                       f"separator, not starting with '.')")
+  repeated = sorted({name for name in names if list(names).count(name) > 1})
+  if repeated:
+    raise ValueError(f"names: {repeated} appear more than once")
+
+
+def _write_adapter(folder: str, adapters: Adapters, index: int, base: Optional[str]) -> None:
+  from safetensors.numpy import save_file
+  save_file(peft_tensors(adapters, index), os.path.join(folder, WEIGHTS_FILE),
+            metadata={"format": "pt"})
+  with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+    json.dump(peft_config_dict(adapters, base), f, indent=2)
+
+
+def _write_folders_atomically(writers: dict[StrPath, Callable[[str], None]]) -> None:
+  """Creates or replaces each folder `path` with what `writers[path](dir)` writes into an empty
+  `dir`: on return every folder is new; on an exception every folder is as it was.
+
+  Steps, and what a crash (process killed, power lost) during each leaves at a target `t`:
+    1. Leftovers of an interrupted save of `t` are cleared (`_prepare_target`).
+    2. Stage: each folder is written into a sibling `.<name>.tmp-<hex>`; its files and itself
+       are fsynced. A crash leaves every `t` as it was (plus the temp folders).
+    3. Swap, folder by folder: `t` (if it exists) is renamed to `.<name>.old-<hex>`, then the
+       temp folder to `t`. A crash between these two renames leaves `t` absent and its old
+       contents complete in `.<name>.old-<hex>`, which the next save of `t` renames back
+       before doing anything else. Otherwise each `t` holds its old or its new folder, complete:
+       the folders before the crash point new, the rest old.
+    4. The parents are fsynced (the renames are durable from here on), then the `.old-` folders
+       deleted (errors ignored: the next save deletes what is left).
+  An exception in steps 2-3 or the fsync renames the swapped folders back and deletes the temp
+  folders before propagating (only a failure of those renames themselves leaves a state as a
+  crash would, which the next save clears). Saves of one folder must not run concurrently: each
+  clears the other's temp folders.
+  """
+  targets = [os.path.abspath(os.fspath(path)) for path in writers]
+  for target in targets:
+    _prepare_target(target)
+  token = uuid.uuid4().hex[:8]
+  staged, swapped = [], []  # (target, temp folder); (target, set-aside old folder or None)
+  try:
+    for target, write in zip(targets, writers.values()):
+      temp = _sibling(target, "tmp", token)
+      staged.append((target, temp))
+      os.mkdir(temp)
+      write(temp)
+      for entry in os.listdir(temp):
+        _fsync(os.path.join(temp, entry))
+      _fsync(temp)
+    for target, temp in staged:
+      old = _sibling(target, "old", token) if os.path.exists(target) else None
+      if old:
+        os.replace(target, old)
+      swapped.append((target, old))
+      os.replace(temp, target)
+    for parent in sorted({os.path.dirname(target) for target in targets}):
+      _fsync(parent)
+  except BaseException:  # KeyboardInterrupt too: a half-swapped set must be undone.
+    for (target, old), (_, temp) in reversed(list(zip(swapped, staged))):
+      if not os.path.exists(temp):  # The new folder is at `target`: move it back out.
+        os.replace(target, temp)
+      if old:
+        os.replace(old, target)
+    for _, temp in staged:
+      shutil.rmtree(temp, ignore_errors=True)
+    raise
+  for _, old in swapped:
+    if old:
+      shutil.rmtree(old, ignore_errors=True)
+
+
+def _prepare_target(target: str) -> None:
+  """Undoes what an interrupted save of `target` left, then refuses a target that a save may
+  not replace (a file, or a folder holding something other than an adapter)."""
+  parent, name = os.path.split(target)
+  if not name:
+    raise ValueError(f"{target}: not a folder path a save can replace")
+  os.makedirs(parent, exist_ok=True)
+  for leftover in _leftovers(target):
+    if ".old-" in os.path.basename(leftover) and not os.path.exists(target):
+      os.replace(leftover, target)  # A crash between the two renames of a swap.
+    else:
+      shutil.rmtree(leftover, ignore_errors=True)
+  if os.path.lexists(target) and not (os.path.isdir(target) and (
+      not os.listdir(target) or {CONFIG_FILE, WEIGHTS_FILE} & set(os.listdir(target)))):
+    raise ValueError(f"{target}: exists and is not a PEFT adapter folder (no {CONFIG_FILE} "
+                     f"or {WEIGHTS_FILE}); refusing to replace it")
+
+
+def _leftovers(target: str) -> list[str]:
+  """The temp and set-aside folders interrupted saves of `target` left, sorted."""
+  parent, name = os.path.split(os.path.abspath(target))
+  if not os.path.isdir(parent):
+    return []
+  prefixes = (f".{name}.tmp-", f".{name}.old-")
+  return [os.path.join(parent, e) for e in sorted(os.listdir(parent)) if e.startswith(prefixes)]
+
+
+def _sibling(target: str, kind: str, token: str) -> str:
+  parent, name = os.path.split(target)
+  return os.path.join(parent, f".{name}.{kind}-{token}")
+
+
+def _fsync(path: str) -> None:
+  """Flushes a file's data, or a folder's entries (renames), to disk."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
