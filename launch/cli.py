@@ -1,0 +1,161 @@
+"""What every launch script shares: its config flag, `--help`, one-line config errors, quiet logs.
+
+    CONFIG = cli.define_config_flag("generate.py")
+    def main(config: GenerateConfig): ...
+    if __name__ == "__main__":
+      cli.run(main, CONFIG, GenerateConfig)
+
+`cli.run` parses the flags itself so that
+  * `--help` prints the script's docstring and every config field with its value and comment,
+    then exits 0 (absl's own `--help` exits 1 and knows nothing of the fields);
+  * a bad override (`--config.xyz=1`, `--config.seed=abc`) or a value the typed config refuses
+    is one line naming the key, and exit status 2, instead of a traceback;
+  * INFO logs (e.g. JAX's "Unable to initialize backend 'tpu'") stay off the progress bars;
+    `--verbosity=0` brings them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import os
+import re
+import sys
+import typing
+from typing import Any, Callable
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from marft_jax.configs import from_config_dict
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
+_default_config_path = ""  # set by define_config_flag
+
+
+def define_config_flag(file_name: str) -> flags.FlagHolder:
+  """`--config`, defaulting to `launch/configs/<file_name>`, overridable as `--config.a.b=v`.
+
+  ml_collections reads the `--config.` overrides of `sys.argv` right here, so an unknown key
+  is reported (one line, exit 2) before it can raise from inside the flag definition.
+  """
+  global _default_config_path
+  _default_config_path = os.path.join(CONFIG_DIR, file_name)
+  if not os.path.isfile(_config_path(sys.argv)):
+    _fail(f"--config={_config_path(sys.argv)}: no such config file")
+  if not any(arg in _HELP_FLAGS for arg in sys.argv[1:]):
+    unknown = _unknown_override(sys.argv)
+    if unknown:
+      _fail(unknown)
+  return config_flags.DEFINE_config_file(
+      "config", _default_config_path,
+      "Config file (see --help for its fields); override fields as --config.<key>=<value>.",
+      lock_config=True)
+
+
+def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: type) -> None:
+  """`app.run` that hands `main` the typed config (a `config_cls`) instead of argv."""
+  def parse(argv: list[str]) -> list[str]:
+    if any(arg in _HELP_FLAGS for arg in argv[1:]):
+      print(_help_text(argv, config_cls))
+      sys.exit(0)
+    try:
+      return flags.FLAGS(argv)
+    except Exception as e:  # flags errors and ConfigDict's AttributeError/KeyError/TypeError
+      _fail(_unknown_override(argv) or _last_line(e))
+
+  def typed_main(argv: list[str]) -> None:
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+      _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+      config = from_config_dict(config_cls, config_flag.value)
+    except (ValueError, OSError) as e:  # OSError: the config file failed to load
+      _fail(_last_line(e))
+    main(config)
+
+  app.run(typed_main, flags_parser=parse)
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+# --- --help ----------------------------------------------------------------------------------
+
+
+def _help_text(argv: list[str], config_cls: type) -> str:
+  path = _config_path(argv)
+  config = _load_config_file(path)
+  lines = [(sys.modules["__main__"].__doc__ or "").strip(), "",
+           f"Config fields (file {os.path.relpath(path)}; override as --config.<key>=<value>):"]
+  lines += _field_lines(config_cls, config)
+  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs)."]
+  return "\n".join(lines)
+
+
+def _field_lines(cls: type, values: Any, prefix: str = "") -> list[str]:
+  """`  sampling.top_p = 0.95  # comment` for every (nested) field, as it is overridden."""
+  hints, comments = typing.get_type_hints(cls), _field_comments(cls)
+  lines = []
+  for field in dataclasses.fields(cls):
+    value, hint = values[field.name], hints[field.name]
+    if dataclasses.is_dataclass(hint):
+      lines += _field_lines(hint, value, f"{prefix}{field.name}.")
+      continue
+    comment = comments.get(field.name)
+    lines.append(f"  {prefix}{field.name} = {value!r}" + (f"  # {comment}" if comment else ""))
+  return lines
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+  """Field name -> the comment after its declaration in the class source (its documentation)."""
+  try:
+    source = inspect.getsource(cls)
+  except (OSError, TypeError):
+    return {}
+  pattern = re.compile(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$")
+  return {m.group(1): m.group(2).strip() for m in map(pattern.match, source.splitlines()) if m}
+
+
+# --- flag errors -------------------------------------------------------------------------------
+
+
+def _config_path(argv: list[str]) -> str:
+  for arg in argv[1:]:
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+  return _default_config_path
+
+
+def _load_config_file(path: str) -> Any:
+  spec = importlib.util.spec_from_file_location("_launch_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _unknown_override(argv: list[str]) -> str:
+  """'' if every `--config.a.b=v` names a field of the config file, else a one-line error."""
+  config = None
+  for arg in argv[1:]:
+    if not arg.startswith("--config.") or "=" not in arg:
+      continue
+    config = _load_config_file(_config_path(argv)) if config is None else config
+    key = arg[len("--config."):].split("=", 1)[0]
+    node, walked = config, "config"
+    for part in key.split("."):
+      if not hasattr(node, "keys") or part not in node:
+        allowed = ", ".join(sorted(node.keys())) if hasattr(node, "keys") else "(no fields)"
+        return f"--config.{key}: unknown key {part!r} in {walked}; allowed: {allowed}"
+      node, walked = node[part], f"{walked}.{part}"
+  return ""
+
+
+def _last_line(error: Exception) -> str:
+  lines = str(error).strip().splitlines()
+  return lines[-1] if lines else type(error).__name__

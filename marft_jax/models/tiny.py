@@ -1,0 +1,99 @@
+"""A tiny model and tokenizer that ship with the package: smoke tests, examples, CI runs.
+
+`save_tiny_model(path)` writes a Hugging Face style folder (`config.json`,
+`model.safetensors`, tokenizer files with a ChatML chat template) holding a random ≈0.1 M
+parameter Llama or Qwen2 and a byte-level BPE trained on a few sentences, so that every
+program that takes `--config.model=<folder>` can run end to end in seconds, without torch and
+without downloading anything. The weights are random: its text is gibberish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Union
+
+import jax
+import numpy as np
+
+from marft_jax.models.config import ModelConfig, tiny_config
+from marft_jax.models.hf_checkpoint import HF_LAYER_NORMS, hf_module_path
+from marft_jax.models.tokenizer import CHATML_TEMPLATE
+from marft_jax.models.transformer import Params, init_params
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CORPUS = (
+    "You are a helpful assistant. Solve the problem step by step.",
+    "Tom has 3 apples and buys 4 more. How many apples does he have? 3 + 4 = 7. #### 7",
+    "A train travels 60 miles in 2 hours. Its speed is 60 / 2 = 30 miles per hour.",
+    "The answer is 12 * 7 = 84. The sky is blue because air scatters blue light.",
+    "Reasoner: think first. Actor: give the final answer. Verifier: check the answer.",
+)
+
+
+def tiny_tokenizer(vocab_size: int = 384):
+  """A byte-level BPE (≤ `vocab_size` tokens, specials `SPECIAL_TOKENS` first) with ChatML."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from transformers import PreTrainedTokenizerFast
+  backend = Tokenizer(models.BPE())
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  backend.train_from_iterator(list(_CORPUS) * 4, trainer)
+  return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
+                                 eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
+
+
+def hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.ndarray]:
+  """Our parameter tree as Hugging Face tensors (torch layout `[out, in]`), f32."""
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
+  layers = params["layers"]
+  out = {"model.embed_tokens.weight": f32(params["embed"]),
+         "model.norm.weight": f32(params["final_norm"])}
+  for i in range(config.num_layers):
+    for ours, hf in HF_LAYER_NORMS.items():
+      out[f"model.layers.{i}.{hf}.weight"] = f32(layers[ours][i])
+    for target, p in layers.items():
+      if isinstance(p, dict):
+        out[f"{hf_module_path(target, i)}.weight"] = f32(p["kernel"][i].T)
+        if "bias" in p:
+          out[f"{hf_module_path(target, i)}.bias"] = f32(p["bias"][i])
+  if "lm_head" in params:
+    out["lm_head.weight"] = f32(params["lm_head"].T)
+  return out
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+  """`config.json` contents transformers and `ModelConfig.from_hf_config` read back."""
+  return {"model_type": config.architecture,
+          "architectures": ["LlamaForCausalLM" if config.architecture == "llama"
+                            else "Qwen2ForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+          "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+          "head_dim": config.head_dim, "rope_theta": config.rope_theta,
+          "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu",
+          "tie_word_embeddings": config.tie_word_embeddings,
+          "attention_bias": config.qkv_bias,
+          "max_position_embeddings": config.max_position_embeddings,
+          "torch_dtype": "float32"}
+
+
+def save_tiny_model(path: Union[str, os.PathLike], architecture: str = "llama",
+                    seed: int = 0) -> str:
+  """Writes a random tiny `architecture` model with its tokenizer to folder `path`."""
+  from safetensors.numpy import save_file
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  tokenizer = tiny_tokenizer()
+  config = tiny_config(architecture, vocab_size=len(tokenizer))
+  params = init_params(config, jax.random.key(seed), std=0.1)
+  save_file(hf_tensors(params, config), os.path.join(path, "model.safetensors"),
+            metadata={"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config_dict(config), f, indent=2)
+  tokenizer.save_pretrained(path)
+  return path

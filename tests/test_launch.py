@@ -1,0 +1,59 @@
+"""`python -m launch.generate` as a user runs it: --help, bad overrides, a tiny end-to-end run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from marft_jax.models import tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, timeout=300):
+  env = dict(os.environ, XLA_FLAGS="")  # one CPU device, as a user's machine has
+  return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+  return tiny.save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_help_lists_every_config_field_and_exits_0():
+  out = _run("--help")
+  assert out.returncode == 0, out.stderr
+  for line in ("model = 'smollm2'", "prompt = 'Explain in two sentences why the sky is blue.'",
+               "sampling.max_new_tokens = 96", "sampling.temperature = 0.7",
+               "sampling.top_k = 0", "sampling.top_p = 0.95", "seed = 0"):
+    assert line in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("--config.xyz=3", "error: --config.xyz: unknown key 'xyz' in config; allowed: model, "
+     "param_dtype, prompt, sampling, seed, system_prompt"),
+    ("--config.sampling.tmp=1", "error: --config.sampling.tmp: unknown key 'tmp' in "
+     "config.sampling; allowed: max_new_tokens, temperature, top_k, top_p"),
+    ("--config.sampling.top_p=1.5", "error: config.sampling: top_p=1.5: must be in (0.0, 1.0]"),
+    ("--config.seed=abc", "error: flag --config.seed=abc: invalid literal for int()"),
+    ("--config=missing.py", "error: --config=missing.py: no such config file"),
+])
+def test_bad_override_is_one_line_naming_the_key(arg, message):
+  out = _run(arg)
+  assert out.returncode == 2
+  assert out.stderr.strip().startswith(message) and len(out.stderr.strip().splitlines()) == 1, \
+      out.stderr
+
+
+def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):
+  out = _run(f"--config.model={tiny_model}", "--config.prompt=What is 3 + 4?",
+             "--config.sampling.max_new_tokens=4")
+  assert out.returncode == 0, out.stderr
+  lines = out.stdout.splitlines()
+  assert len(lines) == 2 and lines[0] == "user: What is 3 + 4?"
+  assert lines[1].startswith("assistant: ") and "<|im_end|>" not in lines[1]
+  # stderr holds the progress bars and nothing else (no absl/JAX log lines inside them).
+  for segment in out.stderr.replace("\r", "\n").splitlines():
+    assert not segment.strip() or segment.startswith(("loading ", "generating ")), segment
