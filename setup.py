@@ -13,6 +13,7 @@ INSTALL_REQUIRES = [
     "numpy>=2.0,<3",
     "transformers>=5.0,<6",
     "tokenizers>=0.22,<0.24",
+    "jinja2>=3.1,<4",  # chat templates (transformers imports it only when one is applied)
     "tensorflow-datasets>=4.9.8,<5",
     "absl-py>=2.1,<3",
     "ml-collections>=1.0,<2",

