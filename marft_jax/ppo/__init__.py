@@ -11,6 +11,24 @@ unbatched arrays (one sequence or trajectory) or arrays of any shape, and works 
 - policy_loss / value_loss / kl: PPO-family losses, critic losses, KL estimators.
 - normalize: reward shaping and batch / group / agent-within-group normalisation.
 - masked: masked reductions.
+
+Bad input is refused by name, never turned into a wrong number. Scalars (γ, λ, ε, δ,
+temperatures, eps) and ids (group, agent, step) given as Python numbers or concrete arrays
+are checked when the function is called (or traced, for values closed over by `jit`),
+and a bad one raises `ValueError("gamma=1.5: must be in [0, 1]")`. Traced values cannot
+be read at trace time; each docstring says what a bad one does, and the same checks run
+inside the computation under `jax.experimental.checkify` at no cost otherwise:
+
+    from jax.experimental import checkify
+    checked = checkify.checkify(jax.jit(loss_fn), errors=checkify.user_checks)
+    err, loss = checked(params, batch)
+    err.throw()  # JaxRuntimeError: "gamma=1.5: must be in [0, 1]"
+
+Masked positions are selected away before any arithmetic, so padding that holds NaN or
+inf contributes exactly 0 to every loss and to its gradient.
+
+Defect labels (D3, D4, …) and notes (A1, …) cited in the docstrings are explained in
+docs/references.md, with the papers behind the formulas.
 """
 
 from marft_jax.ppo.credit import (

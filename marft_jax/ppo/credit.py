@@ -10,11 +10,16 @@ function here takes action-frame step ids.
 A step's reward belongs to the decision that emits its last token: action-frame
 position e_i − 2 when step i's tokens end (exclusively) at e_i. The AReaL code writes it
 at e_i − 1, a transition position with loss mask 0, and its GAE loop then drops it
-(marft-areal §5); `credit_strategy` then changes nothing but the logs.
+(note A1 in docs/references.md); `credit_strategy` then changes nothing but the logs.
 
 Step ids count agent turns in execution order (0 … S−1), so one role may own several
-steps; in a plain sequential chain they equal the agent ids. A step's positions must be
-contiguous in the sequence. A step that emitted no token has no decision to credit.
+steps; in a plain sequential chain they equal the agent ids. A negative id (−1) marks a
+position with no decision. A step's positions must be contiguous in the sequence. A step
+that emitted no token has no decision to credit.
+
+Checks: a concrete step id ≥ S (the number of steps) or a concrete γ_c outside [0, 1]
+raises `ValueError` naming the argument. Traced values are checked only under `checkify`
+(see `marft_jax.ppo`); what a bad traced value does is in each docstring.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+
+from marft_jax.ppo._checks import check_ids, check_unit_interval
 
 
 def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
@@ -75,13 +82,19 @@ def step_discount_credit(reward: jax.Array | float, step_ids_t: jax.Array,
 
   Args:
     reward: scalar team reward R.
-    step_ids_t: [T] action-frame step ids, −1 where no decision.
+    step_ids_t: [T] action-frame step ids in [0, S), −1 where no decision.
     num_steps: S, the number of steps in the episode.
     gamma_c: credit discount in [0, 1].
   Returns:
     [T] per-position rewards.
+  Raises:
+    ValueError: a concrete step id ≥ num_steps, or gamma_c outside [0, 1] or NaN. Under
+      jit an id ≥ S is not caught: its step gets R·γ_c^(S−1−i) with a negative exponent,
+      more than the team reward.
   """
   chex.assert_rank(step_ids_t, 1)
+  check_unit_interval("gamma_c", gamma_c)
+  check_ids("step_ids_t", step_ids_t, num_steps, skip_negative=True)
   steps_to_go = (num_steps - 1 - step_ids_t).astype(jnp.float32)
   discount = jnp.power(jnp.asarray(gamma_c, jnp.float32), steps_to_go)
   credit = jnp.asarray(reward, jnp.float32) * discount
@@ -96,8 +109,12 @@ def per_step_credit(step_rewards_s: jax.Array, step_ids_t: jax.Array) -> jax.Arr
     step_ids_t: [T] action-frame step ids in [0, S) or −1 where no decision.
   Returns:
     [T] per-position rewards.
+  Raises:
+    ValueError: a concrete step id ≥ S. Under jit such an id is not caught: it is clipped
+      to S − 1 and its step is credited with the last step's reward.
   """
   chex.assert_rank([step_rewards_s, step_ids_t], 1)
+  check_ids("step_ids_t", step_ids_t, step_rewards_s.shape[0], skip_negative=True)
   ids = jnp.clip(jnp.asarray(step_ids_t), 0, step_rewards_s.shape[0] - 1)
   credit = jnp.asarray(step_rewards_s)[ids]
   return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))

@@ -18,12 +18,14 @@ All functions are elementwise or masked means over arrays of any (equal) shape.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from marft_jax.ppo._checks import check_range
 from marft_jax.ppo.masked import masked_mean
 
 
@@ -79,12 +81,17 @@ def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_co
     logp_t: log-probs of the policy that sampled the tokens.
     ref_logp_t: reference-policy log-probs.
     mask_t: non-zero on valid tokens. All the same shape.
-    kl_coef: β.
+    kl_coef: β, finite and ≥ 0.
     estimator: `kl_k1`, `kl_k2` or `kl_k3` (static under jit).
   Returns:
     rewards, same shape.
+  Raises:
+    ValueError: a concrete kl_coef < 0, NaN or inf (a negative β would reward moving away
+      from the reference). A traced β is checked only under `checkify` (`marft_jax.ppo`);
+      without it a NaN β makes every valid reward NaN.
   """
   chex.assert_equal_shape([logp_t, ref_logp_t, mask_t])
+  check_range("kl_coef", kl_coef, 0.0, math.inf, high_open=True)
   valid = mask_t != 0
   kl = estimator(jnp.where(valid, logp_t, 0.0), jnp.where(valid, ref_logp_t, 0.0))
   return jnp.where(valid, -kl_coef * jax.lax.stop_gradient(kl), jnp.zeros_like(kl))

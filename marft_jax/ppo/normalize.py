@@ -1,7 +1,8 @@
 """Reward and advantage shaping: affine transform and clip, then masked normalisation.
 
 Normalisation pools only the elements a mask marks as genuine. The original excluded
-exact zeros (reference defect D7), which drops genuine zero rewards/advantages from the
+exact zeros (reference defect D7, docs/references.md), which drops genuine zero
+rewards/advantages from the
 statistics and then normalises the padding; here the mask decides, genuine zeros count,
 and masked elements come back as 0 without touching the statistics.
 
@@ -12,24 +13,44 @@ Pools:
   an optional leave-one-out mean (RLOO).
 - `agent_group_normalize`: one pool per (group, agent): each role is normalised against
   its own rollouts of the same prompt, so a planner's rewards are not measured against a
-  verifier's (the agent-wise GRPO normalisation AReaL issue #1114 asks for).
+  verifier's (the agent-wise GRPO normalisation AReaL issue #1114 asks for; note A3 in
+  docs/references.md).
 
 Arrays may have any shape (sequence rewards [B], per-token rewards [B, T], …); ids and
-masks have the same shape as the data.
+masks have the same shape as the data. Masked elements never reach the arithmetic, so
+padding may hold NaN or inf, and the gradient is finite even for a pool of one element.
+
+Checks: a concrete group or agent id outside its range on a valid element, eps ≤ 0, NaN
+or inf, or a non-finite scale, bias or clip raise `ValueError` naming the argument.
+Traced ids are checked only under `checkify` (see `marft_jax.ppo`); without it an
+out-of-range id is silently wrong: `segment_sum` drops the element from every pool, and
+the gather then reads another pool's statistics (negative ids wrap to the last pools,
+ids ≥ the pool count clamp to the last one).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import chex
 import jax
 import jax.numpy as jnp
 
+from marft_jax.ppo._checks import check_ids, check_positive, check_range, check_size
+
 
 def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
                   clip: float | None = None) -> jax.Array:
-  """r' = clip((r + bias) · scale, −clip, clip), elementwise (AReaL's order)."""
+  """r' = clip((r + bias) · scale, −clip, clip), elementwise (AReaL's order).
+
+  Raises:
+    ValueError: a concrete scale or bias that is NaN or inf, or clip ≤ 0 or NaN (a clip of
+      0 would zero every reward; +inf means no clip).
+  """
+  check_range("scale", scale, -math.inf, math.inf, low_open=True, high_open=True)
+  check_range("bias", bias, -math.inf, math.inf, low_open=True, high_open=True)
+  check_range("clip", clip, 0.0, math.inf, low_open=True)
   r = (r + bias) * scale
   return r if clip is None else jnp.clip(r, -clip, clip)
 
@@ -51,10 +72,24 @@ def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_gro
     x: data, any shape. mask: same shape, non-zero on genuine elements.
     group_ids: same shape, ints in [0, num_groups) on valid elements.
     num_groups: static number of groups.
+    eps: added to σ, finite and > 0.
   Returns:
     normalised x (float), same shape, 0 where mask is 0.
+  Raises:
+    ValueError: a concrete group id outside [0, num_groups) where mask is set (not caught
+      under jit: see the module docstring), num_groups not an int ≥ 1, or eps not > 0.
   """
   chex.assert_equal_shape([x, mask, group_ids])
+  num_groups = check_size("num_groups", num_groups)
+  check_positive("eps", eps)
+  check_ids("group_ids", group_ids, num_groups, where=mask)
+  return _pool_normalize(x, mask, group_ids, num_groups, center, scale, leave_one_out,
+                         unbiased, eps)
+
+
+def _pool_normalize(x, mask, group_ids, num_groups, center, scale, leave_one_out, unbiased,
+                    eps):
+  # `group_normalize` without the argument checks.
   x = jnp.asarray(x, jnp.promote_types(jnp.asarray(x).dtype, jnp.float32))
   valid = (jnp.asarray(mask) != 0).reshape(-1)
   ids = jnp.where(valid, jnp.asarray(group_ids).reshape(-1), 0)
@@ -63,7 +98,10 @@ def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_gro
   count = segment_sum(valid.astype(x.dtype))
   mean = segment_sum(xs) / jnp.maximum(count, 1.0)
   sq_dev = jnp.where(valid, (xs - mean[ids]) ** 2, jnp.zeros_like(xs))
-  std = jnp.sqrt(segment_sum(sq_dev) / jnp.maximum(count - float(unbiased), 1.0))
+  var = segment_sum(sq_dev) / jnp.maximum(count - float(unbiased), 1.0)
+  # sqrt'(0) = inf: a pool of one element (or of equal ones) would get a NaN gradient.
+  positive = var > 0
+  std = jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
   out = xs
   if center:
     out = xs - _baseline(xs, mean[ids], count[ids], leave_one_out)
@@ -85,9 +123,14 @@ def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool
 
   The original whitened advantages with eps 1e-8 (per minibatch); AReaL uses eps 1e-5
   and the unbiased std. See `group_normalize` for the formulas.
+
+  Raises:
+    ValueError: eps not > 0 (or NaN, inf) when concrete.
   """
-  return group_normalize(x, mask, jnp.zeros(x.shape, jnp.int32), 1, center=center,
-                         scale=scale, unbiased=unbiased, eps=eps)
+  chex.assert_equal_shape([x, mask])
+  check_positive("eps", eps)
+  return _pool_normalize(x, mask, jnp.zeros(jnp.shape(x), jnp.int32), 1, center, scale, False,
+                         unbiased, eps)
 
 
 def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
@@ -102,8 +145,18 @@ def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
     num_groups, num_agents: static sizes.
   Returns:
     normalised x, 0 where mask is 0.
+  Raises:
+    ValueError: a concrete group id outside [0, num_groups) or agent id outside
+      [0, num_agents) where mask is set (not caught under jit: an agent id out of range
+      moves the element into a neighbouring group's pool), a size not an int ≥ 1, or eps
+      not > 0.
   """
   chex.assert_equal_shape([x, mask, group_ids, agent_ids])
+  num_groups = check_size("num_groups", num_groups)
+  num_agents = check_size("num_agents", num_agents)
+  check_positive("eps", eps)
+  check_ids("group_ids", group_ids, num_groups, where=mask)
+  check_ids("agent_ids", agent_ids, num_agents, where=mask)
   pool_ids = group_ids * num_agents + agent_ids
-  return group_normalize(x, mask, pool_ids, num_groups * num_agents, center=center,
-                         scale=scale, leave_one_out=leave_one_out, unbiased=unbiased, eps=eps)
+  return _pool_normalize(x, mask, pool_ids, num_groups * num_agents, center, scale,
+                         leave_one_out, unbiased, eps)

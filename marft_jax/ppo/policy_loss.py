@@ -7,7 +7,14 @@ have the same; losses are masked means over every element, so vmap over sequence
 per-sequence means and a flat call gives the token mean over the batch.
 
 Gradients flow through `logp_t` only: old, proximal and behaviour log-probs and the
-advantages are wrapped in `stop_gradient`. Losses are to be minimised.
+advantages are wrapped in `stop_gradient`. Losses are to be minimised. Masked elements are
+selected away before any arithmetic, so padding that holds NaN or inf (log-probs of pad
+tokens, advantages never written) contributes exactly 0 to the loss and to the gradient.
+
+Checks: a concrete ε or ε_high < 0 or NaN, a dual clip c ≤ 1 or NaN, or an importance
+weight cap ≤ 0 or NaN raises `ValueError` naming the argument (+inf is allowed: no
+clip). Traced values are checked only under `checkify` (see `marft_jax.ppo`); without it
+a negative ε inverts the clip range and a NaN one makes the loss NaN.
 """
 
 from __future__ import annotations
@@ -16,15 +23,26 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from marft_jax.ppo._checks import check_range
 from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
 
 _sg = jax.lax.stop_gradient
 
 
+def _check_clip(epsilon, epsilon_high=None, dual_clip=None) -> None:
+  check_range("epsilon", epsilon, 0.0)
+  check_range("epsilon_high", epsilon_high, 0.0)
+  check_range("dual_clip", dual_clip, 1.0, low_open=True)
+
+
+def _select(x_t: jax.Array, mask_t: jax.Array) -> jax.Array:
+  return jnp.where(mask_t != 0, x_t, jnp.zeros_like(x_t))
+
+
 def _ratio(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
-  # Padding may hold garbage log-probs; their exp must not overflow into inf * 0.
+  # Padding may hold garbage log-probs (inf − inf, exp overflow): select them away first.
   chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
-  return jnp.exp(jnp.where(mask_t != 0, logp_t - _sg(old_logp_t), jnp.zeros_like(logp_t)))
+  return jnp.exp(_select(logp_t, mask_t) - _sg(_select(old_logp_t, mask_t)))
 
 
 def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
@@ -41,10 +59,20 @@ def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
   Args:
     ratio_t: ρ_t = π(a_t) / π_old(a_t), any shape.
     adv_t: A_t, same shape.
+    epsilon, epsilon_high: ≥ 0 (+inf: no clip on that side).
+    dual_clip: c > 1, or None for no dual clip.
   Returns:
     ℓ_t, same shape.
+  Raises:
+    ValueError: a concrete epsilon or epsilon_high < 0 or NaN, or dual_clip ≤ 1 or NaN.
   """
   chex.assert_equal_shape([ratio_t, adv_t])
+  _check_clip(epsilon, epsilon_high, dual_clip)
+  return _surrogate(ratio_t, adv_t, epsilon, epsilon_high, dual_clip)
+
+
+def _surrogate(ratio_t, adv_t, epsilon, epsilon_high, dual_clip):
+  # `clipped_surrogate` without the argument checks.
   epsilon_high = epsilon if epsilon_high is None else epsilon_high
   clipped = jnp.clip(ratio_t, 1.0 - epsilon, 1.0 + epsilon_high)
   loss = jnp.maximum(-adv_t * ratio_t, -adv_t * clipped)
@@ -68,9 +96,10 @@ def ppo_clip_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv_t: jax.Array,
     scalar loss, 0 when every element is masked.
   """
   chex.assert_equal_shape([logp_t, old_logp_t, adv_t, mask_t])
+  _check_clip(epsilon, epsilon_high, dual_clip)
   ratio = _ratio(logp_t, old_logp_t, mask_t)
-  return masked_mean(clipped_surrogate(ratio, _sg(adv_t), epsilon, epsilon_high, dual_clip),
-                     mask_t)
+  adv_t = _sg(_select(adv_t, mask_t))
+  return masked_mean(_surrogate(ratio, adv_t, epsilon, epsilon_high, dual_clip), mask_t)
 
 
 def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: jax.Array,
@@ -90,17 +119,22 @@ def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: 
   Args:
     logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t: same shape.
     epsilon, epsilon_high, dual_clip: see `clipped_surrogate`.
-    imp_weight_cap: drop elements with w_t above it; None keeps all.
+    imp_weight_cap: drop elements with w_t above it, > 0; None keeps all.
   Returns:
     scalar loss.
+  Raises:
+    ValueError: as `clipped_surrogate`, or a concrete imp_weight_cap ≤ 0 or NaN.
   """
   chex.assert_equal_shape([logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t])
+  _check_clip(epsilon, epsilon_high, dual_clip)
+  check_range("imp_weight_cap", imp_weight_cap, 0.0, low_open=True)
   ratio = _ratio(logp_t, prox_logp_t, mask_t)
-  weight = _ratio(prox_logp_t, behav_logp_t, mask_t)
+  weight = _sg(_ratio(prox_logp_t, behav_logp_t, mask_t))
   keep = mask_t != 0
   if imp_weight_cap is not None:
     keep = keep & (weight <= imp_weight_cap)
-  loss = weight * clipped_surrogate(ratio, _sg(adv_t), epsilon, epsilon_high, dual_clip)
+  adv_t = _sg(_select(adv_t, mask_t))
+  loss = weight * _surrogate(ratio, adv_t, epsilon, epsilon_high, dual_clip)
   return masked_sum(loss, keep) / jnp.maximum(masked_count(mask_t), 1.0)
 
 
@@ -117,23 +151,30 @@ def gspo_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv: jax.Array, mask_t: 
   Args:
     logp_t, old_logp_t, mask_t: [T] tokens of one sequence.
     adv: scalar sequence advantage.
+    epsilon, epsilon_high: as `clipped_surrogate`.
   Returns:
-    scalar loss, 0 for a sequence with no valid token.
+    scalar loss, 0 for a sequence with no valid token (whatever adv holds).
+  Raises:
+    ValueError: a concrete epsilon or epsilon_high < 0 or NaN.
   """
   adv = jnp.asarray(adv)
   chex.assert_rank([logp_t, adv], [1, 0])
   chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
-  log_ratio = masked_mean(logp_t - _sg(old_logp_t), mask_t)
-  loss = clipped_surrogate(jnp.exp(log_ratio), _sg(adv), epsilon, epsilon_high)
-  return jnp.where(masked_count(mask_t) > 0, loss, jnp.zeros_like(loss))
+  _check_clip(epsilon, epsilon_high)
+  log_ratio = masked_mean(_select(logp_t, mask_t) - _sg(_select(old_logp_t, mask_t)), mask_t)
+  has_tokens = masked_count(mask_t) > 0
+  adv = _sg(jnp.where(has_tokens, adv, jnp.zeros_like(adv)))
+  loss = _surrogate(jnp.exp(log_ratio), adv, epsilon, epsilon_high, None)
+  return jnp.where(has_tokens, loss, jnp.zeros_like(loss))
 
 
 def clip_fraction(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array,
                   epsilon: float, epsilon_high: float | None = None) -> jax.Array:
   """Diagnostic: fraction of valid elements with ρ_t outside [1 − ε, 1 + ε_high].
 
-  Any shape; returns a scalar in [0, 1] with no gradient.
+  Any shape; returns a scalar in [0, 1] with no gradient. ValueError as `clipped_surrogate`.
   """
+  _check_clip(epsilon, epsilon_high)
   epsilon_high = epsilon if epsilon_high is None else epsilon_high
   ratio = _sg(_ratio(logp_t, old_logp_t, mask_t))
   outside = (ratio < 1.0 - epsilon) | (ratio > 1.0 + epsilon_high)

@@ -4,16 +4,26 @@ One primitive, `masked_gae`, does every backup: a reverse `lax.scan` over positi
 which masked positions are transparent. The three MARFT forms only build its per-position
 rewards, discounts and trace decays:
 
-- `action_level_advantages` (MARFT-A, marft-original §3.3): the agents of an env step are
-  consecutive decisions; the last agent of step t bootstraps from agent 0 of step t+1.
-- `token_level_advantages` (MARFT-T, §4.2): one backup over the flattened
-  (env step, agent, token) positions, with separate discounts for the three kinds of hop.
-- `sequence_advantages` (AReaL MARFT, marft-areal §6.1): one token sequence in which prompt
-  and transition tokens are transparent, with a truncation bootstrap.
+- `action_level_advantages` (MARFT-A; the original's agent-chain GAE, docs/references.md):
+  the agents of an env step are consecutive decisions; the last agent of step t bootstraps
+  from agent 0 of step t+1.
+- `token_level_advantages` (MARFT-T; the original's token-level backup, docs/references.md):
+  one backup over the flattened (env step, agent, token) positions, with separate
+  discounts for the three kinds of hop.
+- `sequence_advantages` (the AReaL-based MARFT's GAE, note A2 in docs/references.md): one
+  token sequence in which prompt and transition tokens are transparent, with a truncation
+  bootstrap.
 
 Index convention: an array suffixed `_t` has one entry per position t of the scan; the
 reward, discount and λ at t belong to the hop from position t to the next one, as in rlax.
 Advantages are targets: compute them outside the loss (they carry no useful gradient).
+
+Checks: every discount and trace decay (γ, λ in any form) must lie in [0, 1]; a NaN or an
+out-of-range value given as a number or a concrete array raises `ValueError` naming the
+argument. Traced values are checked only under `checkify` (see `marft_jax.ppo`); without
+it the backup runs with the bad value (γ > 1 grows advantages geometrically, NaN spreads
+to every earlier position). Values at masked positions are never read, so padding may hold
+NaN or inf without reaching the advantages or their gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+
+from marft_jax.ppo._checks import check_unit_interval
 
 
 def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | float,
@@ -50,13 +62,25 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
 
   Returns:
     [T] advantages A_t, 0 at masked positions.
+
+  Raises:
+    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
   """
   chex.assert_rank([r_t, discount_t, v_t, mask_t], 1)
   chex.assert_equal_shape([r_t, discount_t, v_t, mask_t])
+  check_unit_interval("discount_t", discount_t)
+  check_unit_interval("lambda_t", lambda_t)
+  return _gae(r_t, discount_t, lambda_t, v_t, mask_t, v_bootstrap)
+
+
+def _gae(r_t, discount_t, lambda_t, v_t, mask_t, v_bootstrap) -> jax.Array:
+  # `masked_gae` without the argument checks, for callers that built valid hops.
   dtype = _float_dtype(v_t)
+  is_state = jnp.asarray(mask_t) != 0
+  # Select before arithmetic: a NaN value at a masked position must not reach the gradient.
+  v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
   xs = (jnp.asarray(r_t, dtype), jnp.asarray(discount_t, dtype),
-        jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), jnp.asarray(v_t, dtype),
-        jnp.asarray(mask_t) != 0)
+        jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), v_t, is_state)
 
   zero, one = jnp.zeros((), dtype), jnp.ones((), dtype)
   init = (jnp.asarray(v_bootstrap, dtype), zero, zero, one, one)
@@ -82,6 +106,11 @@ def _reverse_backup(init, xs):
   return jax.lax.scan(_backup, init, xs, reverse=True)[1]
 
 
+def _check_hops(**hops) -> None:
+  for name, value in hops.items():
+    check_unit_interval(name, value)
+
+
 def _float_dtype(x) -> jnp.dtype:
   # At least f32 for the accumulation; f64 inputs stay f64 only when x64 is enabled.
   return jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
@@ -92,7 +121,8 @@ def _agent_hops(done_t: jax.Array, num_agents: int, gamma, lambda_, gamma_agent,
   """Discount and λ of the hop leaving each agent's action: [T, N] each.
 
   Agent i < N−1 hands over to agent i+1 of the same env step (γ_agent, λ_agent); this hop
-  never sees the done flags, which belong to the step (reference defect D4 cut it). The
+  never sees the done flags, which belong to the step (reference defect D4 in
+  docs/references.md cut it). The
   last agent hands over to agent 0 of step t+1 (γ, λ), cut when the episode ended at t.
   """
   not_done = (done_t == 0).astype(dtype)[:, None]
@@ -119,8 +149,9 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
       R[t,i] = V[t,i] + A[t,i]
 
   V[T, 0] = v_bootstrap. The done flag d_t cuts the chain only between steps t and t+1;
-  the original cut the agent chain at the first step of each new episode (D4). The
-  defaults γ_a = γ, λ_a = λ are the original's (one γ, one λ at every hop). With
+  the original cut the agent chain at the first step of each new episode (reference defect
+  D4, docs/references.md). The defaults γ_a = γ, λ_a = λ are the original's (one γ, one λ
+  at every hop). With
   γ_a = λ_a = 1 the agents' deltas telescope, Σ_i δ[t,i] = Σ_i r[t,i] + γ V[t+1,0] − V[t,0]
   (the multi-agent advantage decomposition, MARFT Theorem 1), and A[t,0] is the
   single-agent GAE of the joint action.
@@ -130,23 +161,28 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
     v_t: [T, N] per-agent-position values.
     done_t: [T] non-zero if the episode ended after step t.
     v_bootstrap: scalar value of agent 0 at step T, computed on agent 0's prompt like every
-      other V (the original scored the raw env string instead, D3).
+      other V (the original scored the raw env string instead: reference defect D3,
+      docs/references.md).
     gamma, lambda_: discount and trace decay across env steps.
     gamma_agent, lambda_agent: across agents of one step; default gamma, lambda_.
 
   Returns:
     (advantages, returns), both [T, N].
+
+  Raises:
+    ValueError: a concrete gamma, lambda_, gamma_agent or lambda_agent outside [0, 1] or NaN.
   """
   chex.assert_rank([r_t, v_t, done_t], [2, 2, 1])
   chex.assert_equal_shape([r_t, v_t])
   chex.assert_equal_shape_prefix([r_t, done_t], 1)
+  _check_hops(gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
   gamma_agent = gamma if gamma_agent is None else gamma_agent
   lambda_agent = lambda_ if lambda_agent is None else lambda_agent
   v_t = jnp.asarray(v_t, _float_dtype(v_t))
   discount, lambdas = _agent_hops(done_t, r_t.shape[1], gamma, lambda_, gamma_agent,
                                   lambda_agent, v_t.dtype)
-  adv = masked_gae(r_t.reshape(-1), discount.reshape(-1), lambdas.reshape(-1),
-                   v_t.reshape(-1), jnp.ones(v_t.size, bool), v_bootstrap)
+  adv = _gae(r_t.reshape(-1), discount.reshape(-1), lambdas.reshape(-1), v_t.reshape(-1),
+             jnp.ones(v_t.size, bool), v_bootstrap)
   adv = adv.reshape(v_t.shape)
   return adv, v_t + adv
 
@@ -167,7 +203,8 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
       A = δ + γ_hop λ_hop A_next,    R = v + A
 
   "Next token" means the next valid one: padding, holes and empty actions (no valid token)
-  are skipped exactly and hold A = R = 0, so no stale value survives in a pad slot (D6).
+  are skipped exactly and hold A = R = 0, so no stale value survives in a pad slot
+  (reference defect D6, docs/references.md).
   An empty action is still a turn: its reward and its agent hop are kept and fold into the
   previous valid token's hop. v[T,0,0] = v_bootstrap. The defaults (every γ, λ equal to
   `gamma`, `lambda_`) reproduce the original.
@@ -184,22 +221,30 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
     v_t: [T, N, K] token values; read only where mask_t is set.
     mask_t: [T, N, K] non-zero on the action's tokens.
     done_t: [T] non-zero if the episode ended after step t.
-    v_bootstrap: scalar first-token value of agent 0 at step T, on agent 0's prompt (D3).
+    v_bootstrap: scalar first-token value of agent 0 at step T, on agent 0's prompt (D3,
+      docs/references.md).
     gamma, lambda_: across env steps (and the default for the other hops).
     gamma_token, lambda_token: between tokens of one action.
     gamma_agent, lambda_agent: from an agent's last token to the next agent's first.
 
   Returns:
     (advantages, returns), both [T, N, K], 0 where mask_t is 0.
+
+  Raises:
+    ValueError: a concrete γ or λ argument outside [0, 1] or NaN.
   """
   chex.assert_rank([r_t, v_t, mask_t, done_t], [2, 3, 3, 1])
   chex.assert_equal_shape([v_t, mask_t])
   chex.assert_equal_shape_prefix([r_t, v_t], 2)
   chex.assert_equal_shape_prefix([r_t, done_t], 1)
+  _check_hops(gamma=gamma, lambda_=lambda_, gamma_token=gamma_token,
+              lambda_token=lambda_token, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
   gamma_token, gamma_agent = (gamma if g is None else g for g in (gamma_token, gamma_agent))
   lambda_token, lambda_agent = (lambda_ if x is None else x for x in (lambda_token, lambda_agent))
+  valid = jnp.asarray(mask_t) != 0
   v_t = jnp.asarray(v_t, _float_dtype(v_t))
-  dtype, valid = v_t.dtype, jnp.asarray(mask_t) != 0
+  dtype = v_t.dtype
+  v_t = jnp.where(valid, v_t, jnp.zeros((), dtype))
   # A token hop happens where a valid token follows some earlier valid token of the action;
   # every other slot-to-slot step inside the padded action is an identity hop.
   token_hop = (jnp.cumsum(valid, axis=-1) > 0)[..., :-1] & valid[..., 1:]
@@ -211,8 +256,8 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   discount = jnp.concatenate([g_in, g_out[..., None]], axis=-1)
   lambdas = jnp.concatenate([l_in, l_out[..., None]], axis=-1)
   rewards = jnp.concatenate([jnp.zeros_like(g_in), jnp.asarray(r_t, dtype)[..., None]], axis=-1)
-  adv = masked_gae(rewards.reshape(-1), discount.reshape(-1), lambdas.reshape(-1),
-                   v_t.reshape(-1), valid.reshape(-1), v_bootstrap).reshape(v_t.shape)
+  adv = _gae(rewards.reshape(-1), discount.reshape(-1), lambdas.reshape(-1), v_t.reshape(-1),
+             valid.reshape(-1), v_bootstrap).reshape(v_t.shape)
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
 
 
@@ -244,9 +289,13 @@ def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
 
   Returns:
     (advantages, returns), both [T], 0 where no decision.
+
+  Raises:
+    ValueError: a concrete gamma or lambda_ outside [0, 1] or NaN.
   """
   chex.assert_rank([r_t, v_t, mask_t], 1)
   chex.assert_equal_shape([r_t, v_t, mask_t])
+  _check_hops(gamma=gamma, lambda_=lambda_)
   v_t = jnp.asarray(v_t, _float_dtype(v_t))
   dtype = v_t.dtype
   valid = (jnp.asarray(mask_t) != 0).at[-1].set(False)
@@ -254,6 +303,7 @@ def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   discount = jnp.where(valid, jnp.asarray(gamma, dtype), one)
   lambdas = jnp.where(valid, jnp.asarray(lambda_, dtype), one)
   v_bootstrap = jnp.where(truncated, v_t[-1], jnp.zeros((), dtype))
-  adv = masked_gae(r_t[:-1], discount[:-1], lambdas[:-1], v_t[:-1], valid[:-1], v_bootstrap)
+  v_t = jnp.where(valid, v_t, jnp.zeros((), dtype))  # v_{T−1} is read only as the bootstrap
+  adv = _gae(r_t[:-1], discount[:-1], lambdas[:-1], v_t[:-1], valid[:-1], v_bootstrap)
   adv = jnp.concatenate([adv, jnp.zeros((1,), dtype)])
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))

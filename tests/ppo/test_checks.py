@@ -1,0 +1,251 @@
+"""Bad arguments are refused with a message naming them; under jit, checkify catches them.
+
+The inputs here are arbitrary small arrays (zeros, ones, aranges): only whether a call is
+refused, and with which name, is tested, not the numbers it returns.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from marft_jax import ppo
+
+T, N, K, V = 4, 2, 3, 5
+NAN, INF = math.nan, math.inf
+
+
+def _r(*shape):
+  return np.zeros(shape, np.float32)
+
+
+def _m(*shape):
+  return np.ones(shape, bool)
+
+
+DONE = np.array([0, 0, 0, 1])
+LOGITS = np.arange(T * V, dtype=np.float32).reshape(T, V) / 10.0
+
+# name of the bad argument -> [(call taking the bad value, bad values)]
+CALLS = {
+    "gamma": [
+        (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, x, 0.9),
+         [-0.1, 1.01, NAN, INF]),
+        (lambda x: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0,
+                                              x, 0.9), [1.5, NAN]),
+        (lambda x: ppo.sequence_advantages(_r(T), _r(T), _m(T), False, x, 0.9), [-1.0, NAN]),
+    ],
+    "lambda_": [
+        (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, 0.9, x),
+         [-0.1, 1.5, NAN]),
+        (lambda x: ppo.sequence_advantages(_r(T), _r(T), _m(T), False, 0.9, x), [2.0, NAN]),
+    ],
+    "gamma_agent": [
+        (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, 0.9, 0.9, x),
+         [1.2, NAN]),
+    ],
+    "lambda_agent": [
+        (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, 0.9, 0.9,
+                                               lambda_agent=x), [-0.5, NAN]),
+    ],
+    "gamma_token": [
+        (lambda x: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0,
+                                              0.9, 0.9, gamma_token=x), [1.1, NAN]),
+    ],
+    "lambda_token": [
+        (lambda x: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0,
+                                              0.9, 0.9, lambda_token=x), [-0.1, NAN]),
+    ],
+    "discount_t": [
+        (lambda x: ppo.masked_gae(_r(T), np.full(T, x, np.float32), 0.9, _r(T), _m(T), 0.0),
+         [1.5, -0.1, NAN]),
+    ],
+    "lambda_t": [
+        (lambda x: ppo.masked_gae(_r(T), np.ones(T, np.float32), x, _r(T), _m(T), 0.0),
+         [1.5, NAN]),
+    ],
+    "gamma_c": [
+        (lambda x: ppo.step_discount_credit(1.0, np.array([0, 1, -1, 2]), 3, x), [1.5, NAN]),
+    ],
+    "epsilon": [
+        (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), x), [-0.1, NAN]),
+        (lambda x: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), x), [-0.1, NAN]),
+        (lambda x: ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), x), [-1.0]),
+        (lambda x: ppo.gspo_loss(_r(T), _r(T), 0.5, _m(T), x), [-1e-4, NAN]),
+        (lambda x: ppo.clip_fraction(_r(T), _r(T), _m(T), x), [-0.2]),
+    ],
+    "epsilon_high": [
+        (lambda x: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.2, x), [-0.1, NAN]),
+        (lambda x: ppo.gspo_loss(_r(T), _r(T), 0.5, _m(T), 0.2, x), [-0.1]),
+    ],
+    "dual_clip": [
+        (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), 0.2, dual_clip=x), [1.0, 0.5, NAN]),
+        (lambda x: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.2, dual_clip=x), [1.0]),
+    ],
+    "imp_weight_cap": [
+        (lambda x: ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), 0.2,
+                                          imp_weight_cap=x), [0.0, -1.0, NAN]),
+    ],
+    "delta": [
+        (lambda x: ppo.huber_loss(_r(T), x), [0.0, -1.0, NAN, INF]),
+        (lambda x: ppo.clipped_huber_value_loss(_r(T), _r(T), _r(T), _m(T), x), [0.0, NAN]),
+    ],
+    "clip_eps": [
+        (lambda x: ppo.clipped_value_loss(_r(T), _r(T), _r(T), _m(T), x), [-0.1, NAN]),
+        (lambda x: ppo.clipped_huber_value_loss(_r(T), _r(T), _r(T), _m(T), 10.0, x), [-0.1]),
+    ],
+    "kl_coef": [
+        (lambda x: ppo.kl_reward(_r(T), _r(T), _m(T), x), [NAN, -0.1, INF]),
+    ],
+    "eps": [
+        (lambda x: ppo.normalize(_r(T), _m(T), eps=x), [0.0, -1e-5, NAN, INF]),
+        (lambda x: ppo.group_normalize(_r(T), _m(T), np.zeros(T, int), 1, eps=x), [0.0]),
+        (lambda x: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), np.zeros(T, int),
+                                             1, 1, eps=x), [NAN]),
+    ],
+    "num_groups": [
+        (lambda x: ppo.group_normalize(_r(T), _m(T), np.zeros(T, int), x), [0, 2.0]),
+    ],
+    "num_agents": [
+        (lambda x: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), np.zeros(T, int),
+                                             1, x), [0]),
+    ],
+    "scale": [(lambda x: ppo.shape_rewards(_r(T), scale=x), [NAN, INF])],
+    "bias": [(lambda x: ppo.shape_rewards(_r(T), bias=x), [NAN, -INF])],
+    "clip": [(lambda x: ppo.shape_rewards(_r(T), clip=x), [0.0, -1.0, NAN])],
+    "temperature": [
+        (lambda x: ppo.token_logprobs(LOGITS, np.arange(T), x), [0.0, -1.0, NAN, INF]),
+        (lambda x: ppo.token_entropy(LOGITS, x), [0.0, -0.5, NAN, INF]),
+        (lambda x: ppo.masked_entropy(LOGITS, _m(T), x), [0.0, NAN]),
+    ],
+    "num_words": [(lambda x: ppo.action_log_prob_per_word(_r(T), _m(T), x), [-1, NAN])],
+}
+
+CASES = [(name, i, bad) for name, calls in CALLS.items()
+         for i, (_, values) in enumerate(calls) for bad in values]
+
+
+def _raises_naming(name):
+  return pytest.raises(ValueError, match=rf"^{re.escape(name)}[=:]")
+
+
+@pytest.mark.parametrize("name,index,bad", CASES)
+def test_bad_python_number_is_refused_by_name(name, index, bad):
+  call = CALLS[name][index][0]
+  with _raises_naming(name):
+    call(bad)
+
+
+@pytest.mark.parametrize("name", ["gamma", "epsilon", "delta", "temperature", "eps"])
+def test_bad_concrete_0d_array_is_refused_by_name(name):
+  call, values = CALLS[name][0]
+  bad = values[0]
+  with _raises_naming(name):
+    call(np.float32(bad))
+  with _raises_naming(name):
+    call(jnp.asarray(bad, jnp.float32))
+
+
+def test_edge_values_are_accepted():
+  for g in (0.0, 1.0, np.float32(1.0), jnp.asarray(0.5)):
+    ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, g, g, g, g)
+    ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0, g, g, g, g, g,
+                               g)
+    ppo.step_discount_credit(1.0, np.array([0, 1, -1, 2]), 3, g)
+  ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.0, INF, 1.0 + 1e-6)
+  ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), 0.2, imp_weight_cap=INF)
+  ppo.clipped_value_loss(_r(T), _r(T), _r(T), _m(T), 0.0)
+  ppo.clipped_huber_value_loss(_r(T), _r(T), _r(T), _m(T), 1e-3, INF)
+  ppo.kl_reward(_r(T), _r(T), _m(T), 0.0)
+  ppo.shape_rewards(_r(T), clip=INF)
+  ppo.token_logprobs(LOGITS, np.arange(T), 1e-3)
+  ppo.action_log_prob_per_word(_r(T), _m(T), 0)
+
+
+def test_bad_value_closed_over_by_jit_is_refused_at_trace_time():
+  fn = jax.jit(lambda r, v: ppo.action_level_advantages(r, v, DONE, 0.0, 1.5, 0.9))
+  with _raises_naming("gamma"):
+    fn(_r(T, N), _r(T, N))
+
+
+# --- Ids ------------------------------------------------------------------------------------
+
+def _ids_cases(ids_of):
+  """ids_of(array) wraps a test array as NumPy or as a concrete JAX array."""
+  x, mask = _r(6), np.array([1, 1, 1, 1, 0, 0], bool)
+  groups, agents = np.array([0, 1, 0, 1, 7, -1]), np.array([0, 0, 1, 1, -1, 9])
+  return {
+      "group_ids": [
+          lambda: ppo.group_normalize(x, mask, ids_of(np.array([0, 2, 0, 1, 0, 0])), 2),
+          lambda: ppo.group_normalize(x, mask, ids_of(np.array([0, -1, 0, 1, 0, 0])), 2),
+          lambda: ppo.agent_group_normalize(x, mask, ids_of(np.array([0, 1, 2, 1, 0, 0])),
+                                            ids_of(agents), 2, 2),
+      ],
+      "agent_ids": [
+          lambda: ppo.agent_group_normalize(x, mask, ids_of(groups),
+                                            ids_of(np.array([0, 2, 1, 1, 0, 0])), 2, 2),
+          lambda: ppo.agent_group_normalize(x, mask, ids_of(groups),
+                                            ids_of(np.array([0, -1, 1, 1, 0, 0])), 2, 2),
+      ],
+      "step_ids_t": [
+          lambda: ppo.per_step_credit(np.ones(3, np.float32), ids_of(np.array([0, 1, -1, 3]))),
+          lambda: ppo.step_discount_credit(1.0, ids_of(np.array([0, 3, -1, 2])), 3, 0.5),
+      ],
+  }
+
+
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_ids_out_of_range_are_refused_by_name(as_jax):
+  for name, calls in _ids_cases(jnp.asarray if as_jax else np.asarray).items():
+    for call in calls:
+      with _raises_naming(name):
+        call()
+
+
+def test_ids_out_of_range_on_masked_elements_are_fine():
+  # Masked elements may hold any id (7, −1, 9 above); −1 marks "no decision" in step ids.
+  x, mask = _r(6), np.array([1, 1, 1, 1, 0, 0], bool)
+  groups, agents = np.array([0, 1, 0, 1, 7, -1]), np.array([0, 0, 1, 1, -1, 9])
+  ppo.group_normalize(x, mask, groups, 2)
+  ppo.agent_group_normalize(x, mask, groups, agents, 2, 2)
+  ppo.per_step_credit(np.ones(3, np.float32), np.array([-1, 0, 1, 2]))
+  ppo.step_discount_credit(1.0, jnp.array([-1, 0, 1, 2]), 3, 0.5)
+
+
+# --- Traced values: unchecked under plain jit, caught by checkify ---------------------------
+
+TRACED = {
+    "gamma": (lambda g: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, g, 0.9)[0],
+              np.float32(1.5)),
+    "epsilon": (lambda e: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), e), np.float32(-0.1)),
+    "delta": (lambda d: ppo.huber_loss(_r(T), d), np.float32(0.0)),
+    "temperature": (lambda t: ppo.token_logprobs(LOGITS, np.arange(T), t), np.float32(0.0)),
+    "group_ids": (lambda g: ppo.group_normalize(_r(T), _m(T), g, 2), np.array([0, 1, 2, 0])),
+    "agent_ids": (lambda a: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), a, 1, 2),
+                  np.array([0, -1, 1, 0])),
+    "step_ids_t": (lambda s: ppo.per_step_credit(np.ones(3, np.float32), s),
+                   np.array([0, 1, 2, 3])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRACED))
+def test_traced_bad_value_is_caught_by_checkify(name):
+  fn, bad = TRACED[name]
+  jax.jit(fn)(bad)  # unchecked without checkify (documented per function)
+  err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(bad)
+  assert err.get() is not None and err.get().startswith(name)
+  with pytest.raises(checkify.JaxRuntimeError, match=re.escape(name)):
+    err.throw()
+
+
+def test_checkify_passes_good_traced_values_and_vmap():
+  fn, _ = TRACED["gamma"]
+  err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(np.float32(0.9))
+  assert err.get() is None
+  batched = checkify.checkify(jax.jit(jax.vmap(fn)), errors=checkify.user_checks)
+  err, _ = batched(np.array([0.9, 1.5], np.float32))
+  assert "gamma" in err.get()
