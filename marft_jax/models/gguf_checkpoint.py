@@ -19,15 +19,18 @@ Two things differ from a Hugging Face checkpoint:
 
 from __future__ import annotations
 
+import math
 import os
 import re
-from typing import Any, Mapping, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import gguf
 import numpy as np
 
-from marft_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from marft_jax.models.hf_checkpoint import HF_LAYER_NORMS, hf_module_path, params_from_hf_tensors
+from marft_jax.models.config import (SUPPORTED_ARCHITECTURES, ModelConfig, check_positive_int,
+                                     check_positive_number)
+from marft_jax.models.hf_checkpoint import (HF_LAYER_NORMS, check_tensor_names, hf_module_path,
+                                            hf_tensor_shapes, params_from_hf_tensors)
 from marft_jax.models.transformer import LINEAR_TARGETS, Params
 
 # Our target / norm name -> the tensor name inside GGUF block `blk.{i}`.
@@ -46,14 +49,84 @@ GGUFSource = Union[str, os.PathLike, gguf.GGUFReader]
 
 
 def open_gguf(path: Union[str, os.PathLike]) -> gguf.GGUFReader:
-  """Opens (memory-maps) a GGUF file; errors name the file."""
+  """Opens (memory-maps) a GGUF file and checks every tensor's extent; errors name the file.
+
+  Raises:
+    FileNotFoundError for a missing file; ValueError naming the file for one that is not GGUF or
+    is truncated or corrupt (naming the tensor when a tensor's bytes are the problem).
+  """
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: GGUF file not found")
   try:
-    return gguf.GGUFReader(path)
-  except (ValueError, OSError) as e:
-    raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
+    return _CheckedReader(path)
+  except _ExtentError:
+    raise
+  except (ValueError, OSError, IndexError, KeyError) as e:
+    raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
+
+
+class _ExtentError(ValueError):
+  """A tensor whose bytes do not lie inside the file (already names file and tensor)."""
+
+
+def check_tensor_extents(extents: Iterable[tuple[str, int, Sequence[int], int]],
+                         file_size: int, source: str) -> None:
+  """Refuses a tensor whose bytes run past the end of the file or into the next tensor.
+
+  A tensor of ggml type `t` and ggml shape `ne` (fastest axis first) takes
+  `prod(ne) / block_size(t) * type_size(t)` bytes (gguf's `GGML_QUANT_SIZES`) from its offset.
+  gguf itself slices that many bytes from its memory map without checking: a short file then
+  fails with an unnamed reshape error, and a tensor whose type or shape was edited upwards reads
+  the bytes of the tensor after it.
+
+  Args:
+    extents: per tensor, (name, ggml type id, ne, absolute byte offset of its data).
+    file_size: bytes in the file.
+    source: the file, named in errors.
+  Raises:
+    ValueError "{source}: truncated: tensor ..." past the end of the file, or "{source}: corrupt:
+    tensor ..." for an unknown type, a row length the type's block size does not divide, or
+    bytes that overlap the next tensor's.
+  """
+  spans = []
+  for name, type_id, ne, start in extents:
+    ne = [int(n) for n in ne]
+    sizes = gguf.GGML_QUANT_SIZES.get(_quant_type(type_id))
+    if sizes is None:
+      raise _ExtentError(f"{source}: corrupt: tensor {name!r} has unknown ggml type {type_id}")
+    block, type_size = sizes
+    if ne and ne[0] % block:
+      raise _ExtentError(f"{source}: corrupt: tensor {name!r} has rows of {ne[0]} values, not a "
+                         f"multiple of its type's block of {block}")
+    spans.append((start, start + math.prod(ne) // block * type_size, name))
+  spans.sort()
+  for (start, end, name), following in zip(spans, spans[1:] + [None]):
+    what = f"tensor {name!r} (bytes {start}..{end})"
+    if end > file_size:
+      raise _ExtentError(f"{source}: truncated: {what} runs past the end of the file "
+                         f"({file_size} bytes)")
+    if following is not None and end > following[0]:
+      raise _ExtentError(f"{source}: corrupt: {what} runs into tensor {following[2]!r} "
+                         f"(from byte {following[0]})")
+
+
+def _quant_type(type_id: int):
+  try:
+    return gguf.GGMLQuantizationType(int(type_id))
+  except ValueError:
+    return None
+
+
+class _CheckedReader(gguf.GGUFReader):
+  """`gguf.GGUFReader` that runs `check_tensor_extents` before gguf slices the tensors' data."""
+
+  def _build_tensors(self, start_offs, fields):
+    # The parts of gguf's tensor-info field: name length, name, n_dims, ne, type, offset.
+    extents = [(bytes(f.parts[1]).decode("utf-8", "replace"), f.parts[4][0], f.parts[3],
+                start_offs + int(f.parts[5][0])) for f in fields]
+    check_tensor_extents(extents, self.data.size, os.fspath(self.data.filename))
+    super()._build_tensors(start_offs, fields)
 
 
 def _reader_and_source(path_or_reader: GGUFSource) -> tuple[gguf.GGUFReader, str]:
@@ -90,14 +163,18 @@ def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_shapes: Mapping[str,
     raise ValueError(f"{source}: general.architecture={arch!r} is not supported; "
                      f"supported: {SUPPORTED_ARCHITECTURES}")
 
-  def need(key):
-    if f"{arch}.{key}" not in metadata:
-      raise ValueError(f"{source}: missing metadata key {arch}.{key!r}")
-    return metadata[f"{arch}.{key}"]
+  def need(key, check=check_positive_int, default=None):
+    full = f"{arch}.{key}"
+    if full not in metadata:
+      if default is None:
+        raise ValueError(f"{source}: missing metadata key {full!r}")
+      return default
+    check(f"{source}: {full}", metadata[full])
+    return metadata[full]
 
   hidden, heads = need("embedding_length"), need("attention.head_count")
-  head_dim = metadata.get(f"{arch}.attention.key_length", hidden // heads)
-  rotary = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+  head_dim = need("attention.key_length", default=hidden // heads)
+  rotary = need("rope.dimension_count", default=head_dim)
   if rotary != head_dim:
     raise ValueError(f"{source}: {arch}.rope.dimension_count={rotary} != head dim {head_dim} "
                      "(partial rotary embeddings are not supported)")
@@ -110,14 +187,13 @@ def hf_config_from_gguf(metadata: Mapping[str, Any], tensor_shapes: Mapping[str,
       "hidden_size": hidden,
       "intermediate_size": need("feed_forward_length"),
       "num_attention_heads": heads,
-      "num_key_value_heads": metadata.get(f"{arch}.attention.head_count_kv", heads),
+      "num_key_value_heads": need("attention.head_count_kv", default=heads),
       "max_position_embeddings": need("context_length"),
       "head_dim": head_dim,
-      "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
-      "rope_theta": metadata.get(f"{arch}.rope.freq_base", 10000.0),
+      "rms_norm_eps": need("attention.layer_norm_rms_epsilon", check_positive_number),
+      "rope_theta": need("rope.freq_base", check_positive_number, 10000.0),
       "tie_word_embeddings": "output.weight" not in tensor_shapes,
-      "vocab_size": metadata.get(f"{arch}.vocab_size",
-                                 tensor_shapes.get("token_embd.weight", (None,))[0]),
+      "vocab_size": need("vocab_size", default=tensor_shapes.get("token_embd.weight", (None,))[0]),
   }
   scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
   if scaling == "linear":
@@ -169,23 +245,31 @@ def _dequantize(tensor) -> np.ndarray:
 def load_gguf_checkpoint(path: GGUFSource, **config_overrides) -> tuple[Params, ModelConfig]:
   """Loads a Llama/Qwen2 GGUF file (any quantization `gguf` can dequantize) into (params, config).
 
-  Tensors are dequantized one at a time, in NumPy (no torch), then cast to `param_dtype`.
+  Tensors are dequantized one at a time, in NumPy (no torch), then cast to `param_dtype`. The
+  file's tensors must be exactly the ones the model reads (`hf_checkpoint.check_tensor_names`):
+  a `block_count` below the file's layers, or a tensor we do not implement, is an error.
 
   Args:
     path: the `.gguf` file, or an open `gguf.GGUFReader` (to share one parse of the file with
       `tokenizer.gguf_tokenizer`).
-    **config_overrides: `ModelConfig` fields to set, e.g. `param_dtype="bfloat16"`.
+    **config_overrides: `ModelConfig` fields to set, e.g. `param_dtype="bfloat16"`; `num_layers=`
+      below the file's count loads the first layers only (on purpose; logged).
   Raises:
-    FileNotFoundError for a missing file; ValueError naming the file (and the tensor, by both its
-    GGUF and Hugging Face names) for an unsupported architecture, a missing tensor or a tensor
-    whose shape disagrees with the metadata.
+    FileNotFoundError for a missing file; ValueError naming the file (and the tensor, by its
+    GGUF name) for an unsupported architecture, a truncated or corrupt file, a missing or
+    unused tensor, or a tensor whose shape disagrees with the metadata.
   """
   reader, source = _reader_and_source(path)
   tensors = {t.name: t for t in reader.tensors}
+  if not isinstance(reader, _CheckedReader):  # opened by the caller: check it here
+    check_tensor_extents([(t.name, t.tensor_type, t.shape, t.data_offset) for t in reader.tensors],
+                         reader.data.size, source)
   shapes = {name: _numpy_shape(t) for name, t in tensors.items()}
   hf = hf_config_from_gguf(gguf_metadata(reader), shapes, source)
   config = ModelConfig.from_hf_config(hf, source, **config_overrides)
   names = _hf_to_gguf_names(config.num_layers)
+  check_tensor_names([names[n] for n in hf_tensor_shapes(config)], tensors, source,
+                     config.num_layers, "num_layers" in config_overrides)
   permute = config.architecture == "llama"
   rope_heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
 

@@ -7,14 +7,16 @@ GGUF loader and the PEFT adapter export reuse it.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Callable, Mapping
+import re
+from typing import Callable, Iterable, Union
 
 import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.transformer import LINEAR_TARGETS, Params, linear_shapes
+from marft_jax.models.transformer import Params, linear_shapes
 
 # Our target name -> the module path inside a Hugging Face decoder layer.
 HF_LAYER_MODULES = {
@@ -22,12 +24,85 @@ HF_LAYER_MODULES = {
     "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
 }
-HF_LAYER_NORMS = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+HF_LAYER_NORMS = {"input_norm": "input_layernorm",
+                  "post_attention_norm": "post_attention_layernorm"}
+QKV_TARGETS = ("q_proj", "k_proj", "v_proj")  # the ones with a bias when `config.qkv_bias`
+# Buffers some older exports saved that carry no weights (recomputed from `rope_theta`).
+_IGNORED_TENSORS = re.compile(r"\.rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")  # Hugging Face or GGUF names
+_log = logging.getLogger(__name__)
 
 
 def hf_module_path(target: str, layer: int) -> str:
   """`("q_proj", 3)` -> `"model.layers.3.self_attn.q_proj"`."""
   return f"model.layers.{layer}.{HF_LAYER_MODULES[target]}"
+
+
+def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Name -> shape (torch layout, `[out, in]`) of every tensor a checkpoint of `config` holds.
+
+  Tied embeddings: no `lm_head.weight`.
+  """
+  D, V = config.hidden_size, config.vocab_size
+  shapes = {"model.embed_tokens.weight": (V, D)}
+  for i in range(config.num_layers):
+    for hf in HF_LAYER_NORMS.values():
+      shapes[f"model.layers.{i}.{hf}.weight"] = (D,)
+    for target, (fan_in, fan_out) in linear_shapes(config).items():
+      shapes[f"{hf_module_path(target, i)}.weight"] = (fan_out, fan_in)
+      if config.qkv_bias and target in QKV_TARGETS:
+        shapes[f"{hf_module_path(target, i)}.bias"] = (fan_out,)
+  shapes["model.norm.weight"] = (D,)
+  if not config.tie_word_embeddings:
+    shapes["lm_head.weight"] = (V, D)
+  return shapes
+
+
+def check_tensor_names(expected: Iterable[str], present: Iterable[str], source: str,
+                       num_layers: int, fewer_layers_requested: bool = False) -> None:
+  """Refuses a file whose tensors are not exactly the ones the model reads.
+
+  A tensor the config needs but the file lacks, or one the file has but the model would not
+  read (a layer count below the file's, a renamed or unsupported tensor), is an error: loading
+  would give a different model than the file describes. With `fewer_layers_requested` (the
+  caller passed `num_layers=` explicitly) the tensors of layers `>= num_layers` are expected to
+  be left out; that is logged at INFO level, and any other unused tensor is still an error.
+
+  Args:
+    expected: the names the model reads, in the file's naming (Hugging Face or GGUF).
+    present: every tensor name in the file(s).
+    source: the file or folder, named in errors.
+    num_layers: the config's layer count.
+    fewer_layers_requested: whether `num_layers` was set on purpose, below the file's count.
+  Raises:
+    ValueError naming `source`, the count and the first few missing or unused tensors.
+  """
+  expected, present = list(expected), list(present)
+  expected_set, present_set = set(expected), set(present)
+  missing = [name for name in expected if name not in present_set]
+  if missing:
+    raise ValueError(f"{source}: {len(missing)} tensor(s) the config needs are missing: "
+                     f"{_first_few(missing)}")
+  unused = [name for name in present
+            if name not in expected_set and not _IGNORED_TENSORS.search(name)]
+  deeper = [name for name in unused
+            if (m := _LAYER_INDEX.match(name)) and int(m.group(1)) >= num_layers]
+  hint = ""
+  if deeper and fewer_layers_requested:
+    _log.info("%s: num_layers=%d requested: leaving out the %d tensors of deeper layers",
+              source, num_layers, len(deeper))
+    unused = [name for name in unused if name not in deeper]
+  elif deeper:
+    hint = (f"; the file has layers beyond the config's num_layers={num_layers} (pass "
+            f"num_layers={num_layers} explicitly to load only the first {num_layers})")
+  if unused:
+    raise ValueError(f"{source}: {len(unused)} tensor(s) in the file would be left unused: "
+                     f"{_first_few(unused)}{hint}")
+
+
+def _first_few(names: list[str], count: int = 5) -> str:
+  shown = ", ".join(repr(name) for name in names[:count])
+  return shown + (f" and {len(names) - count} more" if len(names) > count else "")
 
 
 def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], np.ndarray],
@@ -42,88 +117,131 @@ def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], np.ndarray]
     ValueError naming `source` and the tensor when one is missing or has the wrong shape.
   """
   dtype = jnp.dtype(config.param_dtype)
+  shapes = hf_tensor_shapes(config)
 
-  def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+  def tensor(name: str) -> np.ndarray:
     try:
       array = np.asarray(get(name))
     except KeyError:
       raise ValueError(f"{source}: tensor {name!r} is missing") from None
-    if array.shape != shape:
+    if array.shape != shapes[name]:
       raise ValueError(f"{source}: tensor {name!r} has shape {array.shape}, "
-                       f"the config implies {shape}")
+                       f"the config implies {shapes[name]}")
     return array.astype(np.float32)
 
   def stacked(fn) -> jnp.ndarray:
     return jnp.asarray(np.stack([fn(i) for i in range(config.num_layers)]), dtype)
 
-  D, V = config.hidden_size, config.vocab_size
-  layers = {ours: stacked(lambda i, hf=hf: tensor(f"model.layers.{i}.{hf}.weight", (D,)))
+  layers = {ours: stacked(lambda i, hf=hf: tensor(f"model.layers.{i}.{hf}.weight"))
             for ours, hf in HF_LAYER_NORMS.items()}
-  for target, (fan_in, fan_out) in linear_shapes(config).items():
+  for target in linear_shapes(config):
     prefix = lambda i, t=target: hf_module_path(t, i)
-    layers[target] = {"kernel": stacked(
-        lambda i, p=prefix, o=fan_out, n=fan_in: tensor(f"{p(i)}.weight", (o, n)).T)}
-    if config.qkv_bias and target in ("q_proj", "k_proj", "v_proj"):
-      layers[target]["bias"] = stacked(lambda i, p=prefix, o=fan_out: tensor(f"{p(i)}.bias", (o,)))
-  params = {"embed": jnp.asarray(tensor("model.embed_tokens.weight", (V, D)), dtype),
+    layers[target] = {"kernel": stacked(lambda i, p=prefix: tensor(f"{p(i)}.weight").T)}
+    if config.qkv_bias and target in QKV_TARGETS:
+      layers[target]["bias"] = stacked(lambda i, p=prefix: tensor(f"{p(i)}.bias"))
+  params = {"embed": jnp.asarray(tensor("model.embed_tokens.weight"), dtype),
             "layers": layers,
-            "final_norm": jnp.asarray(tensor("model.norm.weight", (D,)), dtype)}
+            "final_norm": jnp.asarray(tensor("model.norm.weight"), dtype)}
   if not config.tie_word_embeddings:
-    params["lm_head"] = jnp.asarray(tensor("lm_head.weight", (V, D)).T, dtype)
+    params["lm_head"] = jnp.asarray(tensor("lm_head.weight").T, dtype)
   return params
 
 
-def read_hf_config(path: str) -> dict:
+def read_hf_config(path: Union[str, os.PathLike]) -> dict:
   """Parses `<path>/config.json`, with errors that name the file."""
   config_file = os.path.join(path, "config.json")
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"{config_file}: not found (expected a Hugging Face model folder)")
+  config = _read_json(config_file)
+  if not isinstance(config, dict):
+    raise ValueError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+  return config
+
+
+def _read_json(file: str):
   try:
-    with open(config_file) as f:
+    with open(file) as f:
       return json.load(f)
   except json.JSONDecodeError as e:
-    raise ValueError(f"{config_file}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    raise ValueError(f"{file}: invalid JSON at line {e.lineno}: {e.msg}") from None
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{file}: not a text file ({e.reason})") from None
 
 
-def _safetensors_index(path: str) -> Mapping[str, str]:
-  """Tensor name -> shard file, for a single-file or sharded (index.json) checkpoint."""
+def _safetensors_index(path: str) -> tuple[dict[str, str], str]:
+  """Tensor name -> shard file, for a single-file or sharded (index.json) checkpoint, and the
+  file that lists the names (the index, or the single file).
+
+  Raises:
+    ValueError / FileNotFoundError naming the index file (and the shard) for malformed JSON, a
+    `weight_map` that is not an object of file names, or a listed shard that does not exist.
+  """
   index_file = os.path.join(path, "model.safetensors.index.json")
   if os.path.isfile(index_file):
-    with open(index_file) as f:
-      weight_map = json.load(f).get("weight_map")
+    index = _read_json(index_file)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index_file}: no 'weight_map' object")
-    return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+    for name, shard in weight_map.items():
+      if not isinstance(shard, str):
+        raise ValueError(f"{index_file}: weight_map[{name!r}]={shard!r}: must be a file name")
+      if not os.path.isfile(os.path.join(path, shard)):
+        raise FileNotFoundError(f"{index_file}: shard {shard!r} (listed for tensor {name!r}) "
+                                "is missing")
+    return {name: os.path.join(path, shard) for name, shard in weight_map.items()}, index_file
   single = os.path.join(path, "model.safetensors")
   if not os.path.isfile(single):
     raise FileNotFoundError(f"{path}: neither model.safetensors nor "
                             "model.safetensors.index.json found")
-  from safetensors import safe_open
-  with safe_open(single, framework="numpy") as f:
-    return {name: single for name in f.keys()}
+  return {name: single for name in _open_safetensors(single).keys()}, single
 
 
-def load_hf_checkpoint(path: str, **config_overrides) -> tuple[Params, ModelConfig]:
+def _open_safetensors(file: str):
+  """`safe_open(file)` (NumPy); a truncated or garbage file is a ValueError naming it."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    return safe_open(file, framework="numpy")
+  except (SafetensorError, OSError) as e:
+    raise ValueError(f"{file}: not a readable safetensors file, truncated or corrupt "
+                     f"({e})") from None
+
+
+def load_hf_checkpoint(path: Union[str, os.PathLike],
+                       **config_overrides) -> tuple[Params, ModelConfig]:
   """Loads a local Hugging Face Llama/Qwen2 folder into (params, config).
 
-  Reads one tensor at a time through safetensors' NumPy API (no torch).
+  Reads one tensor at a time through safetensors' NumPy API (no torch). Every tensor in the
+  files must be one the model reads, and the other way round (`check_tensor_names`); a tied
+  `lm_head.weight` that is stored anyway must equal the embedding.
 
   Args:
     path: folder with `config.json` and `model.safetensors` (or a sharded index).
-    **config_overrides: e.g. `param_dtype="bfloat16"`.
+    **config_overrides: e.g. `param_dtype="bfloat16"`; `num_layers=` below the file's count
+      loads the first layers only (on purpose; logged).
+  Raises:
+    FileNotFoundError / ValueError naming the file (and the shard, key or tensor).
   """
-  from safetensors import safe_open
+  from safetensors import SafetensorError
+  path = os.fspath(path)
   config = ModelConfig.from_hf_config(read_hf_config(path), os.path.join(path, "config.json"),
                                       **config_overrides)
-  index = _safetensors_index(path)
-  handles = {}
+  index, listing = _safetensors_index(path)
+  handles = {shard: _open_safetensors(shard) for shard in sorted(set(index.values()))}
+  expected = list(hf_tensor_shapes(config))
+  tied_head = config.tie_word_embeddings and "lm_head.weight" in index
+  if tied_head:
+    expected.append("lm_head.weight")  # some exports store the tied head: compared below
+  check_tensor_names(expected, index, listing, config.num_layers,
+                     "num_layers" in config_overrides)
 
   def get(name: str) -> np.ndarray:
-    shard = index[name]  # KeyError -> "missing" in params_from_hf_tensors.
-    if not os.path.isfile(shard):
-      raise FileNotFoundError(f"{shard}: shard listed for tensor {name!r} is missing")
-    if shard not in handles:
-      handles[shard] = safe_open(shard, framework="numpy")
-    return handles[shard].get_tensor(name)
+    try:
+      return handles[index[name]].get_tensor(name)
+    except SafetensorError as e:
+      raise ValueError(f"{index[name]}: cannot read tensor {name!r} ({e})") from None
 
-  return params_from_hf_tensors(config, get, path), config
+  params = params_from_hf_tensors(config, get, path)
+  if tied_head and not np.array_equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
+    raise ValueError(f"{listing}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                     "but config.json ties them (tie_word_embeddings=true)")
+  return params, config

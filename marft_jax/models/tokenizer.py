@@ -157,6 +157,26 @@ def gguf_tokenizer(path: GGUFSource):
       clean_up_tokenization_spaces=False, **special)
 
 
+def check_tokenizer_fits(tokenizer, vocab_size: int, source: str) -> None:
+  """Refuses a tokenizer that can produce ids the model's embedding has no row for.
+
+  Such ids would be clamped silently inside `jit` (gathers clamp out-of-range indices). A
+  smaller tokenizer is fine: embeddings are often padded (Qwen2: 151,936 rows, ~151,665 tokens).
+
+  Args:
+    tokenizer: a transformers tokenizer; its size counts added tokens (`len(tokenizer)`).
+    vocab_size: the model's embedding rows (`ModelConfig.vocab_size`).
+    source: the model file or folder, named in the error.
+  Raises:
+    ValueError naming `source` and both sizes.
+  """
+  size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+  if size > vocab_size:
+    raise ValueError(f"{source}: the tokenizer has {size} token ids (added tokens included) but "
+                     f"the model's vocab_size is {vocab_size}: ids >= {vocab_size} have no "
+                     "embedding row")
+
+
 @functools.lru_cache(maxsize=1)
 def _byte_alphabet() -> tuple[dict[int, str], frozenset]:
   from transformers.convert_slow_tokenizer import bytes_to_unicode

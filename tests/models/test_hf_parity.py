@@ -48,7 +48,8 @@ def test_missing_tensor_error_names_file_and_tensor(tmp_path):
   tensors = load_file(tmp_path / "model.safetensors")
   del tensors["model.layers.1.mlp.up_proj.weight"]
   save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-  with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+  with pytest.raises(ValueError, match=r"model\.safetensors: 1 tensor\(s\) the config needs are "
+                                       r"missing: 'model\.layers\.1\.mlp\.up_proj\.weight'$"):
     hf_checkpoint.load_hf_checkpoint(str(tmp_path))
 
 

@@ -225,8 +225,7 @@ def test_smollm2_chat_template_matches_transformers(smollm2_tokenizers):
 
 def test_gguf_loaders_do_not_import_torch(tmp_path, tiny_vocab):
   """Weights and tokenizer load in a fresh process without torch (a test-only package)."""
-  from tests.models.hf_fixtures import save_tiny_model
-  from tests.models.test_gguf import write_gguf
+  from tests.models.hf_fixtures import save_tiny_model, write_gguf
   weights = write_gguf(tmp_path / "m.gguf", save_tiny_model(tmp_path, "llama"))
   vocab = write_tokenizer_gguf(tmp_path / "tok.gguf", *tiny_vocab, pre="smollm")
   script = (
