@@ -30,6 +30,10 @@ from ml_collections import config_flags
 
 from marft_jax.configs import from_config_dict
 
+# Without torch (the library never needs it) transformers advises on import that "PyTorch was
+# not found", in the middle of the progress bar.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
 _default_config_path = ""  # set by define_config_flag

@@ -56,14 +56,71 @@ def test_left_padding_does_not_change_logits(model):
 
 
 def test_bfloat16_params_and_compute_track_float32(model):
+  """Against f32 compute on the same bf16-rounded weights: only activation rounding remains
+  (measured 0.8-0.9 % relative RMS error over 64 tokens)."""
   config, params = model
-  tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, config.vocab_size)
-  ref, _ = transformer.forward(params, tokens, config)
+  tokens = jax.random.randint(jax.random.key(5), (4, 64), 0, config.vocab_size)
   bf16 = config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  ref, _ = transformer.forward(jax.tree.map(lambda x: x.astype(jnp.float32), params16), tokens,
+                               config)
   logits, _ = jax.jit(transformer.forward, static_argnums=2)(params16, tokens, bf16)
   assert logits.dtype == jnp.float32
-  assert float(jnp.max(jnp.abs(logits - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
+  rel_rms = float(jnp.sqrt(jnp.mean((logits - ref) ** 2) / jnp.mean(ref ** 2)))
+  assert rel_rms < 0.015, rel_rms
+
+
+# The bf16 numerics that matter are exact statements about single layers: RMSNorm and the
+# attention softmax run in f32 on bf16 inputs and round once at the end, as Hugging Face's
+# modules do. Measured: ours within 0.5 bf16 ulp of the f64 reference; the mutants below
+# (the same maths in bf16) 2.6 ulps (norm) and ~10^4 ulps (attention, near-zero outputs).
+
+
+def _ulps(out, ref):
+  """|out - ref| in units of bf16's last place at ref's magnitude (8 significant bits)."""
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  return np.abs(out - ref) / 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
+
+
+def _bf16_norm_mutant(x, weight, eps, axis=-1):
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=axis, keepdims=True) + eps)
+  return y * weight.astype(x.dtype)[None, :]
+
+
+def _bf16_attention_mutant(q, k, v, allowed):
+  scores = jnp.einsum("btkge,bske->bkgts", q, k) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+  scores = jnp.where(allowed[:, None, None], scores, jnp.asarray(-1e30, q.dtype))
+  return jnp.einsum("bkgts,bske->btkge", jax.nn.softmax(scores, axis=-1), v)
+
+
+def test_bfloat16_rms_norm_rounds_once():
+  from marft_jax.models import layers
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(0, 3, (64, 576)), jnp.bfloat16)
+  w = jnp.asarray(1 + 0.1 * rng.normal(size=576), jnp.bfloat16)
+  x64 = np.asarray(x, np.float64)
+  normed = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6)
+  ref = np.asarray(jnp.asarray(normed, jnp.bfloat16), np.float64) * np.asarray(w, np.float64)
+  assert _ulps(layers.rms_norm(x, w, 1e-6), ref).max() <= 1.0
+  assert _ulps(_bf16_norm_mutant(x, w, 1e-6), ref).max() > 1.0  # the check has teeth
+
+
+def test_bfloat16_attention_softmax_in_float32():
+  from marft_jax.models import layers
+  rng = np.random.default_rng(1)
+  B, T, K, G, E = 2, 128, 2, 2, 16
+  q = jnp.asarray(rng.normal(0, 2, (B, T, K, G, E)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(0, 2, (B, T, K, E)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(0, 1, (B, T, K, E)), jnp.bfloat16)
+  allowed = jnp.asarray(np.tril(np.ones((T, T), bool))[None].repeat(B, 0))
+  q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+  scores = np.einsum("btkge,bske->bkgts", q64, k64) / np.sqrt(E)
+  scores = np.where(np.asarray(allowed)[:, None, None], scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p = np.asarray(jnp.asarray(p / p.sum(-1, keepdims=True), jnp.bfloat16), np.float64)
+  ref = np.einsum("bkgts,bske->btkge", p, v64)
+  assert _ulps(layers.attention(q, k, v, allowed), ref).max() <= 1.0
+  assert _ulps(_bf16_attention_mutant(q, k, v, allowed), ref).max() > 1.0
 
 
 def test_gradients_flow_and_are_finite(model):
