@@ -61,10 +61,12 @@ def check_range(name: str, value: Any, low: float | None = None, high: float | N
       ok &= (x < high) if high_open else (x <= high)
     checkify.debug_check(jnp.all(ok), f"{name}={{}}: must be {allowed}", x)
     return
-  x = np.asarray(value)
-  if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+  try:
+    x = None if isinstance(value, (str, bytes)) else np.asarray(value, np.float64)
+  except (TypeError, ValueError):
+    x = None
+  if x is None:
     raise ValueError(f"{name}={value!r}: expected a number")
-  x = x.astype(np.float64)
   bad = np.isnan(x)
   if low is not None:
     bad |= (x <= low) if low_open else (x < low)

@@ -1,4 +1,5 @@
-"""KL estimators from sampled-token log-probs (Schulman, "Approximating KL divergence").
+"""KL estimators from sampled-token log-probs (Schulman, "Approximating KL divergence";
+see docs/references.md).
 
 With tokens w ~ π and log r = log π_ref(w) − log π(w), each estimator's mean over samples
 estimates KL(π ‖ π_ref):

@@ -7,7 +7,8 @@ have the same; losses are masked means over every element, so vmap over sequence
 per-sequence means and a flat call gives the token mean over the batch.
 
 Gradients flow through `logp_t` only: old, proximal and behaviour log-probs and the
-advantages are wrapped in `stop_gradient`. Losses are to be minimised. Masked elements are
+advantages are wrapped in `stop_gradient`. Losses are to be minimised. The papers cited
+below are listed in docs/references.md. Masked elements are
 selected away before any arithmetic, so padding that holds NaN or inf (log-probs of pad
 tokens, advantages never written) contributes exactly 0 to the loss and to the gradient.
 

@@ -151,10 +151,10 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   V[T, 0] = v_bootstrap. The done flag d_t cuts the chain only between steps t and t+1;
   the original cut the agent chain at the first step of each new episode (reference defect
   D4, docs/references.md). The defaults γ_a = γ, λ_a = λ are the original's (one γ, one λ
-  at every hop). With
-  γ_a = λ_a = 1 the agents' deltas telescope, Σ_i δ[t,i] = Σ_i r[t,i] + γ V[t+1,0] − V[t,0]
-  (the multi-agent advantage decomposition, MARFT Theorem 1), and A[t,0] is the
-  single-agent GAE of the joint action.
+  at every hop). With γ_a = λ_a = 1 the agents' deltas telescope,
+  Σ_i δ[t,i] = Σ_i r[t,i] + γ V[t+1,0] − V[t,0] (the multi-agent advantage decomposition,
+  MARFT Theorem 1; docs/references.md), and A[t,0] is the single-agent GAE of the joint
+  action.
 
   Args:
     r_t: [T, N] reward after agent i's action at step t.

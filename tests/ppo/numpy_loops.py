@@ -1,4 +1,4 @@
-"""Plain loops for the backups, written from the formulas in the docstrings and the references.
+"""Plain loops for the backups, written from the formulas in the docstrings and docs/references.md.
 
 They index nested (step, agent, token) loops and search forward for the next state instead of
 composing hops in one flat reverse scan, so they share no structure with `marft_jax.ppo`.
@@ -28,7 +28,10 @@ def np_masked_gae(r, discount, lam, v, mask, v_bootstrap):
 
 
 def np_action_level(r, v, done, v_boot, gamma, lam, gamma_a, lam_a):
-  """§3.3 with the done flag applied only to the hop between env steps (D4 fixed)."""
+  """Agent-chain GAE, done flag only on the hop between env steps (defect D4 fixed).
+
+  Defect labels: docs/references.md.
+  """
   T, N = r.shape
   adv, gae = np.zeros((T, N)), 0.0
   for t in reversed(range(T)):
@@ -44,7 +47,10 @@ def np_action_level(r, v, done, v_boot, gamma, lam, gamma_a, lam_a):
 
 
 def np_action_level_original(r, v, done, v_boot, gamma, lam):
-  """The original buffer's loop, mask bug D4 included: m[t] = 1 − done[t−1]."""
+  """The original buffer's loop, mask bug D4 included: m[t] = 1 − done[t−1].
+
+  Transcribed from the original MARFT's ActionBuffer (defect D4, docs/references.md).
+  """
   T, N = r.shape
   m = np.ones(T + 1)
   m[1:] = 1.0 - done
@@ -60,7 +66,10 @@ def np_action_level_original(r, v, done, v_boot, gamma, lam):
 
 
 def np_token_level(r, v, mask, done, v_boot, g, lam, g_tok, lam_tok, g_a, lam_a):
-  """§4.2 as nested loops; 'next' means the next valid token, searching forward."""
+  """The token-level backup (`token_level_advantages` docstring) as nested loops.
+
+  'Next' means the next valid token, found by searching forward.
+  """
   T, N, K = v.shape
   order = [(t, i, k) for t in range(T) for i in range(N) for k in range(K) if mask[t, i, k]]
   adv = np.zeros((T, N, K))
@@ -96,7 +105,8 @@ def np_token_level(r, v, mask, done, v_boot, g, lam, g_tok, lam_tok, g_a, lam_a)
 
 
 def np_areal_gae(r, v, loss_mask, no_eos, gamma, lam):
-  """AReaL `compute_advantages`' GAE loop for one sequence, transcribed."""
+  """AReaL `compute_advantages`' GAE loop for one sequence, transcribed (note A2,
+  docs/references.md)."""
   L = len(r)
   adv = np.zeros(L)
   lastgaelam, nextvalues = 0.0, v[L - 1] * no_eos

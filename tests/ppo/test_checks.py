@@ -34,7 +34,7 @@ LOGITS = np.arange(T * V, dtype=np.float32).reshape(T, V) / 10.0
 CALLS = {
     "gamma": [
         (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, x, 0.9),
-         [-0.1, 1.01, NAN, INF]),
+         [-0.1, 1.01, NAN, INF, "0.9"]),
         (lambda x: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0,
                                               x, 0.9), [1.5, NAN]),
         (lambda x: ppo.sequence_advantages(_r(T), _r(T), _m(T), False, x, 0.9), [-1.0, NAN]),

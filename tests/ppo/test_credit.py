@@ -10,7 +10,10 @@ from tests.ppo.numpy_loops import np_areal_gae
 
 
 def episode_token_frame():
-  """prompt(3) | step 0 (3) | transition(2) | step 1 (2) | transition(2) | step 2 (1) | pad."""
+  """prompt(3) | step 0 (3) | transition(2) | step 1 (2) | transition(2) | step 2 (1) | pad.
+
+  A hand-built layout; token_ends are read off it.
+  """
   step_ids = np.array([-1, -1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, 2, -1])
   token_ends = [6, 10, 13]  # e_i, exclusive, in the token frame
   return step_ids, token_ends
@@ -37,6 +40,7 @@ def random_step_ids(rng, T, S):
 
 
 def test_token_to_action_frame():
+  # By definition: shift left by one, fill the last position.
   np.testing.assert_array_equal(ppo.token_to_action_frame(jnp.array([5, 6, 7]), -1), [6, 7, -1])
   np.testing.assert_array_equal(ppo.token_to_action_frame(jnp.array([1.0]), 0.0), [0.0])
 
@@ -44,6 +48,7 @@ def test_token_to_action_frame():
 def test_rewards_land_on_the_decision_emitting_each_last_token():
   step_ids, token_ends = episode_token_frame()
   action_ids = ppo.token_to_action_frame(jnp.asarray(step_ids), -1)
+  # Distinct rewards per step; by the rule in credit.py each lands at action position e_i − 2.
   r = ppo.per_step_credit(jnp.array([1.0, 2.0, 3.0]), action_ids)
   expected = np.zeros(len(step_ids))
   expected[[e - 2 for e in token_ends]] = [1.0, 2.0, 3.0]
@@ -69,12 +74,15 @@ def test_areal_placement_is_lost_and_ours_is_not():
 
 
 def test_step_discount_matches_areal_unit_example():
+  # AReaL's unit example (γ_c = 0.5, 3 steps → 0.25, 0.5, 1; docs/references.md, 'Test
+  # vectors'), each at its step's last decision in this hand-built layout.
   step_ids = jnp.array([0, 0, -1, 1, -1, 2, 2, -1])
   r = ppo.step_discount_credit(1.0, step_ids, 3, 0.5)
   np.testing.assert_allclose(r, [0, 0.25, 0, 0.5, 0, 0, 1.0, 0])
 
 
 def test_equal_credit_on_last_decision_only():
+  # By hand: R = 2 lands on the last non-negative id (position 4); no decision, no credit.
   np.testing.assert_array_equal(ppo.equal_credit(2.0, jnp.array([-1, 0, 0, 1, 1, -1])),
                                 [0, 0, 0, 0, 2.0, 0])
   np.testing.assert_array_equal(ppo.equal_credit(2.0, -jnp.ones(4, jnp.int32)), np.zeros(4))

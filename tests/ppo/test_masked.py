@@ -19,6 +19,7 @@ def test_masked_reductions_match_numpy(seed):
 
 
 def test_padding_with_nan_and_all_masked():
+  # By hand: the valid elements are 1 and 3, mean 2; an all-masked mean is 0 by definition.
   x = np.array([1.0, np.nan, np.inf, 3.0], np.float32)
   mask = np.array([1, 0, 0, 1])
   assert ppo.masked_mean(x, mask) == 2.0

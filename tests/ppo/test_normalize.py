@@ -30,12 +30,14 @@ def np_pool_normalize(x, mask, pool, *, center=True, scale=True, leave_one_out=F
 
 
 def test_shape_rewards():
+  # By hand: (r − 0.5)·10 = [−35, −5, 5, 295], clipped to ±20.
   r = np.array([-3.0, 0.0, 1.0, 30.0])
   np.testing.assert_allclose(ppo.shape_rewards(r, 10.0, -0.5), (r - 0.5) * 10.0)
   np.testing.assert_allclose(ppo.shape_rewards(r, 10.0, -0.5, clip=20.0), [-20, -5, 5, 20])
 
 
 def test_normalize_counts_genuine_zeros_and_ignores_padding():
+  # Hand-chosen: two genuine zeros and two padding slots; expected from the formula.
   x = np.array([0.0, 0.0, 1.0, 3.0, 99.0, -7.0], np.float32)
   mask = np.array([1, 1, 1, 1, 0, 0], bool)  # two genuine zeros, two padding slots
   got = np.asarray(ppo.normalize(x, mask))
@@ -43,7 +45,8 @@ def test_normalize_counts_genuine_zeros_and_ignores_padding():
   np.testing.assert_allclose(got[:4], (genuine - genuine.mean()) / (genuine.std() + 1e-5),
                              atol=ATOL)
   np.testing.assert_array_equal(got[4:], 0.0)
-  # The original's rule (drop exact zeros) pools only {1, 3} and so gives other values (D7).
+  # The original's rule (drop exact zeros) pools only {1, 3} and so gives other values
+  # (reference defect D7, docs/references.md).
   nonzero = x[(x != 0) & mask]
   assert not np.allclose(got[2:4], (nonzero - nonzero.mean()) / (nonzero.std() + 1e-8))
 
@@ -78,12 +81,14 @@ def test_grpo_groups_of_rollouts():
   x = np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 5.0]], np.float32)
   mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
   got = np.asarray(ppo.group_normalize(x, mask, np.array([[0] * 4, [1] * 4]), 2))
+  # By hand: group 0 = {1, 0, 0, 1} has mean 0.5 and std 0.5, so ±1; group 1 by the formula.
   np.testing.assert_allclose(got[0], [1, -1, -1, 1], atol=1e-4)
   np.testing.assert_allclose(got[1, :3], (np.array([0, 0, 1]) - 1 / 3) / np.std([0, 0, 1]),
                              atol=1e-4)
   assert got[1, 3] == 0.0
   loo = np.asarray(ppo.group_normalize(x, mask, np.array([[0] * 4, [1] * 4]), 2,
                                        leave_one_out=True, scale=False))
+  # By hand: each element minus the mean of the other three (1/3 for a 1, 2/3 for a 0).
   np.testing.assert_allclose(loo[0], [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3], atol=1e-5)
 
 

@@ -16,7 +16,7 @@ import pytest
 from marft_jax import ppo
 
 T = 7
-MASK = np.array([1, 0, 1, 1, 0, 1, 0], bool)
+MASK = np.array([1, 0, 1, 1, 0, 1, 0], bool)  # arbitrary, three masked positions
 PADDING = np.array([np.nan, np.inf, -np.inf])
 
 

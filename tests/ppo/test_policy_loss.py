@@ -33,6 +33,9 @@ def random_case(rng, T, mask_kind):
 
 
 def test_clipped_surrogate_by_hand():
+  # By hand, ℓ = max(−Aρ, −A clip(ρ)): ρ = 1.5, A = 1 → −1.2 (clipped); ρ = 0.5, A = 1 → −0.5;
+  # ρ = 0.5, A = −1 → 0.8 (clipped); ρ = 3, A = −1 → 3, or c·|A| = 2 with the dual clip c = 2;
+  # with ε_high = 0.4 the upper clip is 1.4.
   ratio = np.array([1.5, 0.5, 0.5, 3.0, 1.5])
   adv = np.array([1.0, 1.0, -1.0, -1.0, 1.0])
   np.testing.assert_allclose(ppo.clipped_surrogate(ratio, adv, 0.2),

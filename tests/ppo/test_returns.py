@@ -21,9 +21,10 @@ from tests.ppo.numpy_loops import (
 ATOL = 1e-5
 
 
-# --- Reference test vectors (marft-original §3.3, §4.2) ----------------------------------
+# --- Test vectors from the original code (docs/references.md, 'Test vectors') -----------
 
 def test_action_level_vector():
+  # The original ActionBuffer's output on these inputs; derived by hand in docs/references.md.
   r = jnp.array([[0.0, 0.0], [0.0, 1.0]])
   v = jnp.array([[0.2, 0.4], [0.5, 0.6]])
   adv, ret = ppo.action_level_advantages(r, v, jnp.array([0, 1]), 0.7, 0.9, 0.5)
@@ -43,8 +44,9 @@ def token_vector_inputs():
 
 
 def test_token_level_vector():
-  # §4.2 gives A to 3-4 digits from values it does not list; these values reproduce every
-  # digit, and the exact A below follow from them by hand (δ's of .02 … .08 plus traces).
+  # The original TokenBuffer's A are known to 3-4 digits only, from values not recorded;
+  # the values 0.1 … 0.8 reproduce every digit, and the exact A below follow from them by
+  # hand (δ's of .02 … .08 plus traces; derivation in docs/references.md, 'Test vectors').
   r, v, mask = token_vector_inputs()
   adv, ret = ppo.token_level_advantages(r, v, mask, jnp.array([0, 1]), 0.9, 0.9, 0.5)
   expected = np.zeros((2, 2, 3))
@@ -110,7 +112,8 @@ def test_action_level_matches_numpy(T, N):
 
 
 def test_action_level_done_does_not_cut_the_agent_chain():
-  # Episode ends after step 0; step 1 is a new episode whose agents must stay chained (D4).
+  # Episode ends after step 0; step 1 is a new episode whose agents must stay chained
+  # (reference defect D4, docs/references.md).
   r = np.array([[0.0, 1.0], [0.0, 1.0]])
   v = np.array([[0.1, 0.2], [0.3, 0.4]])
   done = np.array([1, 0])
@@ -119,6 +122,8 @@ def test_action_level_done_does_not_cut_the_agent_chain():
                              atol=ATOL)
   original = np_action_level_original(r, v, done, 0.5, 0.9, 0.5)
   assert abs(original[1, 0] - adv[1, 0]) > 0.1  # the original zeroed V[1,1] and the trace
+  # By hand: step 0 ends the episode, so A[0,1] = r − v = 1 − 0.2 = 0.8 and
+  # A[0,0] = δ + γλ A[0,1] = (0.9·0.2 − 0.1) + 0.45·0.8.
   np.testing.assert_allclose(adv[0], [0.9 * 0.2 - 0.1 + 0.45 * 0.8, 0.8], atol=ATOL)
 
 
@@ -137,7 +142,7 @@ def random_token_inputs(rng, T, N, K):
   mask = np.arange(K) < lengths[..., None]
   holes = rng.random((T, N, K)) < 0.15  # also non-prefix masks and leading padding
   mask = mask ^ (holes & (rng.random() < 0.5))
-  # Padding holds garbage: the result must not read it (D6).
+  # Padding holds garbage: the result must not read it (defect D6, docs/references.md).
   v = np.where(mask, rng.normal(size=(T, N, K)), rng.normal(size=(T, N, K)) * 1e3)
   return rng.normal(size=(T, N)), v, mask, rng.random(T) < 0.4, rng.normal()
 
@@ -183,6 +188,8 @@ def test_token_level_empty_action_keeps_its_reward():
   v = np.zeros((1, 3, 2))
   mask = np.array([[[1, 1], [0, 0], [1, 0]]], bool)
   adv, _ = ppo.token_level_advantages(r, v, mask, np.array([1]), 0.0, 0.9, 1.0)
+  # By hand (v = 0, γ = 0.9, λ = 1): agent 0's last token gets γ·r = 0.9, its first token
+  # one more token hop, 0.9·0.9.
   np.testing.assert_allclose(adv[0, 0], [0.9 * 0.9, 0.9], atol=ATOL)
   np.testing.assert_array_equal(adv[0, 1], 0.0)
 
@@ -209,13 +216,15 @@ def test_sequence_advantages_truncation_bootstrap():
   mask = np.array([0, 1, 1, 0])
   v = np.array([0.0, 0.0, 0.0, 2.0])
   adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, True, 1.0, 1.0)
+  # By hand (γ = λ = 1, no reward): both decisions see the bootstrap v_3 = 2, or 0 if not cut.
   np.testing.assert_allclose(adv, [0, 2, 2, 0], atol=ATOL)
   adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, False, 1.0, 1.0)
   np.testing.assert_array_equal(adv, np.zeros(4))
 
 
 def test_sequence_advantages_keeps_reward_on_a_transparent_position():
-  # AReaL drops a reward written at a mask-0 position (marft-areal §5); it is kept here.
+  # AReaL drops a reward written at a mask-0 position (note A1, docs/references.md); here
+  # it folds into decision 2 (γ = 1), which passes it to decision 1: by hand A = 1 at both.
   mask = np.array([0, 1, 1, 0, 1, 0])
   r = np.array([0, 0, 0, 1.0, 0, 0])
   adv, _ = ppo.sequence_advantages(r, np.zeros(6), mask, False, 1.0, 1.0)

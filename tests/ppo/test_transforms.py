@@ -30,6 +30,7 @@ def _mask(rng, *shape):
 
 
 def _step_ids(rng):
+  # A hand-built action-frame layout of S = 3 steps (−1: no decision).
   return np.array([-1, 0, 0, -1, 1, 2])[np.sort(rng.permutation(T))]
 
 
@@ -135,9 +136,10 @@ def _away_from(x, kinks, margin=0.02):
 
 def _policy_inputs(rng):
   old = -rng.random(T) * 2
+  # Kinks of the clip at 1 ± 0.2 and 1 + ε_high = 1.28 (the losses below).
   ratio = _away_from(np.exp(rng.normal(size=T) * 0.4), [0.8, 1.2, 1.28])
   adv = _away_from(rng.normal(size=T), [0.0])
-  return old + np.log(ratio), old, adv, np.array([1, 1, 0, 1, 1, 1], bool)
+  return old + np.log(ratio), old, adv, np.array([1, 1, 0, 1, 1, 1], bool)  # one masked
 
 
 LOSSES = {

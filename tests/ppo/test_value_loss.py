@@ -1,4 +1,5 @@
-"""Critic losses against NumPy loops, and Huber's missing branch (D12)."""
+"""Critic losses against NumPy loops, and Huber's missing branch (reference defect D12,
+docs/references.md)."""
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ def np_value_loss(v, old_v, ret, mask, clip_eps, error):
 
 
 def test_huber_handles_both_signs():
+  # Errors on both sides of ±δ and at it; h(−25) = 10·(25 − 5) = 200 by hand.
   e = np.array([-25.0, -10.0, -3.0, 0.0, 3.0, 10.0, 25.0])
   expected = [np_huber(x, 10.0) for x in e]
   np.testing.assert_allclose(ppo.huber_loss(e, 10.0), expected, atol=ATOL)
