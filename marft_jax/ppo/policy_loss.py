@@ -7,10 +7,10 @@ have the same; losses are masked means over every element, so vmap over sequence
 per-sequence means and a flat call gives the token mean over the batch.
 
 Gradients flow through `logp_t` only: old, proximal and behaviour log-probs and the
-advantages are wrapped in `stop_gradient`. Losses are to be minimised. The papers cited
-below are listed in docs/references.md. Masked elements are
-selected away before any arithmetic, so padding that holds NaN or inf (log-probs of pad
-tokens, advantages never written) contributes exactly 0 to the loss and to the gradient.
+advantages are wrapped in `stop_gradient`. Losses are to be minimised. Masked elements
+are selected away before any arithmetic, so padding that holds NaN or inf (log-probs of
+pad tokens, advantages never written) contributes exactly 0 to the loss and to the
+gradient. The papers cited below are listed in docs/references.md.
 
 Checks: a concrete ε or ε_high < 0 or NaN, a dual clip c ≤ 1 or NaN, or an importance
 weight cap ≤ 0 or NaN raises `ValueError` naming the argument (+inf is allowed: no
@@ -95,6 +95,8 @@ def ppo_clip_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv_t: jax.Array,
     epsilon, epsilon_high, dual_clip: see `clipped_surrogate`.
   Returns:
     scalar loss, 0 when every element is masked.
+  Raises:
+    ValueError: as `clipped_surrogate`.
   """
   chex.assert_equal_shape([logp_t, old_logp_t, adv_t, mask_t])
   _check_clip(epsilon, epsilon_high, dual_clip)
