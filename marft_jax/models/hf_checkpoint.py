@@ -91,7 +91,8 @@ def check_tensor_names(expected: Iterable[str], present: Iterable[str], source: 
   if deeper and fewer_layers_requested:
     _log.info("%s: num_layers=%d requested: leaving out the %d tensors of deeper layers",
               source, num_layers, len(deeper))
-    unused = [name for name in unused if name not in deeper]
+    left_out = set(deeper)
+    unused = [name for name in unused if name not in left_out]
   elif deeper:
     hint = (f"; the file has layers beyond the config's num_layers={num_layers} (pass "
             f"num_layers={num_layers} explicitly to load only the first {num_layers})")
