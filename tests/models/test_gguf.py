@@ -138,7 +138,8 @@ def _chat_batch(tokenizer, prompts):
 def test_smollm2_logits_match_transformers_gguf(smollm2_ours, smollm2_torch):
   params, config, tokenizer = smollm2_ours
   assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-          config.vocab_size, config.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+          config.vocab_size, config.tie_word_embeddings, config.max_position_embeddings) == (
+              30, 576, 9, 3, 49152, True, 8192)
   tokens, mask = _chat_batch(tokenizer, PROMPTS)
   ours, _ = jax.jit(transformer.forward, static_argnums=2)(
       params, jnp.asarray(tokens), config, mask=jnp.asarray(mask, bool))
