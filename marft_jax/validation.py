@@ -1,9 +1,18 @@
-"""Argument checks at the host boundary, before `jit`, with errors that name the argument.
+"""Argument checks at the host boundary: refuse bad input by name, never return a wrong number.
 
-Public entry points check what they are given while values are still concrete (Python
-numbers, NumPy arrays, committed JAX arrays). Inside a trace the same values are abstract and
-cannot be inspected: these helpers then do nothing, and each entry point documents what a bad
-traced value does. `jax.experimental.checkify` covers that case where a caller wants it.
+Every public entry point checks its arguments with these helpers. Each check has two regimes:
+
+- Concrete values (Python numbers, NumPy arrays, JAX arrays outside a trace) are checked on
+  the host when the function is called (or traced), and a bad one raises
+  `ValueError("gamma=1.5: must be in [0, 1]")`. A concrete value closed over inside `jit`
+  fails at trace time.
+- Traced values (inside `jit`, `vmap` or `grad`) cannot be read. The check becomes a
+  `checkify.debug_check`, which does nothing (XLA drops the unused predicate) unless the
+  caller wraps the computation in `checkify.checkify(f, errors=checkify.user_checks)`; then
+  `err.throw()` raises with the same message. Each entry point documents what a bad traced
+  value does without checkify.
+
+NaN fails every range check. `None` (an optional argument left unset) passes.
 """
 
 from __future__ import annotations
@@ -13,77 +22,122 @@ import numbers
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 
-def is_concrete(x: Any) -> bool:
-  """True unless `x` (or a leaf of it) is a tracer, i.e. its value is unknown until run time."""
-  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+def is_traced(*values: Any) -> bool:
+  """True if any leaf of `values` is a tracer, i.e. unknown until the computation runs."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(values))
 
 
-def check_number(name: str, value: Any, *, low: Optional[float] = None,
-                 high: Optional[float] = None, low_open: bool = False,
-                 high_open: bool = False) -> None:
-  """Raises ValueError naming `name` unless `value` is a finite number in the given range.
+def _interval(low, high, low_open, high_open) -> str:
+  if high == math.inf and high_open:
+    if low is None or low == -math.inf:
+      return "finite"
+    return f"finite and {_interval(low, None, low_open, False)}"
+  low, high = (None if b is None else f"{b:g}" for b in (low, high))
+  if high is None:
+    return f"{'>' if low_open else '>='} {low}"
+  if low is None:
+    return f"{'<' if high_open else '<='} {high}"
+  return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
-  Arrays (a scalar or one value per row) are checked elementwise when concrete; traced values
-  pass unchecked. Booleans are not numbers here.
+
+def check_range(name: str, value: Any, low: Optional[float] = None,
+                high: Optional[float] = None, *, low_open: bool = False,
+                high_open: bool = False) -> None:
+  """Refuses `value` (a scalar or an array, checked elementwise) outside the range, or NaN.
+
+  Bounds may be ±inf; `high=math.inf, high_open=True` asks for a finite value. Booleans and
+  strings are not numbers.
   """
-  if not is_concrete(value):
+  if value is None:
     return
-  if isinstance(value, bool) or (not isinstance(value, numbers.Real)
-                                 and not _is_real_array(value)):
+  allowed = _interval(low, high, low_open, high_open)
+  if is_traced(value):
+    x = jnp.asarray(value)
+    ok = ~jnp.isnan(x)
+    if low is not None:
+      ok &= (x > low) if low_open else (x >= low)
+    if high is not None:
+      ok &= (x < high) if high_open else (x <= high)
+    checkify.debug_check(jnp.all(ok), f"{name}={{}}: must be {allowed}", x)
+    return
+  x = None
+  if not isinstance(value, (str, bytes, bool, np.bool_)):
+    try:
+      x = np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+      pass
+  if x is None or np.asarray(value).dtype == bool:
     raise ValueError(f"{name}={value!r}: expected a number")
-  values = np.asarray(value, np.float64).reshape(-1)
-  for v in values:
-    bad = (not math.isfinite(v) or (low is not None and (v <= low if low_open else v < low))
-           or (high is not None and (v >= high if high_open else v > high)))
-    if bad:
-      shown = value if values.size == 1 else f"{v!r} (in {np.asarray(value).tolist()})"
-      raise ValueError(f"{name}={shown!r}: must be {_describe(low, high, low_open, high_open)}")
+  bad = np.isnan(x)
+  if low is not None:
+    bad |= (x <= low) if low_open else (x < low)
+  if high is not None:
+    bad |= (x >= high) if high_open else (x > high)
+  if not np.any(bad):
+    return
+  if x.size == 1:
+    shown = value if isinstance(value, (int, float)) else x.item()
+    raise ValueError(f"{name}={shown!r}: must be {allowed}")
+  raise ValueError(f"{name}: entry {x[bad].flat[0].item()!r} must be {allowed} "
+                   f"({int(bad.sum())} such entries)")
 
 
-def check_int(name: str, value: Any, *, low: Optional[int] = None,
+def check_unit_interval(name: str, value: Any) -> None:
+  """Discounts, trace decays, credit discounts: in [0, 1], not NaN."""
+  check_range(name, value, 0.0, 1.0)
+
+
+def check_positive(name: str, value: Any) -> None:
+  """Temperatures, Huber δ, normalisation eps: finite and > 0."""
+  check_range(name, value, 0.0, math.inf, low_open=True, high_open=True)
+
+
+def check_int(name: str, value: Any, low: Optional[int] = None,
               high: Optional[int] = None) -> int:
-  """`value` as a Python int, or ValueError naming `name` (not an integer, or out of range)."""
-  if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+  """A static integer (a size, a count, top-k) as a Python int in [low, high], or ValueError."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral,
+                                                                   np.integer)):
     raise ValueError(f"{name}={value!r}: expected an int")
   if (low is not None and value < low) or (high is not None and value > high):
-    raise ValueError(f"{name}={value!r}: must be {_describe(low, high, False, False)}")
+    raise ValueError(f"{name}={value!r}: must be {_interval(low, high, False, False)}")
   return int(value)
 
 
-def check_ids(name: str, ids: Any, low: int, high: int, where: Any = None) -> None:
-  """Raises ValueError naming `name` unless the concrete integers `ids` lie in [low, high).
+def check_size(name: str, value: Any) -> int:
+  """A static count (number of groups, agents) as a Python int ≥ 1."""
+  return check_int(name, value, low=1)
+
+
+def check_ids(name: str, ids: Any, upper: Any, where: Any = None, *, low: int = 0,
+              skip_negative: bool = False) -> None:
+  """Refuses an id outside [low, upper) among the entries selected by `where` (all if None).
 
   Args:
-    ids: any shape (concrete; traced ids pass unchecked).
-    where: optional bool array of ids' shape: only these entries are checked (e.g. real
-      tokens, not padding).
+    ids: int array, any shape.
+    upper: exclusive bound (a Python int, or an array such as a traced step count).
+    where: optional mask broadcastable to ids' shape; only its non-zero entries are checked
+      (valid elements), so padding may hold anything.
+    low: inclusive lower bound (e.g. -1 for adapter ids, where -1 is the base model).
+    skip_negative: negative ids mean "none" (no decision) and are not checked.
   """
-  if not is_concrete((ids, where)):
+  span = f"[{low}, {{}})"
+  if is_traced(ids, upper, where):
+    ids = jnp.asarray(ids)
+    ok = (ids < upper) if skip_negative else (ids >= low) & (ids < upper)
+    if where is not None:
+      ok |= jnp.asarray(where) == 0
+    checkify.debug_check(jnp.all(ok), f"{name}: an id is outside {span}", jnp.asarray(upper))
     return
-  ids = np.asarray(ids)
+  ids, upper = np.asarray(ids), np.asarray(upper)
   if ids.size and not np.issubdtype(ids.dtype, np.integer):
     raise ValueError(f"{name}: expected integer ids, got dtype {ids.dtype}")
-  checked = ids if where is None else ids[np.broadcast_to(np.asarray(where, bool), ids.shape)]
-  bad = (checked < low) | (checked >= high)
+  checked = ids if where is None else ids[np.broadcast_to(np.asarray(where) != 0, ids.shape)]
+  bad = (checked >= upper) if skip_negative else (checked < low) | (checked >= upper)
   if np.any(bad):
-    raise ValueError(f"{name}: {int(checked[bad][0])} is outside [{low}, {high}) "
-                     f"({int(bad.sum())} such entries)")
-
-
-def _is_real_array(value: Any) -> bool:
-  dtype = getattr(value, "dtype", None)
-  return dtype is not None and (np.issubdtype(dtype, np.floating)
-                                or np.issubdtype(dtype, np.integer)) and dtype != np.bool_
-
-
-def _describe(low, high, low_open, high_open) -> str:
-  if low is not None and high is not None:
-    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-  if low is not None:
-    return f"{'>' if low_open else '≥'} {low}"
-  if high is not None:
-    return f"{'<' if high_open else '≤'} {high}"
-  return "finite"
+    raise ValueError(f"{name}: id {checked[bad].flat[0].item()!r} is outside "
+                     f"{span.format(upper)} ({int(bad.sum())} such entries)")

@@ -36,7 +36,7 @@ def test_help_lists_every_config_field_and_exits_0():
      "param_dtype, prompt, sampling, seed, system_prompt"),
     ("--config.sampling.tmp=1", "error: --config.sampling.tmp: unknown key 'tmp' in "
      "config.sampling; allowed: max_new_tokens, temperature, top_k, top_p"),
-    ("--config.sampling.top_p=1.5", "error: config.sampling: top_p=1.5: must be in (0.0, 1.0]"),
+    ("--config.sampling.top_p=1.5", "error: config.sampling: top_p=1.5: must be in (0, 1]"),
     ("--config.seed=abc", "error: flag --config.seed=abc: invalid literal for int()"),
     ("--config=missing.py", "error: --config=missing.py: no such config file"),
 ])

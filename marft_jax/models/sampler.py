@@ -331,13 +331,13 @@ def _per_row(name: str, value, batch: int, dtype) -> np.ndarray:
 def _stop_id_table(eos_ids, stop_ids, batch: int, vocab: int) -> np.ndarray:
   """[B, M] int32: EOS ids then each row's own stop ids, -1 padded, M bucketed."""
   eos = np.atleast_1d(np.asarray(() if eos_ids is None else eos_ids, np.int64))
-  check_ids("eos_ids", eos, 0, vocab)
+  check_ids("eos_ids", eos, vocab)
   rows = np.broadcast_to(eos, (batch, eos.size))
   if stop_ids is not None:
     stop = np.asarray(stop_ids, np.int64)
     if stop.ndim != 2 or stop.shape[0] != batch:
       raise ValueError(f"stop_ids has shape {stop.shape}; expected ({batch}, M)")
-    check_ids("stop_ids", stop, 0, vocab, where=stop != -1)  # -1 pads a row's list
+    check_ids("stop_ids", stop, vocab, where=stop != -1)  # -1 pads a row's list
     rows = np.concatenate([rows, stop], axis=1)
   width = bucket(rows.shape[1], MIN_STOP_IDS_BUCKET)
   return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=-1).astype(np.int32)
@@ -352,7 +352,7 @@ def _prompt_mask(tokens: np.ndarray, prompt_lens, prompt_mask) -> np.ndarray:
     return mask.astype(bool)
   if prompt_lens is not None:
     lens = _per_row("prompt_lens", prompt_lens, B, np.int64)
-    check_ids("prompt_lens", lens, 0, P + 1)
+    check_ids("prompt_lens", lens, P + 1)
     return np.arange(P)[None, :] < lens[:, None]
   return np.ones((B, P), bool)
 
@@ -442,12 +442,12 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
                      f"and dtype {tokens.dtype}")
   B, P = tokens.shape
   mask = _prompt_mask(tokens, prompt_lens, prompt_mask)
-  check_ids("tokens", tokens, 0, config.vocab_size, where=mask)
+  check_ids("tokens", tokens, config.vocab_size, where=mask)
   tokens = tokens.astype(np.int32)
   if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer):
     raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int or ints")
   max_new = _per_row("max_new_tokens", max_new_tokens, B, np.int64)
-  check_ids("max_new_tokens", max_new, 0, np.iinfo(np.int32).max)
+  check_ids("max_new_tokens", max_new, np.iinfo(np.int32).max)
   if np.any((max_new > 0) & ~mask.any(axis=1)):
     raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
   check_sampling_args(temperature, top_p, top_k)
@@ -455,7 +455,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     top_k = None  # off: one compile for every value that keeps the whole vocabulary
   ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
                  else 0 if adapter_ids is None else adapter_ids, B, np.int64)
-  check_ids("adapter_ids", ids, NO_ADAPTER, 1 if lora is None else lora.num_adapters)
+  check_ids("adapter_ids", ids, 1 if lora is None else lora.num_adapters, low=NO_ADAPTER)
   _check_positions(config, cache, mask, max_new)
 
   used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1

@@ -11,9 +11,10 @@ Conventions (as in transformers): temperature 0 is greedy; `top_k=0` (or None) a
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
-from marft_jax.validation import check_int, check_number
+from marft_jax.validation import check_int, check_range
 
 
 def check_sampling_args(temperature: Any = 1.0, top_p: Any = None,
@@ -28,9 +29,9 @@ def check_sampling_args(temperature: Any = 1.0, top_p: Any = None,
     top_k: None or an int ≥ 0 (0 = off).
     prefix: prepended to argument names in messages, e.g. "sampling.".
   """
-  check_number(f"{prefix}temperature", temperature, low=0.0)
+  check_range(f"{prefix}temperature", temperature, 0.0, math.inf, high_open=True)
   if top_p is not None:
-    check_number(f"{prefix}top_p", top_p, low=0.0, high=1.0, low_open=True)
+    check_range(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
   if top_k is not None:
     check_int(f"{prefix}top_k", top_k, low=0)
 

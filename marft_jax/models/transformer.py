@@ -35,7 +35,7 @@ from jax.experimental import checkify
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
-from marft_jax.validation import check_ids, is_concrete
+from marft_jax.validation import check_ids, is_traced
 
 Params = dict
 
@@ -103,14 +103,14 @@ def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
   """
   if cache is None:
     return
-  if is_concrete(cache.index):
+  if not is_traced(cache.index):
     if int(cache.index) + num_new > cache.size:
       raise ValueError(f"cache: {num_new} new tokens at slot {int(cache.index)} do not fit its "
                        f"{cache.size} slots; make a larger cache (init_cache) or let "
                        "sampler.generate grow it")
   else:
-    checkify.check(cache.index + num_new <= cache.size,
-                   f"cache: {num_new} new tokens overflow its {cache.size} slots", debug=True)
+    checkify.debug_check(cache.index + num_new <= cache.size,
+                         f"cache: {num_new} new tokens overflow its {cache.size} slots")
 
 
 def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
@@ -186,7 +186,7 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   """
   B, T = tokens.shape
   mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
-  check_ids("tokens", tokens, 0, config.vocab_size, where=mask)
+  check_ids("tokens", tokens, config.vocab_size, where=mask)
   check_cache_room(cache, T)
   if positions is None:
     positions = default_positions(mask, cache)

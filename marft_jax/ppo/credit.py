@@ -28,7 +28,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_ids, check_unit_interval
+from marft_jax.validation import check_ids, check_unit_interval
 
 
 def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:

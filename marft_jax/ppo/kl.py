@@ -26,7 +26,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_range
+from marft_jax.validation import check_range
 from marft_jax.ppo.masked import masked_mean
 
 

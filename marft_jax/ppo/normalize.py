@@ -37,7 +37,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_ids, check_positive, check_range, check_size
+from marft_jax.validation import check_ids, check_positive, check_range, check_size
 
 
 def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,

@@ -24,7 +24,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_range
+from marft_jax.validation import check_range
 from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
 
 _sg = jax.lax.stop_gradient

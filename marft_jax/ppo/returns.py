@@ -32,7 +32,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_unit_interval
+from marft_jax.validation import check_unit_interval
 
 
 def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | float,

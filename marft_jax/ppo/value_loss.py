@@ -20,7 +20,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.ppo._checks import check_positive, check_range
+from marft_jax.validation import check_positive, check_range
 from marft_jax.ppo.masked import masked_mean
 
 _sg = jax.lax.stop_gradient
