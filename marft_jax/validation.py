@@ -108,6 +108,28 @@ def check_int(name: str, value: Any, low: Optional[int] = None,
   return int(value)
 
 
+# Config scalars (Python values read from a config file or JSON): strict types, no coercion.
+
+
+def check_positive_int(name: str, value: Any) -> None:
+  """Raises ValueError(`name=value: must be a positive int`); bools and `"64"` are refused."""
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name}={value!r}: must be a positive int")
+
+
+def check_positive_number(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` unless `value` is a finite int or float above zero."""
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value) or value <= 0):
+    raise ValueError(f"{name}={value!r}: must be a finite positive number")
+
+
+def check_bool(name: str, value: Any) -> None:
+  """Raises ValueError naming `name` unless `value` is `True` or `False` (not `"false"`)."""
+  if not isinstance(value, bool):
+    raise ValueError(f"{name}={value!r}: must be true or false")
+
+
 def check_size(name: str, value: Any) -> int:
   """A static count (number of groups, agents) as a Python int ≥ 1."""
   return check_int(name, value, low=1)

@@ -14,6 +14,7 @@ from typing import Union
 # Module binding, not `from ... import LINEAR_TARGETS`: `models.transformer` imports this
 # package, so its names may not exist yet while it loads; they are read at call time.
 from marft_jax.models import transformer as model_lib
+from marft_jax.validation import check_positive_int, check_positive_number
 
 ALL_LINEAR = "all-linear"
 
@@ -37,10 +38,8 @@ class LoraConfig:
   def __post_init__(self):
     if not isinstance(self.targets, str):
       object.__setattr__(self, "targets", tuple(self.targets))  # Lists would be unhashable.
-    if not (isinstance(self.rank, int) and self.rank > 0):
-      raise ValueError(f"rank={self.rank!r}: use a positive int")
-    if not self.alpha > 0:
-      raise ValueError(f"alpha={self.alpha!r}: use a positive number")
+    check_positive_int("rank", self.rank)
+    check_positive_number("alpha", self.alpha)
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate={self.dropout_rate!r}: use a value in [0, 1)")
     self.target_names()  # Raises on unknown names or a pattern that matches nothing.

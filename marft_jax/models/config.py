@@ -7,32 +7,14 @@ It is a frozen, hashable dataclass so that it can be a static argument of `jax.j
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Optional
 
 import jax.numpy as jnp
 
+from marft_jax.validation import check_bool, check_positive_int, check_positive_number
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def check_positive_int(name: str, value: Any) -> None:
-  """Raises ValueError(`name=value: must be a positive int`); bools and `"64"` are refused."""
-  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-    raise ValueError(f"{name}={value!r}: must be a positive int")
-
-
-def check_positive_number(name: str, value: Any) -> None:
-  """Raises ValueError naming `name` unless `value` is a finite int or float above zero."""
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or not math.isfinite(value) or value <= 0):
-    raise ValueError(f"{name}={value!r}: must be a finite positive number")
-
-
-def check_bool(name: str, value: Any) -> None:
-  """Raises ValueError naming `name` unless `value` is `True` or `False` (not `"false"`)."""
-  if not isinstance(value, bool):
-    raise ValueError(f"{name}={value!r}: must be true or false")
 
 
 @dataclasses.dataclass(frozen=True)
