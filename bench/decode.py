@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
 from marft_jax.models.config import ModelConfig, tiny_config
 
 PROMPT_LEN, NEW_TOKENS, BATCHES = 64, 128, (1, 16)
@@ -99,26 +100,9 @@ def torch_model(params, config: ModelConfig):
   """A transformers `LlamaForCausalLM` holding exactly `params` (kernels transposed)."""
   import torch
   import transformers
-  hf = transformers.LlamaConfig(
-      vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-      intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-      head_dim=config.head_dim, rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
-      tie_word_embeddings=config.tie_word_embeddings, max_position_embeddings=8192)
+  hf = transformers.LlamaConfig(**hf_config_dict(config))
   model = transformers.LlamaForCausalLM(hf).eval()
-  t = lambda x: torch.from_numpy(np.array(x, np.float32))
-  layers = params["layers"]
-  state = {"model.embed_tokens.weight": t(params["embed"]),
-           "model.norm.weight": t(params["final_norm"])}
-  for i in range(config.num_layers):
-    pre = f"model.layers.{i}."
-    state[pre + "input_layernorm.weight"] = t(layers["input_norm"][i])
-    state[pre + "post_attention_layernorm.weight"] = t(layers["post_attention_norm"][i])
-    for name in transformer.LINEAR_TARGETS:
-      group = "self_attn" if name in transformer.ATTENTION_TARGETS else "mlp"
-      state[f"{pre}{group}.{name}.weight"] = t(layers[name]["kernel"][i]).T.contiguous()
-  if "lm_head" in params:
-    state["lm_head.weight"] = t(params["lm_head"]).T.contiguous()
+  state = {name: torch.from_numpy(w) for name, w in hf_tensors(params, config).items()}
   missing, unexpected = model.load_state_dict(state, strict=False)
   assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
   model.tie_weights()

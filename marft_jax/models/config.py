@@ -7,7 +7,7 @@ It is a frozen, hashable dataclass so that it can be a static argument of `jax.j
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import jax.numpy as jnp
 

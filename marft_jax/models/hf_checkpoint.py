@@ -12,6 +12,7 @@ import os
 import re
 from typing import Callable, Iterable, Union
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -146,6 +147,43 @@ def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], np.ndarray]
   if not config.tie_word_embeddings:
     params["lm_head"] = jnp.asarray(tensor("lm_head.weight").T, dtype)
   return params
+
+
+def hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.ndarray]:
+  """The inverse of `params_from_hf_tensors`: Hugging Face tensors (torch layout `[out, in]`),
+  f32, e.g. to save a checkpoint or to fill a transformers model with the same weights."""
+  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
+  layers = jax.tree.map(np.asarray, params["layers"])  # one transfer, not one per layer
+  out = {"model.embed_tokens.weight": f32(params["embed"]),
+         "model.norm.weight": f32(params["final_norm"])}
+  for i in range(config.num_layers):
+    for ours, hf in HF_LAYER_NORMS.items():
+      out[f"model.layers.{i}.{hf}.weight"] = f32(layers[ours][i])
+    for target, p in layers.items():
+      if isinstance(p, dict):
+        out[f"{hf_module_path(target, i)}.weight"] = f32(p["kernel"][i].T)
+        if "bias" in p:
+          out[f"{hf_module_path(target, i)}.bias"] = f32(p["bias"][i])
+  if "lm_head" in params:
+    out["lm_head.weight"] = f32(params["lm_head"].T)
+  return out
+
+
+def hf_config_dict(config: ModelConfig) -> dict:
+  """The inverse of `ModelConfig.from_hf_config`: `config.json` contents that transformers and
+  `from_hf_config` read back."""
+  return {"model_type": config.architecture,
+          "architectures": ["LlamaForCausalLM" if config.architecture == "llama"
+                            else "Qwen2ForCausalLM"],
+          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+          "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+          "head_dim": config.head_dim, "rope_theta": config.rope_theta,
+          "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu",
+          "tie_word_embeddings": config.tie_word_embeddings,
+          "attention_bias": config.qkv_bias,
+          "max_position_embeddings": config.max_position_embeddings,
+          "torch_dtype": "float32"}
 
 
 def read_hf_config(path: Union[str, os.PathLike]) -> dict:

@@ -14,12 +14,11 @@ import os
 from typing import Union
 
 import jax
-import numpy as np
 
-from marft_jax.models.config import ModelConfig, tiny_config
-from marft_jax.models.hf_checkpoint import HF_LAYER_NORMS, hf_module_path
+from marft_jax.models.config import tiny_config
+from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
 from marft_jax.models.tokenizer import CHATML_TEMPLATE
-from marft_jax.models.transformer import Params, init_params
+from marft_jax.models.transformer import init_params
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _CORPUS = (
@@ -45,41 +44,6 @@ def tiny_tokenizer(vocab_size: int = 384):
   return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>",
                                  eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                  chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
-
-
-def hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.ndarray]:
-  """Our parameter tree as Hugging Face tensors (torch layout `[out, in]`), f32."""
-  f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
-  layers = params["layers"]
-  out = {"model.embed_tokens.weight": f32(params["embed"]),
-         "model.norm.weight": f32(params["final_norm"])}
-  for i in range(config.num_layers):
-    for ours, hf in HF_LAYER_NORMS.items():
-      out[f"model.layers.{i}.{hf}.weight"] = f32(layers[ours][i])
-    for target, p in layers.items():
-      if isinstance(p, dict):
-        out[f"{hf_module_path(target, i)}.weight"] = f32(p["kernel"][i].T)
-        if "bias" in p:
-          out[f"{hf_module_path(target, i)}.bias"] = f32(p["bias"][i])
-  if "lm_head" in params:
-    out["lm_head.weight"] = f32(params["lm_head"].T)
-  return out
-
-
-def hf_config_dict(config: ModelConfig) -> dict:
-  """`config.json` contents transformers and `ModelConfig.from_hf_config` read back."""
-  return {"model_type": config.architecture,
-          "architectures": ["LlamaForCausalLM" if config.architecture == "llama"
-                            else "Qwen2ForCausalLM"],
-          "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-          "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-          "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-          "head_dim": config.head_dim, "rope_theta": config.rope_theta,
-          "rms_norm_eps": config.rms_norm_eps, "hidden_act": "silu",
-          "tie_word_embeddings": config.tie_word_embeddings,
-          "attention_bias": config.qkv_bias,
-          "max_position_embeddings": config.max_position_embeddings,
-          "torch_dtype": "float32"}
 
 
 def save_tiny_model(path: Union[str, os.PathLike], architecture: str = "llama",
