@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from marft_jax.models.targets import GLOBALS, LINEAR
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 LOGICAL_RULES: Mapping[str, Any] = {
@@ -39,14 +41,6 @@ LOGICAL_RULES: Mapping[str, Any] = {
     "head_dim": None,
 }
 
-# (input axis, output axis) of each linear layer's kernel [L, in, out].
-_LINEAR_AXES = {
-    "q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"),
-    "v_proj": ("embed", "kv_heads"), "o_proj": ("heads", "embed"),
-    "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"), "down_proj": ("mlp", "embed"),
-}
-
-
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A `("data", "fsdp", "tensor")` mesh with Auto axis types.
@@ -63,21 +57,14 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def linear_logical_axes(target: str) -> tuple[str, str]:
-  """Logical (in, out) axis names of a linear layer: `"q_proj"` -> `("embed", "heads")`."""
-  return _LINEAR_AXES[target]
-
-
 def param_logical_axes(params: Any) -> Any:
   """A tree like `params` whose leaves are tuples of logical axis names (one per dim)."""
   def axes(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if keys[0] == "embed":
-      return ("vocab", "embed")
-    if keys[0] == "lm_head":
-      return ("embed", "vocab")
-    if keys[0] == "layers" and keys[1] in _LINEAR_AXES:
-      fan_in, fan_out = _LINEAR_AXES[keys[1]]
+    if keys[0] in GLOBALS:
+      return GLOBALS[keys[0]][2]
+    if keys[0] == "layers" and keys[1] in LINEAR:
+      fan_in, fan_out = LINEAR[keys[1]].in_axis, LINEAR[keys[1]].out_axis
       return ("layers", fan_in, fan_out) if keys[-1] == "kernel" else ("layers", fan_out)
     return (None,) * np.ndim(leaf)  # norms
   return jax.tree_util.tree_map_with_path(axes, params)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import transformer as model_lib  # Module binding: see config.py.
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.targets import linear_shapes
 
 
 def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.Array,
@@ -35,7 +35,7 @@ def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.A
   Returns:
     Adapters with `a`: [L, A, D_in, R] and `b`: [L, A, R, D_out] for each target.
   """
-  shapes = model_lib.linear_shapes(model_config)
+  shapes = linear_shapes(model_config)
   names = lora_config.target_names()
   keys = jax.random.split(rng, len(names))
   L, A, R = model_config.num_layers, num_adapters, lora_config.rank

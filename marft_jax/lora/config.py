@@ -11,9 +11,7 @@ import math
 import re
 from typing import Union
 
-# Module binding, not `from ... import LINEAR_TARGETS`: `models.transformer` imports this
-# package, so its names may not exist yet while it loads; they are read at call time.
-from marft_jax.models import transformer as model_lib
+from marft_jax.models.targets import LINEAR_TARGETS
 from marft_jax.validation import check_positive_int, check_positive_number
 
 ALL_LINEAR = "all-linear"
@@ -49,8 +47,8 @@ class LoraConfig:
     return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
   def target_names(self) -> tuple[str, ...]:
-    """The targets in the model's canonical order (`transformer.LINEAR_TARGETS`)."""
-    known = model_lib.LINEAR_TARGETS
+    """The targets in the model's canonical order (`models.targets.LINEAR_TARGETS`)."""
+    known = LINEAR_TARGETS
     if self.targets == ALL_LINEAR:
       return known
     if isinstance(self.targets, str):

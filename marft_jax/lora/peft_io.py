@@ -31,8 +31,8 @@ import numpy as np
 from marft_jax.lora.adapters import stack_adapters
 from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import transformer as model_lib  # Module binding: see config.py.
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.targets import LINEAR, hf_module_path, linear_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -56,9 +56,6 @@ StrPath = Union[str, "os.PathLike[str]"]
 
 def peft_key(target: str, layer: int, factor: str) -> str:
   """`("q_proj", 3, "A")` -> `"base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"`."""
-  # Imported here: `models.transformer` imports this package, and `hf_checkpoint` imports
-  # names from `transformer`, so it cannot load while this package initialises.
-  from marft_jax.models.hf_checkpoint import hf_module_path
   return f"{_PREFIX}{hf_module_path(target, layer)}.lora_{factor}.weight"
 
 
@@ -194,8 +191,7 @@ def _read_tensors(weights_file: str) -> dict[str, np.ndarray]:
 
 def _targets_in(tensors: dict, num_layers: int, weights_file: str) -> tuple[str, ...]:
   """Target names of the keys `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`."""
-  from marft_jax.models.hf_checkpoint import HF_LAYER_MODULES  # Lazy: see `peft_key`.
-  by_module = {module: name for name, module in HF_LAYER_MODULES.items()}
+  by_module = {linear.hf_module: name for name, linear in LINEAR.items()}
   found = set()
   for key in tensors:
     parts = key[len(_PREFIX):].split(".")  # model layers N <2-part module> lora_X weight
@@ -203,7 +199,7 @@ def _targets_in(tensors: dict, num_layers: int, weights_file: str) -> tuple[str,
         or ".".join(parts[3:5]) not in by_module or parts[5] not in ("lora_A", "lora_B")
         or parts[6] != "weight"):
       raise ValueError(f"{weights_file}: tensor {key!r} is not a LoRA factor of a supported "
-                       f"linear layer ({sorted(HF_LAYER_MODULES)})")
+                       f"linear layer ({sorted(LINEAR)})")
     if not parts[2].isdigit() or int(parts[2]) >= num_layers:
       raise ValueError(f"{weights_file}: tensor {key!r} names a layer the model "
                        f"({num_layers} layers) does not have")
@@ -213,7 +209,7 @@ def _targets_in(tensors: dict, num_layers: int, weights_file: str) -> tuple[str,
 
 def _read_target(tensors, name, rank, model_config, layers_present, weights_file):
   """{"a": [L, 1, D_in, R], "b": [L, 1, R, D_out]}; layers outside `layers_to_transform` are 0."""
-  fan_in, fan_out = model_lib.linear_shapes(model_config)[name]
+  fan_in, fan_out = linear_shapes(model_config)[name]
   a = np.zeros((model_config.num_layers, 1, fan_in, rank), np.float32)
   b = np.zeros((model_config.num_layers, 1, rank, fan_out), np.float32)
   for layer in range(model_config.num_layers):

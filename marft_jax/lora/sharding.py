@@ -14,13 +14,14 @@ from jax.sharding import Mesh
 
 from marft_jax import sharding
 from marft_jax.lora.routing import Adapters
+from marft_jax.models.targets import LINEAR
 
 
 def adapter_logical_axes(adapters: Adapters) -> Adapters:
   """An `Adapters` whose leaves are tuples of logical axis names (one per dim)."""
   layers = {}
   for name in adapters.layers:
-    fan_in, fan_out = sharding.linear_logical_axes(name)
+    fan_in, fan_out = LINEAR[name].in_axis, LINEAR[name].out_axis
     layers[name] = {"a": ("layers", "adapters", fan_in, "rank"),
                     "b": ("layers", "adapters", "rank", fan_out)}
   return adapters.replace(layers=layers, dropout_rng=None)

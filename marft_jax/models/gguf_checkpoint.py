@@ -8,8 +8,7 @@ name and handed to `hf_checkpoint.params_from_hf_tensors`, which owns the layout
 Two things differ from a Hugging Face checkpoint:
 
 * Names: `blk.{i}.attn_q.weight` is `model.layers.{i}.self_attn.q_proj.weight`, and so on
-  (`GGUF_LAYER_NAMES`, keyed by our target names so that the Hugging Face side comes from
-  `hf_checkpoint` and is not written twice).
+  (both names of every tensor come from the one table in `targets.py`).
 * RoPE row order (Llama only): llama.cpp's converter permutes the rows of `attn_q` and `attn_k`
   so that each head's rotary pairs are adjacent (GPT-J style, `(x0, x1), (x2, x3), ...`) instead
   of half a head apart (GPT-NeoX style, `(x0, x_{E/2}), ...`) as transformers and we rotate.
@@ -27,23 +26,11 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import gguf
 import numpy as np
 
-from marft_jax.models.config import (SUPPORTED_ARCHITECTURES, ModelConfig, check_positive_int,
-                                     check_positive_number)
-from marft_jax.models.hf_checkpoint import (HF_LAYER_NORMS, check_tensor_names, hf_module_path,
-                                            hf_tensor_shapes, params_from_hf_tensors)
-from marft_jax.models.transformer import LINEAR_TARGETS, Params
-
-# Our target / norm name -> the tensor name inside GGUF block `blk.{i}`.
-GGUF_LAYER_NAMES = {
-    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-    "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-    "input_norm": "attn_norm", "post_attention_norm": "ffn_norm",
-}
-GGUF_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+from marft_jax.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from marft_jax.models.hf_checkpoint import (Params, check_tensor_names, hf_tensor_shapes,
+                                            params_from_hf_tensors)
+from marft_jax.models.targets import GLOBALS, LINEARS, NORMS, hf_module_path
+from marft_jax.validation import check_positive_int, check_positive_number
 
 GGUFSource = Union[str, os.PathLike, gguf.GGUFReader]
 
@@ -221,13 +208,13 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _hf_to_gguf_names(num_layers: int) -> dict[str, str]:
   """Hugging Face tensor name -> GGUF tensor name, for every tensor a Llama/Qwen2 model has."""
-  names = dict(GGUF_GLOBAL_NAMES)
+  names = {hf: gguf_name for hf, gguf_name, _ in GLOBALS.values()}
   for i in range(num_layers):
-    for ours, hf in HF_LAYER_NORMS.items():
-      names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{GGUF_LAYER_NAMES[ours]}.weight"
-    for target in LINEAR_TARGETS:
+    for norm in NORMS:
+      names[f"model.layers.{i}.{norm.hf_module}.weight"] = f"blk.{i}.{norm.gguf_name}.weight"
+    for linear in LINEARS:
       for kind in ("weight", "bias"):
-        names[f"{hf_module_path(target, i)}.{kind}"] = f"blk.{i}.{GGUF_LAYER_NAMES[target]}.{kind}"
+        names[f"{hf_module_path(linear.name, i)}.{kind}"] = f"blk.{i}.{linear.gguf_name}.{kind}"
   return names
 
 

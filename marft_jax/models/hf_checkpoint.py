@@ -17,26 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.transformer import Params, linear_shapes
+from marft_jax.models.targets import GLOBALS, LINEARS, NORMS, hf_module_path
 
-# Our target name -> the module path inside a Hugging Face decoder layer.
-HF_LAYER_MODULES = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-}
-HF_LAYER_NORMS = {"input_norm": "input_layernorm",
-                  "post_attention_norm": "post_attention_layernorm"}
-QKV_TARGETS = ("q_proj", "k_proj", "v_proj")  # the ones with a bias when `config.qkv_bias`
+Params = dict
 # Buffers some older exports saved that carry no weights (recomputed from `rope_theta`).
 _IGNORED_TENSORS = re.compile(r"\.rotary_emb\.inv_freq$")
 _LAYER_INDEX = re.compile(r"^(?:model\.layers|blk)\.(\d+)\.")  # Hugging Face or GGUF names
 _log = logging.getLogger(__name__)
-
-
-def hf_module_path(target: str, layer: int) -> str:
-  """`("q_proj", 3)` -> `"model.layers.3.self_attn.q_proj"`."""
-  return f"model.layers.{layer}.{HF_LAYER_MODULES[target]}"
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -45,17 +32,18 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   Tied embeddings: no `lm_head.weight`.
   """
   D, V = config.hidden_size, config.vocab_size
-  shapes = {"model.embed_tokens.weight": (V, D)}
+  shapes = {GLOBALS["embed"][0]: (V, D)}
   for i in range(config.num_layers):
-    for hf in HF_LAYER_NORMS.values():
-      shapes[f"model.layers.{i}.{hf}.weight"] = (D,)
-    for target, (fan_in, fan_out) in linear_shapes(config).items():
-      shapes[f"{hf_module_path(target, i)}.weight"] = (fan_out, fan_in)
-      if config.qkv_bias and target in QKV_TARGETS:
-        shapes[f"{hf_module_path(target, i)}.bias"] = (fan_out,)
-  shapes["model.norm.weight"] = (D,)
+    for norm in NORMS:
+      shapes[f"model.layers.{i}.{norm.hf_module}.weight"] = (D,)
+    for linear in LINEARS:
+      fan_in, fan_out = linear.shape(config)
+      shapes[f"{hf_module_path(linear.name, i)}.weight"] = (fan_out, fan_in)
+      if config.qkv_bias and linear.qkv:
+        shapes[f"{hf_module_path(linear.name, i)}.bias"] = (fan_out,)
+  shapes[GLOBALS["final_norm"][0]] = (D,)
   if not config.tie_word_embeddings:
-    shapes["lm_head.weight"] = (V, D)
+    shapes[GLOBALS["lm_head"][0]] = (V, D)
   return shapes
 
 
@@ -134,18 +122,17 @@ def params_from_hf_tensors(config: ModelConfig, get: Callable[[str], np.ndarray]
   def stacked(fn) -> jnp.ndarray:
     return jnp.asarray(np.stack([fn(i) for i in range(config.num_layers)]), dtype)
 
-  layers = {ours: stacked(lambda i, hf=hf: tensor(f"model.layers.{i}.{hf}.weight"))
-            for ours, hf in HF_LAYER_NORMS.items()}
-  for target in linear_shapes(config):
-    prefix = lambda i, t=target: hf_module_path(t, i)
-    layers[target] = {"kernel": stacked(lambda i, p=prefix: tensor(f"{p(i)}.weight").T)}
-    if config.qkv_bias and target in QKV_TARGETS:
-      layers[target]["bias"] = stacked(lambda i, p=prefix: tensor(f"{p(i)}.bias"))
-  params = {"embed": jnp.asarray(tensor("model.embed_tokens.weight"), dtype),
-            "layers": layers,
-            "final_norm": jnp.asarray(tensor("model.norm.weight"), dtype)}
+  layers = {norm.name: stacked(lambda i, n=norm: tensor(f"model.layers.{i}.{n.hf_module}.weight"))
+            for norm in NORMS}
+  for linear in LINEARS:
+    path = lambda i, name=linear.name: hf_module_path(name, i)
+    layers[linear.name] = {"kernel": stacked(lambda i, p=path: tensor(f"{p(i)}.weight").T)}
+    if config.qkv_bias and linear.qkv:
+      layers[linear.name]["bias"] = stacked(lambda i, p=path: tensor(f"{p(i)}.bias"))
+  params = {"embed": jnp.asarray(tensor(GLOBALS["embed"][0]), dtype), "layers": layers,
+            "final_norm": jnp.asarray(tensor(GLOBALS["final_norm"][0]), dtype)}
   if not config.tie_word_embeddings:
-    params["lm_head"] = jnp.asarray(tensor("lm_head.weight").T, dtype)
+    params["lm_head"] = jnp.asarray(tensor(GLOBALS["lm_head"][0]).T, dtype)
   return params
 
 
@@ -154,18 +141,18 @@ def hf_tensors(params: Params, config: ModelConfig) -> dict[str, np.ndarray]:
   f32, e.g. to save a checkpoint or to fill a transformers model with the same weights."""
   f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))
   layers = jax.tree.map(np.asarray, params["layers"])  # one transfer, not one per layer
-  out = {"model.embed_tokens.weight": f32(params["embed"]),
-         "model.norm.weight": f32(params["final_norm"])}
+  out = {GLOBALS["embed"][0]: f32(params["embed"]),
+         GLOBALS["final_norm"][0]: f32(params["final_norm"])}
   for i in range(config.num_layers):
-    for ours, hf in HF_LAYER_NORMS.items():
-      out[f"model.layers.{i}.{hf}.weight"] = f32(layers[ours][i])
-    for target, p in layers.items():
-      if isinstance(p, dict):
-        out[f"{hf_module_path(target, i)}.weight"] = f32(p["kernel"][i].T)
-        if "bias" in p:
-          out[f"{hf_module_path(target, i)}.bias"] = f32(p["bias"][i])
+    for norm in NORMS:
+      out[f"model.layers.{i}.{norm.hf_module}.weight"] = f32(layers[norm.name][i])
+    for linear in LINEARS:
+      p, path = layers[linear.name], hf_module_path(linear.name, i)
+      out[f"{path}.weight"] = f32(p["kernel"][i].T)
+      if "bias" in p:
+        out[f"{path}.bias"] = f32(p["bias"][i])
   if "lm_head" in params:
-    out["lm_head.weight"] = f32(params["lm_head"].T)
+    out[GLOBALS["lm_head"][0]] = f32(params["lm_head"].T)
   return out
 
 

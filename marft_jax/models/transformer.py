@@ -35,14 +35,10 @@ from jax.experimental import checkify
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
+from marft_jax.models.targets import LINEARS, NORMS
 from marft_jax.validation import check_ids, is_traced
 
 Params = dict
-
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-LINEAR_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
-
 
 @struct.dataclass
 class KVCache:
@@ -69,25 +65,18 @@ def init_cache(config: ModelConfig, batch: int, size: int) -> KVCache:
                  valid=jnp.zeros((batch, size), bool), index=jnp.zeros((), jnp.int32))
 
 
-def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-  """(in, out) features of every target linear layer."""
-  d, f = config.hidden_size, config.intermediate_size
-  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-          "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-
-
 def init_params(config: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
   """Random parameters (normal(0, std) weights and biases, unit norms), for tests and benches."""
   dtype = jnp.dtype(config.param_dtype)
   L, D, V = config.num_layers, config.hidden_size, config.vocab_size
-  keys = iter(jax.random.split(rng, 2 * len(LINEAR_TARGETS) + 2))
+  keys = iter(jax.random.split(rng, 2 * len(LINEARS) + 2))
   normal = lambda shape: (std * jax.random.normal(next(keys), shape)).astype(dtype)
-  layers = {"input_norm": jnp.ones((L, D), dtype), "post_attention_norm": jnp.ones((L, D), dtype)}
-  for name, (fan_in, fan_out) in linear_shapes(config).items():
-    layers[name] = {"kernel": normal((L, fan_in, fan_out))}
-    if config.qkv_bias and name in ("q_proj", "k_proj", "v_proj"):
-      layers[name]["bias"] = normal((L, fan_out))
+  layers = {norm.name: jnp.ones((L, D), dtype) for norm in NORMS}
+  for linear in LINEARS:
+    fan_in, fan_out = linear.shape(config)
+    layers[linear.name] = {"kernel": normal((L, fan_in, fan_out))}
+    if config.qkv_bias and linear.qkv:
+      layers[linear.name]["bias"] = normal((L, fan_out))
   params = {"embed": normal((V, D)), "layers": layers, "final_norm": jnp.ones((D,), dtype)}
   if not config.tie_word_embeddings:
     params["lm_head"] = normal((D, V))

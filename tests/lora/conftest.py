@@ -10,6 +10,7 @@ import pytest
 
 from marft_jax import lora
 from marft_jax.models import transformer
+from marft_jax.models.targets import linear_shapes
 from marft_jax.models.config import tiny_config
 
 CONFIG = tiny_config()
@@ -18,7 +19,7 @@ CONFIG = tiny_config()
 def random_adapters(num_adapters, rank=4, targets=lora.ALL_LINEAR, seed=0, model_config=CONFIG):
   """Adapters (scale 2) with both factors random, so every adapter changes the model."""
   rng = np.random.default_rng(seed)
-  shapes = transformer.linear_shapes(model_config)
+  shapes = linear_shapes(model_config)
   L, A = model_config.num_layers, num_adapters
   layers = {}
   for name in lora.LoraConfig(rank=rank, targets=targets).target_names():

@@ -1,19 +1,16 @@
 """LoraConfig validation, PEFT-style initialisation, stacking, and import order."""
 
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 from marft_jax import lora
-from marft_jax.models import transformer
+from marft_jax.models import targets
 from tests.lora.conftest import CONFIG, random_adapters
 
 
 def test_targets_all_linear_names_and_patterns():
-  assert lora.LoraConfig().target_names() == transformer.LINEAR_TARGETS
+  assert lora.LoraConfig().target_names() == targets.LINEAR_TARGETS
   assert lora.LoraConfig(targets=["v_proj", "q_proj"]).target_names() == ("q_proj", "v_proj")
   assert lora.LoraConfig(targets="q_proj|v_proj").target_names() == ("q_proj", "v_proj")
   assert lora.LoraConfig(targets=".*(up|down)_proj").target_names() == ("up_proj", "down_proj")
@@ -63,10 +60,3 @@ def test_stack_and_select_round_trip():
     lora.stack_adapters([parts[0], random_adapters(1, targets="q_proj")])
   with pytest.raises(ValueError, match="out of range"):
     lora.select_adapter(adapters, 3)
-
-
-def test_importing_the_model_first_works():
-  # models.transformer imports marft_jax.lora, which imports models modules back (this test
-  # session itself imports marft_jax.lora first).
-  code = "import marft_jax.models.transformer; import marft_jax.lora.peft_io"
-  subprocess.run([sys.executable, "-c", code], check=True)

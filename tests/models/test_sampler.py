@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models import decode_layout, sampler, targets, transformer
 from marft_jax.models.config import tiny_config
 
 CONFIG = tiny_config()
@@ -240,7 +240,7 @@ def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):
 def _random_adapters(config, num_adapters=2, rank=4):
   keys = iter(jax.random.split(jax.random.key(11), 16))
   layers = {}
-  for name, (d_in, d_out) in transformer.linear_shapes(config).items():
+  for name, (d_in, d_out) in targets.linear_shapes(config).items():
     if name in ("q_proj", "v_proj", "down_proj"):
       shape = (config.num_layers, num_adapters)
       layers[name] = {"a": 0.3 * jax.random.normal(next(keys), shape + (d_in, rank)),

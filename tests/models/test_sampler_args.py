@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 from marft_jax import lora as lora_lib
-from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models import decode_layout, sampler, targets, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
 
@@ -31,7 +31,7 @@ def params():
 def adapters():
   rng = np.random.default_rng(0)
   layers = {}
-  for name, (d_in, d_out) in transformer.linear_shapes(CONFIG).items():
+  for name, (d_in, d_out) in targets.linear_shapes(CONFIG).items():
     if name in ("q_proj", "v_proj"):
       layers[name] = {"a": jnp.asarray(rng.normal(0, 0.3, (2, 3, d_in, 4)), jnp.float32),
                       "b": jnp.asarray(rng.normal(0, 0.3, (2, 3, 4, d_out)), jnp.float32)}
