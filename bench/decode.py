@@ -5,7 +5,7 @@ sampling at temperature 1 (no top-k/top-p, no early stop):
 
   * the machine's limits: memory read bandwidth (the best of a jitted 256 MiB reduction and a
     jitted [49152, 576] matrix-vector product) and the jitted f32 2048² matmul rate;
-  * marft_jax (`sampler.generate` over `decode_layout.to_decode_layout(params)`) and torch
+  * marft_jax (`sampler.generate` in `layout.decoding()`, or the layout the flags pick) and torch
     `generate` (a `LlamaForCausalLM` holding the same weights) at batch 1 and 16.
 
 `decode_b{B}_tok_s` is generated tokens over the wall time of the whole call (prompt
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.models import decode_layout, sampler, transformer
+from marft_jax.models import layout, sampler, transformer
 from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
 from marft_jax.models.config import ModelConfig, tiny_config
 
@@ -35,6 +35,9 @@ TINY_PROMPT_LEN, TINY_NEW_TOKENS, TINY_BATCHES = 8, 8, (1, 2)
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed calls per configuration (best is kept)")
 _RANDOM = flags.DEFINE_bool("random_weights", False, "SmolLM2-shaped random weights")
 _TORCH = flags.DEFINE_bool("torch", True, "also time transformers' torch generate")
+_SCAN = flags.DEFINE_bool("scan_layers", None, "layout: scanned layers (default: the "
+                          "platform's decoding layout, layout.decoding())")
+_FEATURE_MAJOR = flags.DEFINE_bool("feature_major", None, "layout: feature-major activations")
 _TINY = flags.DEFINE_bool("tiny", False, "smoke run: the tiny test model, 8 + 8 tokens, "
                           "small machine-limit probes (the figures mean nothing)")
 
@@ -119,15 +122,13 @@ def torch_generate(model, prompts: np.ndarray, new_tokens: int):
 
 
 def logits_parity(dparams, config, model, prompts) -> float:
-  """max |Δlogit| of the next-token logits: ours (decode layout) against the torch model."""
+  """max |Δlogit| of the next-token logits: ours (in the timed layout) against the torch model."""
   import torch
-  h, _ = decode_layout.hidden_states(
-      dparams, jnp.asarray(prompts[:2]), config,
-      cache=decode_layout.split_cache(transformer.init_cache(config, 2, prompts.shape[1])))
-  ours = np.asarray(decode_layout.vocab_major_logits(dparams, h[:, -1], config)).T
+  cache = transformer.init_cache(config, 2, prompts.shape[1])
+  logits, _ = transformer.forward(dparams, jnp.asarray(prompts[:2]), config, cache=cache)
   with torch.inference_mode():
     ref = model(torch.from_numpy(prompts[:2])).logits[:, -1].numpy()
-  return float(np.abs(ours - ref).max())
+  return float(np.abs(np.asarray(logits[:, -1]) - ref).max())
 
 
 # --- the benchmark ----------------------------------------------------------------------
@@ -159,9 +160,15 @@ def main(argv):
   bandwidth, peak = memory_bandwidth(repeats, **probe_bw), matmul_peak(repeats, **probe_mm)
 
   params, config, prompts = load_model(prompt_len)
+  timed = layout.decoding()
+  timed = layout.Layout(timed.scan_layers if _SCAN.value is None else _SCAN.value,
+                        timed.feature_major if _FEATURE_MAJOR.value is None
+                        else _FEATURE_MAJOR.value)
+  print(f"layout={timed}", flush=True)
   start = time.perf_counter()
-  dparams = decode_layout.to_decode_layout(params)
-  emit("decode_layout_prepare_s", time.perf_counter() - start)
+  dconfig = config.replace(layout=timed)
+  dparams = layout.convert_params(params, config.layout, timed)
+  emit("layout_convert_s", time.perf_counter() - start)
   # Per step every layer weight and the output projection are read; per token each matmul
   # weight costs 2 FLOPs (attention over the cache and the embedding lookup are left out).
   head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
@@ -173,11 +180,11 @@ def main(argv):
 
   ours = {}
   for batch in batches:  # all of ours first: torch's idle OpenMP threads stay out of it
-    ours[batch] = time_marft(dparams, config, prompts[:batch], new_tokens, repeats)
+    ours[batch] = time_marft(dparams, dconfig, prompts[:batch], new_tokens, repeats)
   theirs = {}
   if _TORCH.value:
     model = torch_model(params, config)
-    emit("max_abs_logit_diff_vs_torch", logits_parity(dparams, config, model, prompts))
+    emit("max_abs_logit_diff_vs_torch", logits_parity(dparams, dconfig, model, prompts))
     for batch in batches:
       rows = prompts[:batch]
       torch_generate(model, rows, 2)  # warm-up

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from launch import cli
 from launch.configs.generate import GenerateConfig
-from marft_jax.models import decode_layout, loading, sampler
+from marft_jax.models import layout, loading, sampler
 
 _CONFIG = cli.define_config_flag("generate.py")
 
@@ -34,7 +34,8 @@ def chat(config: GenerateConfig) -> str:
                 {"role": "user", "content": config.prompt}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    params = decode_layout.to_decode_layout(params)  # the sampler's fast layout
+    fast = model_config.replace(layout=layout.decoding())  # the sampler's fast layout
+    params = layout.convert_params(params, model_config.layout, fast.layout)
     bar.update()
 
   s = config.sampling
@@ -42,7 +43,7 @@ def chat(config: GenerateConfig) -> str:
             file=sys.stderr) as bar:
     start = time.perf_counter()
     out = sampler.generate(
-        params, np.asarray([prompt_ids]), model_config, rng=jax.random.key(config.seed),
+        params, np.asarray([prompt_ids]), fast, rng=jax.random.key(config.seed),
         eos_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0,
         on_step=lambda step: bar.update(int(step) - bar.n), **s.generate_kwargs())
     n = int(out.lengths[0])

@@ -104,9 +104,9 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 
 def cache_logical_axes(cache: Any) -> Any:
-  """Logical axes of a `KVCache`: k/v [L, B, S, K, E], valid [B, S], index []."""
-  return type(cache)(k=("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
-                     v=("layers", "batch", "cache_slots", "kv_heads", "head_dim"),
+  """Logical axes of a stacked `KVCache`: k [L, B, K, E, S], v [L, B, K, S, E], valid [B, S]."""
+  return type(cache)(k=("layers", "batch", "kv_heads", "head_dim", "cache_slots"),
+                     v=("layers", "batch", "kv_heads", "cache_slots", "head_dim"),
                      valid=("batch", "cache_slots"), index=())
 
 

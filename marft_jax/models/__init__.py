@@ -1,6 +1,8 @@
 """marft_jax.models: the Llama/Qwen2 decoder, its loaders and the KV-cache sampler.
 
   config           ModelConfig (static shapes and numerics), tiny_config for tests.
+  layout           Layout: scanned or unrolled layers, token- or feature-major; conversions.
+  targets          the table of every layer weight: sizes, HF/GGUF names, sharding axes.
   transformer      forward / hidden_states / logits_from_hidden over parameter pytrees; KVCache.
   layers           RMSNorm, RoPE (default, linear, Llama-3), grouped-query attention.
   hf_checkpoint    Hugging Face folders (config.json + safetensors), no torch.
@@ -10,11 +12,13 @@
   loading          load_model("smollm2" | file.gguf | folder).
   sampling         SamplingConfig (temperature, top-k, top-p, max new tokens) and its checks.
   sampler          generate: one jitted while_loop over a preallocated KV cache.
+  tiny             a tiny model + tokenizer folder for smoke runs.
 """
 
 from marft_jax.models.config import ModelConfig, RopeScaling, tiny_config
-from marft_jax.models.transformer import (KVCache, forward, hidden_states, init_cache,
-                                          init_params, logits_from_hidden)
+from marft_jax.models.layout import DECODING, TRAINING, Layout, convert_cache, convert_params
+from marft_jax.models.transformer import (KVCache, forward, grow_cache, hidden_states,
+                                          init_cache, init_params, logits_from_hidden)
 from marft_jax.models.hf_checkpoint import load_hf_checkpoint
 from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint
 from marft_jax.models.tokenizer import CHATML_TEMPLATE, gguf_tokenizer, load_tokenizer

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from marft_jax.models.layout import TRAINING, Layout
 from marft_jax.validation import check_bool, check_positive_int, check_positive_number
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -69,6 +70,9 @@ class ModelConfig:
   qkv_bias: bool = False  # Qwen2: biases on q, k, v (not on o).
   param_dtype: str = "float32"  # storage dtype of weights: "float32" or "bfloat16".
   compute_dtype: str = "float32"  # activations and matmuls; norms, softmax, logits stay f32.
+  # How params and KV cache are stored and the layers run (layout.py): the training layout by
+  # default, `layout.decoding()` for generation. It never changes the maths.
+  layout: Layout = TRAINING
 
   def __post_init__(self):
     if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,6 +89,8 @@ class ModelConfig:
       raise ValueError(
           f"num_attention_heads={self.num_heads} is not a multiple of "
           f"num_key_value_heads={self.num_kv_heads}")
+    if not isinstance(self.layout, Layout):
+      raise ValueError(f"layout={self.layout!r}: must be a models.layout.Layout")
     if not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"rope_scaling={self.rope_scaling!r}: must be a RopeScaling")
     for key in ("param_dtype", "compute_dtype"):

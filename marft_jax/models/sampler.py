@@ -17,16 +17,16 @@ renormalised. At temperature 1 without top-k/top-p they equal a teacher-forced f
 `log_softmax`, so PPO's first importance ratio is 1. Greedy rows (temperature 0) take the
 argmax; their log-prob is the model's own (temperature-1, unfiltered) log-softmax.
 
-Parameters may be the training tree (scanned layers: quick to compile, slow to decode) or
-`decode_layout.to_decode_layout(params)` (unrolled, about 2x faster decoding on CPU); the
-returned cache is a `transformer.KVCache` either way.
+The params, the cache and `config.layout` go together: generation is fastest in
+`layout.decoding()` (on CPU: unrolled, feature-major layers), made once per set of weights.
 
 Example (a second agent continuing the first agent's context)::
 
-    fast = decode_layout.to_decode_layout(params)  # once per set of base weights
-    first = generate(fast, prompts, config, rng=k1, max_new_tokens=64, prompt_lens=lens,
+    fast = config.replace(layout=layout.decoding())
+    fast_params = layout.convert_params(params, config.layout, fast.layout)  # once
+    first = generate(fast_params, prompts, fast, rng=k1, max_new_tokens=64, prompt_lens=lens,
                      eos_ids=[eos], cache_size=1024, lora=lora, adapter_ids=[0] * B)
-    second = generate(fast, transition, config, rng=k2, max_new_tokens=64,
+    second = generate(fast_params, transition, fast, rng=k2, max_new_tokens=64,
                       prompt_lens=transition_lens, eos_ids=[eos], cache=first.cache,
                       lora=lora, adapter_ids=[1] * B)
 """
@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from marft_jax.lora.routing import NO_ADAPTER, Adapters
-from marft_jax.models import decode_layout, transformer
+from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.sampling import check_sampling_args
 from marft_jax.models.transformer import KVCache, Params
@@ -77,7 +77,7 @@ def bucket(n: int, minimum: int) -> int:
 # --- sampling one token ---------------------------------------------------------------------
 
 
-# Everything below works vocab-major, logits [V, B]: in the decode layout the output
+# Everything below works vocab-major, logits [V, B]: in the decoding layout the output
 # projection is fastest as [V, D] @ [D, B], and consuming its result as [B, V] would make XLA
 # compute it in the slow orientation instead.
 
@@ -229,16 +229,12 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
   """See `generate_jit`."""
   B = tokens.shape[0]
   sample = functools.partial(sample_vocab_major, top_k=top_k, greedy=greedy)
-  impl = decode_layout if decode_layout.is_decode_layout(params) else transformer
-  model = functools.partial(impl.hidden_states, params, config=config, lora=lora,
+  model = functools.partial(transformer.hidden_states, params, config=config, lora=lora,
                             adapter_ids=adapter_ids)
 
   def record(state: _LoopState, h: jax.Array) -> _LoopState:
     """Samples column `state.step` from hidden states h [B, D] for the active rows."""
-    if impl is decode_layout:
-      logits = decode_layout.vocab_major_logits(params, h, config)
-    else:
-      logits = transformer.logits_from_hidden(params, h, config).T
+    logits = transformer.logits_from_hidden(params, h, config, vocab_major=True)
     tok, logprob = sample(jax.random.fold_in(rng, state.step), logits, temperature, top_p)
     active = state.active
     tok = jnp.where(active, tok, pad_id)
@@ -252,8 +248,6 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
         logprobs=column(state.logprobs, jnp.where(active, logprob, 0.0)),
         mask=column(state.mask, active))
 
-  if impl is decode_layout:
-    cache = decode_layout.split_cache(cache)
   # --- prefill: encode the chunk; logits only at each row's last real token ---
   h, cache = model(tokens, mask=mask, cache=cache)
   state = _LoopState(
@@ -275,12 +269,10 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
     return record(state.replace(cache=cache), h[:, 0])
 
   state = jax.lax.while_loop(lambda state: jnp.any(state.last_valid), body, state)
-  cache = state.cache
-  if impl is decode_layout:
-    cache = decode_layout.stack_cache(cache)
   mask = state.mask[:, :num_new]
   return SampleOutput(tokens=state.tokens[:, :num_new], logprobs=state.logprobs[:, :num_new],
-                      mask=mask, lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32), cache=cache)
+                      mask=mask, lengths=jnp.sum(mask, axis=-1, dtype=jnp.int32),
+                      cache=state.cache)
 
 
 _STATIC = ("config", "num_new", "top_k", "greedy", "pad_id", "on_step")
@@ -297,9 +289,8 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
 
   Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
   maximum of `max_new_tokens`), `top_k`, `greedy` (every row at temperature 0), `pad_id`,
-  whether `top_p` and `lora` are None, and the params' layout (training tree or
-  `decode_layout`). Every array's shape is also part of the compile key, so `generate`
-  buckets them:
+  whether `top_p` and `lora` are None. Every array's shape is also part of the compile key,
+  so `generate` buckets them:
 
     P (prompt chunk width)  next power of two ≥ max(16, last real token + 1)
     N (new tokens)          next power of two ≥ max(16, max(max_new_tokens)), or
@@ -367,9 +358,7 @@ def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed
   index = int(cache.index)
   if index + needed <= cache.size:
     return cache
-  grow = bucket(index + needed, MIN_PROMPT_BUCKET) - cache.size
-  pad = lambda x, axis: jnp.pad(x, [(0, grow if a == axis else 0) for a in range(x.ndim)])
-  return cache.replace(k=pad(cache.k, 2), v=pad(cache.v, 2), valid=pad(cache.valid, 1))
+  return transformer.grow_cache(cache, bucket(index + needed, MIN_PROMPT_BUCKET))
 
 
 def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.ndarray,
@@ -396,18 +385,18 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
-  For speed pass `decode_layout.to_decode_layout(params)` (made once, reused across calls):
-  decoding SmolLM2-135M is then about 1.7x (batch 1) to 2x (batch 16) faster than with the
-  stacked training tree, for a longer compile (the layers are unrolled).
+  For speed pass params and config in `layout.decoding()` (`layout.convert_params`, once):
+  on CPU decoding SmolLM2-135M is then about 1.4x (batch 1) to 1.6x (batch 16) faster than
+  in the training layout, for a longer compile (the layers are unrolled).
 
   Every argument is checked here, on the host, before anything is compiled: a bad value is a
   ValueError naming the argument, never a silently wrong sample.
 
   Args:
-    params: the model's parameter tree, or its decode layout.
+    params: the model's parameter tree, in `config.layout`.
     tokens: [B, P] int prompt tokens (the new chunk when continuing `cache`), padded
       anywhere (right padding with `prompt_lens`); real tokens must lie in [0, V).
-    config: the static model config.
+    config: the static model config (its layout is the params' and the cache's).
     rng: a PRNG key; the same key gives the same output.
     max_new_tokens: int or [B] per-row limits ≥ 0 (0: only encode the prompt). Cached
       positions + real prompt tokens + max_new_tokens may not pass

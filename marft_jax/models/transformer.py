@@ -1,7 +1,9 @@
-"""The Llama/Qwen2 decoder as a pure function of a parameter pytree.
+"""The Llama/Qwen2 decoder as a pure function of a parameter pytree, in any `Layout`.
 
-Parameter tree (layers stacked on a leading axis L and run with `lax.scan`, so a 30-layer
-model compiles as fast as a 1-layer one)::
+One decoder layer (`decoder_layer`), run either under `lax.scan` over stacked weights or by
+an unrolled loop over per-layer weights, with activations token-major or feature-major: the
+choice is `config.layout` (see `layout.py` for what each buys). Parameter tree in the
+training layout (`layout.TRAINING`, what the loaders return)::
 
     {"embed": [V, D],
      "layers": {"input_norm": [L, D], "post_attention_norm": [L, D],
@@ -14,8 +16,11 @@ model compiles as fast as a 1-layer one)::
      "final_norm": [D],
      "lm_head": [D, V]}                                                # untied models only
 
-Kernels are `[in, out]` (the transpose of torch's `Linear.weight`). LoRA adapters
-(`marft_jax.lora.Adapters`) mirror the names under "layers".
+Kernels are `[in, out]` (the transpose of torch's `Linear.weight`). Without `scan_layers`,
+"layers" is a list of L such dicts without the leading axis; with `feature_major`, kernels
+and `lm_head` are transposed (`[out, in]`, `[V, D]`). `layout.convert_params` converts.
+LoRA adapters (`marft_jax.lora.Adapters`) mirror the names under "layers", stacked, in every
+layout.
 
 The KV cache has a fixed number of slots S. A call writes its T tokens into slots
 `[index, index + T)` of every row; slots holding padding are marked invalid and never attended.
@@ -25,7 +30,7 @@ next agent's turn) continues the same cache.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,23 +40,25 @@ from jax.experimental import checkify
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
+from marft_jax.models.layout import check_params_layout
 from marft_jax.models.targets import LINEARS, NORMS
 from marft_jax.validation import check_ids, is_traced
 
 Params = dict
 
+
 @struct.dataclass
 class KVCache:
   """Keys and values of every layer, with which slots hold real tokens."""
 
-  k: jax.Array  # [L, B, S, K, E]
-  v: jax.Array  # [L, B, S, K, E]
+  k: Any  # [L, B, K, E, S] (keys transposed), or a list of L [B, K, E, S] (unrolled layout)
+  v: Any  # [L, B, K, S, E], or a list of L [B, K, S, E]
   valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token.
   index: jax.Array  # [] int32: the next slot to write, shared by all rows.
 
   @property
   def size(self) -> int:
-    return self.k.shape[2]
+    return self.valid.shape[1]
 
   def next_positions(self) -> jax.Array:
     """[B] the RoPE position of each row's next token: its count of real tokens so far."""
@@ -59,14 +66,30 @@ class KVCache:
 
 
 def init_cache(config: ModelConfig, batch: int, size: int) -> KVCache:
-  """An empty cache of `size` slots for `batch` rows, in the compute dtype."""
-  shape = (config.num_layers, batch, size, config.num_kv_heads, config.head_dim)
-  return KVCache(k=jnp.zeros(shape, config.dtype), v=jnp.zeros(shape, config.dtype),
-                 valid=jnp.zeros((batch, size), bool), index=jnp.zeros((), jnp.int32))
+  """An empty cache of `size` slots for `batch` rows, in the compute dtype and config.layout."""
+  k_shape = (batch, config.num_kv_heads, config.head_dim, size)
+  v_shape = (batch, config.num_kv_heads, size, config.head_dim)
+  if config.layout.scan_layers:
+    k = jnp.zeros((config.num_layers,) + k_shape, config.dtype)
+    v = jnp.zeros((config.num_layers,) + v_shape, config.dtype)
+  else:
+    k = [jnp.zeros(k_shape, config.dtype) for _ in range(config.num_layers)]
+    v = [jnp.zeros(v_shape, config.dtype) for _ in range(config.num_layers)]
+  return KVCache(k=k, v=v, valid=jnp.zeros((batch, size), bool), index=jnp.zeros((), jnp.int32))
+
+
+def grow_cache(cache: KVCache, size: int) -> KVCache:
+  """`cache` with `size` ≥ cache.size slots (the new ones empty and invalid): a copy."""
+  pad = lambda x, axis: jnp.pad(x, [(0, size - cache.size if a == x.ndim + axis else 0)
+                                    for a in range(x.ndim)])
+  return cache.replace(k=jax.tree.map(lambda k: pad(k, -1), cache.k),
+                       v=jax.tree.map(lambda v: pad(v, -2), cache.v),
+                       valid=jnp.pad(cache.valid, ((0, 0), (0, size - cache.size))))
 
 
 def init_params(config: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
-  """Random parameters (normal(0, std) weights and biases, unit norms), for tests and benches."""
+  """Random parameters in the training layout (normal(0, std) weights and biases, unit norms),
+  for tests and benches."""
   dtype = jnp.dtype(config.param_dtype)
   L, D, V = config.num_layers, config.hidden_size, config.vocab_size
   keys = iter(jax.random.split(rng, 2 * len(LINEARS) + 2))
@@ -114,38 +137,146 @@ def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
   return start + jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - mask.astype(jnp.int32)
 
 
-def _dense(x, p, adapter, adapter_ids, lora_delta):
-  y = jnp.einsum("btd,df->btf", x, p["kernel"].astype(x.dtype))
-  if "bias" in p:
-    y = y + p["bias"].astype(x.dtype)[None, None, :]
+# --- one decoder layer, in either activation orientation -------------------------------------
+
+
+@struct.dataclass
+class _Call:
+  """What every layer of one call shares (static: shapes and config)."""
+
+  positions: jax.Array  # [B, T]
+  allowed: jax.Array  # [B, T, T] new key u visible to query t
+  valid: Optional[jax.Array]  # [B, S] cached slots, or None without a cache
+  adapter_ids: jax.Array  # [B] or [B, T]
+  lora_delta: Optional[Callable] = struct.field(pytree_node=False)
+  config: ModelConfig = struct.field(pytree_node=False)
+
+
+def _dense(x: jax.Array, p: dict, adapter: Optional[dict], call: _Call) -> jax.Array:
+  """A linear layer plus its LoRA update, in the layout's orientation.
+
+  Token-major: x [B, T, D_in] @ kernel [D_in, D_out]. Feature-major: kernel [D_out, D_in] @
+  x [D_in, N], the weight on the left (the fast orientation for few tokens on XLA:CPU).
+  """
+  feature_major = call.config.layout.feature_major
+  kernel = p["kernel"].astype(x.dtype)
+  if feature_major:
+    y = kernel @ x
+    bias = None if "bias" not in p else p["bias"].astype(x.dtype)[:, None]
+  else:
+    y = jnp.einsum("btd,df->btf", x, kernel)
+    bias = None if "bias" not in p else p["bias"].astype(x.dtype)[None, None, :]
+  if bias is not None:
+    y = y + bias
   if adapter is not None:
-    y = y + lora_delta(x, adapter, adapter_ids)
+    if feature_major:  # the router works on tokens: [D_in, N] -> [B, T, D_in] and back
+      B, T = call.positions.shape
+      tokens = x.T.reshape(B, T, -1)
+      y = y + call.lora_delta(tokens, adapter, call.adapter_ids).reshape(B * T, -1).T
+    else:
+      y = y + call.lora_delta(x, adapter, call.adapter_ids)
   return y
 
 
-def _decoder_layer(x, cache_kv, layer, adapters, layer_index, positions, allowed, kv_index,
-                   adapter_ids, lora_delta, config: ModelConfig):
-  """One pre-norm block. cache_kv: None or ([L, B, S, K, E], [L, B, S, K, E]) updated in place."""
-  B, T, _ = x.shape
-  dense = lambda h, name: _dense(h, layer[name], adapters.get(name), adapter_ids, lora_delta)
-  h = rms_norm(x, layer["input_norm"], config.rms_norm_eps)
-  q = dense(h, "q_proj").reshape(B, T, config.num_heads, config.head_dim)
-  k = dense(h, "k_proj").reshape(B, T, config.num_kv_heads, config.head_dim)
-  v = dense(h, "v_proj").reshape(B, T, config.num_kv_heads, config.head_dim)
-  q, k = apply_rope(q, positions, config), apply_rope(k, positions, config)
-  if cache_kv is not None:
-    cache_k, cache_v = cache_kv
-    start = (layer_index, 0, kv_index, 0, 0)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
-    k, v = cache_k[layer_index], cache_v[layer_index]
-    cache_kv = (cache_k, cache_v)
-  q = q.reshape(B, T, config.num_kv_heads, config.num_groups, config.head_dim)
-  out = attention(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
-  x = x + dense(out.reshape(B, T, -1), "o_proj")
-  h = rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps)
+def _split_heads(y: jax.Array, num_heads: int, call: _Call) -> jax.Array:
+  """Projection output -> [B, heads, T, E]."""
+  B, T = call.positions.shape
+  E = call.config.head_dim
+  if call.config.layout.feature_major:  # [heads·E, B·T]
+    return y.reshape(num_heads, E, B, T).transpose(2, 0, 3, 1)
+  return y.reshape(B, T, num_heads, E).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(out: jax.Array, call: _Call) -> jax.Array:
+  """[B, heads, T, E] -> activations in the layout's orientation."""
+  B, H, T, E = out.shape
+  if call.config.layout.feature_major:
+    return out.transpose(1, 3, 0, 2).reshape(H * E, B * T)
+  return out.transpose(0, 2, 1, 3).reshape(B, T, H * E)
+
+
+def decoder_layer(x: jax.Array, layer: dict, adapters: dict,
+                  cached: Optional[tuple[jax.Array, jax.Array]],
+                  call: _Call) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
+  """One pre-norm block: attention, then the SwiGLU MLP, each with a residual connection.
+
+  Args:
+    x: activations, [B, T, D] (token-major) or [D, B·T] (feature-major).
+    layer: this layer's weights; adapters: its LoRA factors ({} without LoRA).
+    cached: this layer's (keys [B, K, E, S], values [B, K, S, E]) before this call, or None.
+  Returns:
+    x; this call's (keys, values) [B, K, T, E], for the caller to write into the cache; and
+    the attention output, which the cache write is ordered after (see `_write_after`).
+  """
+  config = call.config
+  axis = 0 if config.layout.feature_major else -1
+  dense = lambda h, name: _dense(h, layer[name], adapters.get(name), call)
+  h = rms_norm(x, layer["input_norm"], config.rms_norm_eps, axis=axis)
+  q = apply_rope(_split_heads(dense(h, "q_proj"), config.num_heads, call), call.positions, config)
+  k = apply_rope(_split_heads(dense(h, "k_proj"), config.num_kv_heads, call), call.positions,
+                 config)
+  v = _split_heads(dense(h, "v_proj"), config.num_kv_heads, call)
+  B, _, T, E = q.shape
+  q = q.reshape(B, config.num_kv_heads, config.num_groups, T, E)
+  old = None if cached is None else (cached[0], cached[1], call.valid)
+  out = attention(q, k, v, call.allowed, old)
+  x = x + dense(_merge_heads(out.reshape(B, config.num_heads, T, E), call), "o_proj")
+  h = rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps, axis=axis)
   x = x + dense(jax.nn.silu(dense(h, "gate_proj")) * dense(h, "up_proj"), "down_proj")
+  return x, (k, v), out
+
+
+# --- running the layers: scanned or unrolled ------------------------------------------------
+
+
+def _write_after(buffer: jax.Array, new: jax.Array, start: tuple, read: jax.Array) -> jax.Array:
+  """`buffer` with `new` written at `start`, ordered after `read` has been computed.
+
+  XLA updates `buffer` in place only if it can see that every read of the old value comes
+  first; otherwise it copies the whole buffer. The attention output does not depend on this
+  call's keys being in the cache, so a data path is made: `after` is exactly 0 (never NaN),
+  but not known to XLA.
+  """
+  after = (read.reshape(-1)[0] == jnp.inf).astype(buffer.dtype)
+  return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype) * (1 - after), start)
+
+
+def _keys_for_cache(k: jax.Array) -> jax.Array:
+  """[B, K, T, E] -> [B, K, E, T]: the cache stores keys transposed (see `layers.attention`)."""
+  return jnp.swapaxes(k, -1, -2)
+
+
+def _scanned_layers(x, params, adapter_layers, cache, call):
+  """Stacked [L, ...] weights (and cache) under `lax.scan`: one layer compiled."""
+  def body(carry, xs):
+    x, cache_kv = carry
+    layer, adapters, index = xs
+    cached = None if cache_kv is None else (cache_kv[0][index], cache_kv[1][index])
+    x, (k, v), out = decoder_layer(x, layer, adapters, cached, call)
+    if cache_kv is not None:
+      cache_kv = (_write_after(cache_kv[0], _keys_for_cache(k)[None],
+                               (index, 0, 0, 0, cache.index), out),
+                  _write_after(cache_kv[1], v[None], (index, 0, 0, cache.index, 0), out))
+    return (x, cache_kv), None
+
+  num_layers = call.config.num_layers
+  cache_kv = None if cache is None else (cache.k, cache.v)
+  xs = (params["layers"], adapter_layers, jnp.arange(num_layers))
+  (x, cache_kv), _ = jax.lax.scan(body, (x, cache_kv), xs)
   return x, cache_kv
+
+
+def _unrolled_layers(x, params, adapter_layers, cache, call):
+  """A list of per-layer weights and cache buffers, run by an unrolled loop."""
+  new_k, new_v = [], []
+  for index, layer in enumerate(params["layers"]):
+    adapters = jax.tree.map(lambda a, i=index: a[i], adapter_layers)
+    cached = None if cache is None else (cache.k[index], cache.v[index])
+    x, (k, v), out = decoder_layer(x, layer, adapters, cached, call)
+    if cache is not None:
+      new_k.append(_write_after(cache.k[index], _keys_for_cache(k), (0, 0, 0, cache.index), out))
+      new_v.append(_write_after(cache.v[index], v, (0, 0, cache.index, 0), out))
+  return x, (None if cache is None else (new_k, new_v))
 
 
 def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
@@ -155,9 +286,9 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   """Runs the decoder stack; returns the final-normed hidden states and the updated cache.
 
   Args:
-    params: the parameter tree above.
+    params: the parameter tree in `config.layout`.
     tokens: [B, T] int token ids, in [0, V) where `mask` is set.
-    config: static model config.
+    config: static model config (its `layout` says how params and cache are stored).
     positions: [B, T] RoPE positions; default: real tokens counted from the cache's count.
     mask: [B, T] bool, False on padding; default all True.
     cache: None for a stand-alone (training) pass; else the tokens are written into slots
@@ -166,55 +297,58 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
     adapter_ids: [B, T] per-token or [B] per-sequence adapter ids in [-1, A) (-1 = base);
       default 0.
 
-  Concrete arguments are checked (ValueError naming `tokens`, `cache` or `adapter_ids`);
-  traced ones cannot be: an out-of-range token reads a clamped embedding row, an overflowing
-  cache write is clamped, an out-of-range adapter id gets the base model. Wrap the call in
-  `jax.experimental.checkify.checkify` to have the last two reported.
+  Concrete arguments are checked (ValueError naming `tokens`, `cache`, `adapter_ids` or the
+  params' layout); traced ones cannot be: an out-of-range token reads a clamped embedding
+  row, an overflowing cache write is clamped, an out-of-range adapter id gets the base model.
+  Wrap the call in `jax.experimental.checkify.checkify` to have the last two reported.
   Returns:
     h: [B, T, D] compute dtype; the new cache (None without one).
   """
+  layout = config.layout
+  check_params_layout(params, layout, config)
   B, T = tokens.shape
   mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
   check_ids("tokens", tokens, config.vocab_size, where=mask)
   check_cache_room(cache, T)
   if positions is None:
     positions = default_positions(mask, cache)
-  if cache is None:
-    kv_valid, kv_index, q_slots = mask, 0, jnp.arange(T)
-  else:
-    kv_valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
-    kv_index, q_slots = cache.index, cache.index + jnp.arange(T)
-  kv_slots = jnp.arange(kv_valid.shape[1])
-  allowed = kv_valid[:, None, :] & (kv_slots[None, None, :] <= q_slots[None, :, None])
-
+  allowed = mask[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
   adapter_layers, lora_delta = ({}, None) if lora is None else (lora.scan_inputs(), lora.delta_fn())
   ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T,
                               None if lora is None else lora.num_adapters)
-  x = params["embed"][tokens].astype(config.dtype)
+  call = _Call(positions=positions, allowed=allowed,
+               valid=None if cache is None else cache.valid, adapter_ids=ids,
+               lora_delta=lora_delta, config=config)
 
-  def body(carry, xs):
-    x, cache_kv = carry
-    layer, adapters, layer_index = xs
-    x, cache_kv = _decoder_layer(x, cache_kv, layer, adapters, layer_index, positions, allowed,
-                                 kv_index, ids, lora_delta, config)
-    return (x, cache_kv), None
-
-  cache_kv = None if cache is None else (cache.k, cache.v)
-  xs = (params["layers"], adapter_layers, jnp.arange(config.num_layers))
-  (x, cache_kv), _ = jax.lax.scan(body, (x, cache_kv), xs)
+  x = params["embed"][tokens].astype(config.dtype)  # [B, T, D]
+  if layout.feature_major:
+    x = x.reshape(B * T, -1).T
+  run = _scanned_layers if layout.scan_layers else _unrolled_layers
+  x, cache_kv = run(x, params, adapter_layers, cache, call)
+  if layout.feature_major:
+    x = x.T.reshape(B, T, -1)
   h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
   if cache is not None:
-    cache = KVCache(k=cache_kv[0], v=cache_kv[1], valid=kv_valid, index=cache.index + T)
+    valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
+    cache = KVCache(k=cache_kv[0], v=cache_kv[1], valid=valid, index=cache.index + T)
   return h, cache
 
 
-def logits_from_hidden(params: Params, h: jax.Array, config: ModelConfig) -> jax.Array:
-  """[..., D] hidden states -> [..., V] f32 logits (tied embedding or `lm_head`)."""
+def logits_from_hidden(params: Params, h: jax.Array, config: ModelConfig,
+                       vocab_major: bool = False) -> jax.Array:
+  """Hidden states -> f32 logits: [..., D] -> [..., V], or [N, D] -> [V, N] (`vocab_major`).
+
+  Vocab-major is the fast orientation of this product for few tokens on XLA:CPU ([V, D] @
+  [D, N]); the sampler works vocab-major throughout.
+  """
   if config.tie_word_embeddings:
-    w = params["embed"].astype(h.dtype).T
+    w, spec = params["embed"], "vd"  # [V, D]
   else:
-    w = params["lm_head"].astype(h.dtype)
-  return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    w, spec = params["lm_head"], "vd" if config.layout.feature_major else "dv"
+  out = "vn" if vocab_major else "...v"
+  lhs = "nd" if vocab_major else "...d"
+  return jnp.einsum(f"{lhs},{spec}->{out}", h, w.astype(h.dtype),
+                    preferred_element_type=jnp.float32)
 
 
 def forward(params: Params, tokens: jax.Array, config: ModelConfig, *,

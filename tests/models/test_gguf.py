@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from marft_jax.models import gguf_checkpoint, hf_checkpoint, sampler, smollm2, transformer
+from marft_jax.models import gguf_checkpoint, hf_checkpoint, layout, sampler, smollm2, transformer
 from tests.models.hf_fixtures import llama_cpp_permute, save_tiny_model, write_gguf
 
 TOL = 1e-4
@@ -150,6 +150,14 @@ def test_smollm2_logits_match_transformers_gguf(smollm2_ours, smollm2_torch):
   diff = np.abs(np.asarray(ours)[valid] - ref.numpy()[valid]).max()
   print(f"smollm2 max |Δlogit| = {diff:.3g}")
   assert diff <= SMOLLM2_TOL
+  # The fast decoding layout (what launch.generate runs), through its KV cache.
+  fast = config.replace(layout=layout.DECODING)
+  fast_logits, _ = jax.jit(transformer.forward, static_argnums=2)(
+      layout.convert_params(params, config.layout, fast.layout), jnp.asarray(tokens), fast,
+      mask=jnp.asarray(mask, bool), cache=transformer.init_cache(fast, *tokens.shape))
+  diff = np.abs(np.asarray(fast_logits)[valid] - ref.numpy()[valid]).max()
+  print(f"smollm2 decoding layout max |Δlogit| = {diff:.3g}")
+  assert diff <= SMOLLM2_TOL
 
 
 @pytest.mark.slow
@@ -157,7 +165,9 @@ def test_smollm2_greedy_continuations_match_transformers(smollm2_ours, smollm2_t
   params, config, tokenizer = smollm2_ours
   num_new = 32
   tokens, mask = _chat_batch(tokenizer, PROMPTS[1:])
-  out = sampler.generate(params, tokens, config, rng=jax.random.key(0), max_new_tokens=num_new,
+  fast = config.replace(layout=layout.DECODING)  # the layout launch.generate decodes in
+  out = sampler.generate(layout.convert_params(params, config.layout, fast.layout), tokens,
+                         fast, rng=jax.random.key(0), max_new_tokens=num_new,
                          prompt_mask=mask.astype(bool), temperature=0.0,
                          eos_ids=tokenizer.eos_token_id)
   assert np.asarray(out.mask).all()  # no EOS within 32 tokens: both sides ran every step

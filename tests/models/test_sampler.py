@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import decode_layout, sampler, targets, transformer
+from marft_jax.models import layout, sampler, targets, transformer
 from marft_jax.models.config import tiny_config
 
 CONFIG = tiny_config()
@@ -249,35 +249,19 @@ def _random_adapters(config, num_adapters=2, rank=4):
 
 
 def test_lora_routing_per_sequence_equals_each_row_alone(params, prompts):
-  """In the decode layout (the fast path; the next test ties it to the training layout)."""
+  """In the decoding layout (the fast path; tests/models/test_layouts.py ties the layouts)."""
   lora = _random_adapters(CONFIG)
-  fast = decode_layout.to_decode_layout(params)
+  config = CONFIG.replace(layout=layout.DECODING)
+  fast = layout.convert_params(params, CONFIG.layout, config.layout)
   ids = np.array([1, -1, 0])
-  out = _generate(fast, prompts, temperature=0.0, lora=lora, adapter_ids=ids)
+  gen = lambda **kw: sampler.generate(fast, prompts, config, prompt_lens=LENS, max_new_tokens=N,
+                                      rng=jax.random.key(7), temperature=0.0, lora=lora, **kw)
+  out = gen(adapter_ids=ids)
   # Each row against a batch where every row uses that row's adapter (-1: the base model).
   for b, adapter in enumerate(ids):
-    alone = _generate(fast, prompts, temperature=0.0, lora=lora, adapter_ids=np.full(3, adapter))
+    alone = gen(adapter_ids=np.full(3, adapter))
     np.testing.assert_array_equal(np.asarray(alone.tokens[b]), np.asarray(out.tokens[b]))
     np.testing.assert_allclose(np.asarray(alone.logprobs[b]), np.asarray(out.logprobs[b]),
                                atol=1e-5)
   base = np.asarray(_generate(params, prompts, temperature=0.0).tokens)
   assert np.all(np.any(np.asarray(out.tokens) != base, axis=1) == (ids >= 0))
-
-
-def test_decode_layout_equals_training_layout():
-  """Qwen2 (qkv biases, untied output projection), LoRA, top-p, a continued cache."""
-  config = tiny_config("qwen2")
-  params = transformer.init_params(config, jax.random.key(1), std=0.1)
-  lora = _random_adapters(config)
-  prompts = np.random.default_rng(3).integers(0, V, size=(3, 9))
-  kw = dict(prompt_lens=[9, 2, 5], max_new_tokens=[12, 3, 7], rng=jax.random.key(4),
-            temperature=0.8, top_p=0.9, lora=lora, adapter_ids=[1, -1, 0], cache_size=64)
-  outs = []
-  for p in (params, decode_layout.to_decode_layout(params)):
-    first = sampler.generate(p, prompts, config, **kw)
-    outs.append(sampler.generate(p, prompts[:, ::-1], config, cache=first.cache, **kw))
-  slow, fast = outs
-  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(slow.tokens))
-  np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(slow.logprobs), atol=1e-5)
-  for a, b in zip(jax.tree.leaves(fast.cache), jax.tree.leaves(slow.cache)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

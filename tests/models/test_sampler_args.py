@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 from marft_jax import lora as lora_lib
-from marft_jax.models import decode_layout, sampler, targets, transformer
+from marft_jax.models import layout, sampler, targets, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
 
@@ -167,7 +167,7 @@ def test_forward_overflow_is_reported_under_checkify(params):
 
 def test_traced_out_of_range_adapter_ids_route_to_the_base_on_every_path(params, adapters):
   """Under jit ids can't be refused: ids ≥ A and < -1 then mean "no adapter" on every route
-  (the decode layout's one-hot has always done so), and checkify reports them."""
+  and in every layout, and checkify reports them."""
   tokens = jnp.asarray(PROMPTS)
   base = transformer.forward(params, tokens, CONFIG)[0]
 
@@ -184,13 +184,12 @@ def test_traced_out_of_range_adapter_ids_route_to_the_base_on_every_path(params,
                                                 adapter_ids=ids)[0])(
       jnp.broadcast_to(jnp.asarray([1, 7])[:, None], tokens.shape))
   np.testing.assert_allclose(np.asarray(out), np.asarray(base), atol=1e-6)
-  fast = decode_layout.to_decode_layout(params)
-  dl = jax.jit(lambda ids: decode_layout.hidden_states(
-      fast, tokens, CONFIG, lora=adapters, adapter_ids=ids,
-      cache=decode_layout.split_cache(transformer.init_cache(CONFIG, 2, 8)))[0])
-  h_base = transformer.hidden_states(params, tokens, CONFIG)[0]
-  np.testing.assert_allclose(np.asarray(dl(jnp.asarray([3, -5]))), np.asarray(h_base),
-                             atol=1e-5)
+  decoding = CONFIG.replace(layout=layout.DECODING)  # and the fast layout, with a cache
+  fast = layout.convert_params(params, CONFIG.layout, decoding.layout)
+  dl = jax.jit(lambda ids: transformer.forward(
+      fast, tokens, decoding, lora=adapters, adapter_ids=ids,
+      cache=transformer.init_cache(decoding, 2, 8))[0])
+  np.testing.assert_allclose(np.asarray(dl(jnp.asarray([3, -5]))), np.asarray(base), atol=1e-5)
   checked = jax.jit(checkify.checkify(lambda ids: routed(ids, False)))
   checked(jnp.asarray([2, -1]))[0].throw()
   with pytest.raises(Exception, match="adapter_ids"):

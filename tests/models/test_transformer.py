@@ -88,9 +88,9 @@ def _bf16_norm_mutant(x, weight, eps, axis=-1):
 
 
 def _bf16_attention_mutant(q, k, v, allowed):
-  scores = jnp.einsum("btkge,bske->bkgts", q, k) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+  scores = jnp.einsum("bkgte,bkse->bkgts", q, k) * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
   scores = jnp.where(allowed[:, None, None], scores, jnp.asarray(-1e30, q.dtype))
-  return jnp.einsum("bkgts,bske->btkge", jax.nn.softmax(scores, axis=-1), v)
+  return jnp.einsum("bkgts,bkse->bkgte", jax.nn.softmax(scores, axis=-1), v)
 
 
 def test_bfloat16_rms_norm_rounds_once():
@@ -109,16 +109,16 @@ def test_bfloat16_attention_softmax_in_float32():
   from marft_jax.models import layers
   rng = np.random.default_rng(1)
   B, T, K, G, E = 2, 128, 2, 2, 16
-  q = jnp.asarray(rng.normal(0, 2, (B, T, K, G, E)), jnp.bfloat16)
-  k = jnp.asarray(rng.normal(0, 2, (B, T, K, E)), jnp.bfloat16)
-  v = jnp.asarray(rng.normal(0, 1, (B, T, K, E)), jnp.bfloat16)
+  q = jnp.asarray(rng.normal(0, 2, (B, K, G, T, E)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(0, 2, (B, K, T, E)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(0, 1, (B, K, T, E)), jnp.bfloat16)
   allowed = jnp.asarray(np.tril(np.ones((T, T), bool))[None].repeat(B, 0))
   q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
-  scores = np.einsum("btkge,bske->bkgts", q64, k64) / np.sqrt(E)
+  scores = np.einsum("bkgte,bkse->bkgts", q64, k64) / np.sqrt(E)
   scores = np.where(np.asarray(allowed)[:, None, None], scores, -np.inf)
   p = np.exp(scores - scores.max(-1, keepdims=True))
   p = np.asarray(jnp.asarray(p / p.sum(-1, keepdims=True), jnp.bfloat16), np.float64)
-  ref = np.einsum("bkgts,bske->btkge", p, v64)
+  ref = np.einsum("bkgts,bkse->bkgte", p, v64)
   assert _ulps(layers.attention(q, k, v, allowed), ref).max() <= 1.0
   assert _ulps(_bf16_attention_mutant(q, k, v, allowed), ref).max() > 1.0
 

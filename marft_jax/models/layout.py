@@ -1,0 +1,107 @@
+"""`Layout`: how the decoder's weights are stored and its layers run. The maths never changes.
+
+Two choices, measured on SmolLM2-135M decoding on XLA:CPU (2 cores, ms per decode step,
+SmolLM2 shape, 192-slot cache; `bench/decode.py` has the end-to-end figures):
+
+  scan_layers    True: weights stacked on a leading [L] axis, one layer compiled and run
+                 under `lax.scan` (compiles in ~2 s for any depth; the training default).
+                 False: a list of per-layer weights and caches, run by an unrolled Python
+                 loop. The scan copies each layer's weights out of the stack before its
+                 matmuls (a dynamic slice is not fused into a dot), as much traffic as the
+                 matmuls themselves: unrolling took batch 1 from 39 to 29 ms a step and
+                 batch 16 from 132 to 108 ms, for a ~10 s longer compile.
+  feature_major  False: activations [B, T, D], kernels [in, out] (x @ W).
+                 True: activations [D, N] (N = B·T), kernels [out, in] (W @ x). With few
+                 tokens a matmul runs faster with the weight on the left; keeping whole
+                 layers feature-major (transposing only around attention) took batch 16
+                 from 102-108 to 81 ms a step; batch 1 is memory-bound and does not change.
+                 Transposing a token-major layer's matmul outputs instead was slower (126).
+
+Other ingredients of the old decode-only module were measured and dropped: a heads-first,
+keys-transposed cache and reading the cache before writing it gave nothing measurable once
+the layers were unrolled (within the ±5 % noise of this host).
+
+`TRAINING` is what the loaders return and what gradients are taken through; `decoding()` is
+the documented platform default for generation: `DECODING` on CPU, `TRAINING` elsewhere (on
+accelerators XLA fuses the scan's weight slices; unmeasured here, see docs/design notes).
+`convert_params` and `convert_cache` move between any two layouts (copies: do it once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How the decoder's weights (and KV cache) are stored and its layers run."""
+
+  scan_layers: bool = True  # stacked [L, ...] weights under lax.scan; False: unrolled loop
+  feature_major: bool = False  # activations [D, N] and kernels [out, in]
+
+  def __post_init__(self):
+    for key in ("scan_layers", "feature_major"):
+      if not isinstance(getattr(self, key), bool):
+        raise ValueError(f"layout.{key}={getattr(self, key)!r}: must be true or false")
+
+
+TRAINING = Layout(scan_layers=True, feature_major=False)
+DECODING = Layout(scan_layers=False, feature_major=True)
+
+
+def decoding() -> Layout:
+  """The platform default layout for generation: `DECODING` on CPU, `TRAINING` elsewhere."""
+  return DECODING if jax.default_backend() == "cpu" else TRAINING
+
+
+def convert_params(params: dict, src: Layout, dst: Layout) -> dict:
+  """The same weights in layout `dst` (a copy, made eagerly; do it once, outside `jit`).
+
+  Only `params["layers"]` and `lm_head` change: the layer list is stacked or split, kernels
+  are transposed between [in, out] and [out, in]. Converting back gives the original tree.
+  """
+  if src == dst:
+    return params
+  layers = params["layers"]
+  if not src.scan_layers:
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  if src.feature_major != dst.feature_major:
+    layers = {name: (dict(p, kernel=jnp.swapaxes(p["kernel"], -1, -2)) if isinstance(p, dict)
+                     else p) for name, p in layers.items()}
+  if not dst.scan_layers:
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
+  out = dict(params, layers=layers)
+  if "lm_head" in params and src.feature_major != dst.feature_major:
+    out["lm_head"] = params["lm_head"].T
+  return jax.block_until_ready(out)
+
+
+def convert_cache(cache: Any, src: Layout, dst: Layout) -> Any:
+  """A `transformer.KVCache` in layout `dst`: its per-layer keys and values stacked or split."""
+  if src.scan_layers == dst.scan_layers:
+    return cache
+  if dst.scan_layers:
+    return cache.replace(k=jnp.stack(cache.k), v=jnp.stack(cache.v))
+  return cache.replace(k=list(cache.k), v=list(cache.v))
+
+
+def check_params_layout(params: dict, layout: Layout, config: Any) -> None:
+  """Refuses params whose tree does not match `layout` (a layer list vs stacked layers, or a
+  kernel the other way round): they would otherwise fail deep inside `jit`, or worse."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)) == layout.scan_layers:
+    found = "a list of layers" if isinstance(layers, (list, tuple)) else "stacked layers"
+    raise ValueError(f"params hold {found} but config.layout={layout} (convert them with "
+                     "layout.convert_params)")
+  down = (layers[0] if isinstance(layers, (list, tuple)) else layers)["down_proj"]["kernel"]
+  d, f = config.hidden_size, config.intermediate_size
+  expected = (d, f) if layout.feature_major else (f, d)
+  if d != f and tuple(np.shape(down))[-2:] != expected:
+    raise ValueError(f"params' down_proj kernel is {tuple(np.shape(down))[-2:]}, but "
+                     f"config.layout={layout} stores it as {expected} (convert_params)")

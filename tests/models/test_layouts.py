@@ -1,0 +1,214 @@
+"""One decoder, several ways to run it: every layout computes the same function.
+
+The grid {Llama, Qwen2} × {f32, bf16} × {tied, untied} × {no adapters, per-sequence ids,
+per-token ids} × {fresh cache, continued cache} compares the training layout (scanned,
+token-major) with the decoding layout (unrolled, feature-major) on
+  * the logits of a forward that writes a cache (fresh: one 9-token chunk; continued: 5 + 4),
+  * the cache each wrote (keys, values, valid slots, index),
+  * and through the sampler: sampled tokens, their log-probs and the returned cache (the
+    continued case switches every row to another adapter, so the cache mixes agents).
+f32 agrees to float rounding. In bf16 each matmul's rounding depends on its orientation, so
+the layouts agree to bf16 precision (logits within 2 % relative RMS), and their greedy tokens
+are equal up to the first step where the two best logits are within that noise of each
+other; both layouts' own sampled log-probs stay within bf16 noise of their teacher-forced ones.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import layout, sampler, transformer
+from marft_jax.models.config import tiny_config
+from marft_jax.models.targets import linear_shapes
+
+LAYOUTS = (layout.TRAINING, layout.DECODING)
+MODES = ("none", "per_sequence", "per_token")
+B, T, N = 3, 9, 12
+PROMPTS = np.random.default_rng(0).integers(0, 256, (B, T))
+LENS = np.array([9, 4, 7])
+
+
+def _adapters(config, num_adapters=2, rank=4):
+  rng = np.random.default_rng(1)
+  layers = {name: {"a": jnp.asarray(rng.normal(0, 0.3, (config.num_layers, num_adapters, i, rank)),
+                                    jnp.float32),
+                   "b": jnp.asarray(rng.normal(0, 0.3, (config.num_layers, num_adapters, rank, o)),
+                                    jnp.float32)}
+            for name, (i, o) in linear_shapes(config).items()}
+  return Adapters(layers=layers, scale=2.0)
+
+
+def _ids(mode):
+  """(first chunk's ids, continuation's ids) for a LoRA mode: per row, or per token."""
+  if mode == "per_sequence":
+    return np.array([1, -1, 0]), np.array([0, 1, -1])
+  per_token = np.array([[0] * 3 + [1] * 6, [-1] * 9, [1] * 5 + [0] * 4])
+  return per_token, per_token[:, ::-1].copy()
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _forward_all(params, adapters, config):
+  """{LoRA mode: (logits, cache)} of the prompts run as a 5-token chunk into a fresh 16-slot
+  cache, then a 4-token chunk continuing it, for every LoRA mode: one compile per layout
+  (compiling is most of this test's time)."""
+  mask = jnp.arange(T)[None] < LENS[:, None]
+  out = {}
+  for mode in MODES:
+    lora = None if mode == "none" else adapters
+    ids = None if mode == "none" else jnp.asarray(_ids(mode)[0])
+    cache, pieces = transformer.init_cache(config, B, 16), []
+    for start, stop in ((0, 5), (5, T)):
+      chunk_ids = ids if ids is None or ids.ndim == 1 else ids[:, start:stop]
+      logits, cache = transformer.forward(params, jnp.asarray(PROMPTS[:, start:stop]), config,
+                                          mask=mask[:, start:stop], cache=cache, lora=lora,
+                                          adapter_ids=chunk_ids)
+      pieces.append(logits)
+    out[mode] = (jnp.concatenate(pieces, axis=1), cache)
+  return out
+
+
+def _random_params(config):
+  """Weights normal(0, 0.1), norms 1 + normal(0, 0.1), drawn with NumPy (no per-shape
+  compiles of JAX's PRNG)."""
+  rng = np.random.default_rng(0)
+  shapes = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0)))
+  draw = lambda path, x: jnp.asarray(("norm" in jax.tree_util.keystr(path))
+                                     + 0.1 * rng.normal(size=x.shape), x.dtype)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _stacked(cache):
+  """A cache in the training layout's storage, as f32 arrays, to compare across layouts."""
+  cache = layout.convert_cache(cache, layout.DECODING, layout.TRAINING)
+  return jax.tree.map(lambda x: np.asarray(x, np.float32), cache)
+
+
+def _assert_close(a, b, bf16, what):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  if bf16:
+    rms = np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-12))
+    assert rms < 0.02, f"{what}: relative RMS {rms}"
+  else:
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def _run_sampler(params, config, lora, ids, greedy):
+  kw = dict(temperature=0.0 if greedy else 1.0, lora=lora)
+  first = sampler.generate(params, PROMPTS, config, rng=jax.random.key(2), max_new_tokens=N,
+                           prompt_lens=LENS, cache_size=96, adapter_ids=ids[0], **kw)
+  second = sampler.generate(params, PROMPTS[:, ::-1], config, rng=jax.random.key(3),
+                            max_new_tokens=N, prompt_lens=LENS, cache=first.cache,
+                            adapter_ids=ids[1], **kw)
+  return first, second
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_layouts_compute_the_same_model(arch, dtype, tied):
+  bf16 = dtype == "bfloat16"
+  base = tiny_config(arch, tie_word_embeddings=tied, param_dtype=dtype, compute_dtype=dtype)
+  params = _random_params(base)
+  adapters = _adapters(base)
+  configs = [base.replace(layout=lay) for lay in LAYOUTS]
+  trees = [layout.convert_params(params, base.layout, lay) for lay in LAYOUTS]
+
+  out_a, out_b = (_forward_all(p, adapters, c) for p, c in zip(trees, configs))
+  real = np.asarray(jnp.arange(T)[None] < LENS[:, None])
+  for mode in MODES:
+    (logits_a, cache_a), (logits_b, cache_b) = out_a[mode], out_b[mode]
+    for case, cols in (("fresh cache", slice(0, 5)), ("continued cache", slice(5, T))):
+      _assert_close(np.asarray(logits_b)[:, cols][real[:, cols]],
+                    np.asarray(logits_a)[:, cols][real[:, cols]], bf16, f"{mode} {case}")
+    what = f"{mode} cache"
+    a, b = _stacked(cache_a), _stacked(cache_b)
+    np.testing.assert_array_equal(a.valid, b.valid)
+    assert int(a.index) == int(b.index) == T
+    _assert_close(b.k, a.k, bf16, what + " keys")
+    _assert_close(b.v, a.v, bf16, what + " values")
+
+  # The sampler takes one adapter id per row and call; rows with id -1 run the base model, and
+  # the continuation switches every row to another adapter (so the cache mixes agents).
+  ids = _ids("per_sequence")
+  (a1, a2), (b1, b2) = (_run_sampler(p, c, adapters, ids, greedy=bf16)
+                        for p, c in zip(trees, configs))
+  if bf16:
+    _assert_greedy_tokens_agree((a1, a2), (b1, b2), trees[0], configs[0], adapters, ids)
+    return
+  for a, b in ((a1, b1), (a2, b2)):
+    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(a.tokens))
+    np.testing.assert_allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=2e-5)
+  ca, cb = _stacked(a2.cache), _stacked(b2.cache)
+  np.testing.assert_array_equal(ca.valid, cb.valid)
+  _assert_close(cb.k, ca.k, False, "sampler cache keys")
+  _assert_close(cb.v, ca.v, False, "sampler cache values")
+
+
+def _assert_greedy_tokens_agree(outs_a, outs_b, params, config, lora, ids):
+  """Equal greedy tokens in both calls, except from a step where layout a's two candidates
+  are within bf16 noise of each other (a near tie each layout may break its own way)."""
+  for row in range(B):
+    history, history_ids = [], []
+    for call, (a, b) in enumerate(zip(outs_a, outs_b)):
+      chunk = PROMPTS[row] if call == 0 else PROMPTS[row, ::-1]
+      ta, tb = np.asarray(a.tokens[row]), np.asarray(b.tokens[row])
+      n = int(a.lengths[row])
+      adapter = int(ids[call][row])
+      history += list(chunk[:LENS[row]])
+      history_ids += [adapter] * int(LENS[row])
+      differ = np.nonzero(ta[:n] != tb[:n])[0]
+      if differ.size:
+        step = int(differ[0])
+        tokens, token_ids = history + list(ta[:step]), history_ids + [adapter] * step
+        pad = 64 - len(tokens)  # one padded width: one compile for every near tie
+        logits, _ = transformer.forward(
+            params, jnp.asarray([tokens + [0] * pad]), config, lora=lora,
+            mask=jnp.asarray([[True] * len(tokens) + [False] * pad]),
+            adapter_ids=jnp.asarray([token_ids + [-1] * pad]))
+        last = np.asarray(logits[0, len(tokens) - 1], np.float32)
+        margin = abs(last[ta[step]] - last[tb[step]])
+        assert margin < 0.05, f"row {row} call {call} step {step}: logit margin {margin}"
+        break  # what follows a near tie is not comparable
+      assert int(b.lengths[row]) == n
+      history += list(ta[:n])
+      history_ids += [adapter] * n
+
+
+ALL_LAYOUTS = [layout.Layout(scan, fm) for scan in (True, False) for fm in (True, False)]
+
+
+@pytest.mark.parametrize("dst", ALL_LAYOUTS, ids=str)
+def test_converting_params_and_cache_round_trips_exactly(dst):
+  config = tiny_config("qwen2", tie_word_embeddings=False)
+  params = _random_params(config)
+  there = layout.convert_params(params, config.layout, dst)
+  back = layout.convert_params(there, dst, config.layout)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  assert isinstance(there["layers"], list) == (not dst.scan_layers)
+  cache = transformer.init_cache(config, 2, 8)
+  cache = cache.replace(k=cache.k + 1.0, v=cache.v - 1.0)
+  round_trip = layout.convert_cache(layout.convert_cache(cache, config.layout, dst), dst,
+                                    config.layout)
+  jax.tree.map(np.testing.assert_array_equal, round_trip, cache)
+  # A cache made in the destination layout has the converted cache's structure.
+  made = transformer.init_cache(config.replace(layout=dst), 2, 8)
+  converted = layout.convert_cache(cache, config.layout, dst)
+  assert jax.tree.structure(made) == jax.tree.structure(converted)
+  assert [x.shape for x in jax.tree.leaves(made)] == [x.shape for x in jax.tree.leaves(converted)]
+
+
+def test_params_in_the_wrong_layout_are_refused_by_name():
+  config = tiny_config()
+  params = _random_params(config)
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="list of layers|stacked layers"):
+    transformer.forward(params, tokens, config.replace(layout=layout.DECODING))
+  transposed = layout.convert_params(params, config.layout, layout.Layout(True, True))
+  with pytest.raises(ValueError, match="down_proj kernel"):
+    transformer.forward(transposed, tokens, config)
+  with pytest.raises(ValueError, match="layout.scan_layers"):
+    layout.Layout(scan_layers="yes")
