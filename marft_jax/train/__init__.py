@@ -1,0 +1,1 @@
+"""marft_jax.train: the MARFT trainer."""
