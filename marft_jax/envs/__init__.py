@@ -1,1 +1,16 @@
-"""marft_jax.envs."""
+"""marft_jax.envs: host-side environments, agent profiles and agent graphs.
+
+  base      Environment (reset(seed) / step(actions)), Observation, Step.
+  batch     EnvBatch: E environments with a seeded, reproducible task order.
+  profiles  AgentProfile; shipped math and code teams.
+  graph     AgentGraph (chain, DAG) and Orchestrator (dynamic routing); Schedule.
+  toy       EchoEnv: repeat the number shown (a task whose best answer is known).
+"""
+
+from marft_jax.envs.base import Environment, Observation, Step
+from marft_jax.envs.batch import EnvBatch
+from marft_jax.envs.graph import (AgentGraph, Orchestrator, Schedule, orchestrator_profile,
+                                  parse_route)
+from marft_jax.envs.profiles import (AgentProfile, adapter_index, check_team, code_team, math_team,
+                                     shared_adapter, with_sampling)
+from marft_jax.envs.toy import EchoEnv

@@ -224,13 +224,12 @@ def _last_real_hidden(h: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, top_p,
-              max_new_tokens, stop_ids, *, config, num_new, top_k, greedy, pad_id,
-              on_step=None):
+              max_new_tokens, stop_ids, prompt_adapter_ids=None, *, config, num_new, top_k,
+              greedy, pad_id, on_step=None):
   """See `generate_jit`."""
   B = tokens.shape[0]
   sample = functools.partial(sample_vocab_major, top_k=top_k, greedy=greedy)
-  model = functools.partial(transformer.hidden_states, params, config=config, lora=lora,
-                            adapter_ids=adapter_ids)
+  model = functools.partial(transformer.hidden_states, params, config=config, lora=lora)
 
   def record(state: _LoopState, h: jax.Array) -> _LoopState:
     """Samples column `state.step` from hidden states h [B, D] for the active rows."""
@@ -249,7 +248,8 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
         mask=column(state.mask, active))
 
   # --- prefill: encode the chunk; logits only at each row's last real token ---
-  h, cache = model(tokens, mask=mask, cache=cache)
+  prefill_ids = adapter_ids if prompt_adapter_ids is None else prompt_adapter_ids
+  h, cache = model(tokens, mask=mask, cache=cache, adapter_ids=prefill_ids)
   state = _LoopState(
       step=jnp.zeros((), jnp.int32), last=jnp.full((B,), pad_id, jnp.int32),
       last_valid=jnp.zeros((B,), bool), active=max_new_tokens > 0,
@@ -263,7 +263,8 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
   # (its draw goes to the spare column with an all-False mask): one copy of the model in
   # the compiled loop, and the returned cache holds every valid token.
   def body(state: _LoopState) -> _LoopState:
-    h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache)
+    h, cache = model(state.last[:, None], mask=state.last_valid[:, None], cache=state.cache,
+                     adapter_ids=adapter_ids)
     if on_step is not None:  # host-side progress report, e.g. a tqdm bar
       jax.debug.callback(on_step, state.step)
     return record(state.replace(cache=cache), h[:, 0])
@@ -282,9 +283,10 @@ _generate_jit = jax.jit(_generate, static_argnames=_STATIC, donate_argnames=("ca
 def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCache,
                  lora: Optional[Adapters], adapter_ids: jax.Array, rng: jax.Array,
                  temperature: jax.Array, top_p: Optional[jax.Array], max_new_tokens: jax.Array,
-                 stop_ids: jax.Array, *, config: ModelConfig, num_new: int,
-                 top_k: Optional[int], greedy: bool, pad_id: int,
-                 on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
+                 stop_ids: jax.Array, prompt_adapter_ids: Optional[jax.Array] = None, *,
+                 config: ModelConfig, num_new: int, top_k: Optional[int], greedy: bool,
+                 pad_id: int, on_step: Optional[Callable[[jax.Array], None]] = None
+                 ) -> SampleOutput:
   """The jitted generation loop; `generate` pads and buckets its arguments and calls this.
 
   Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
@@ -304,7 +306,8 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   temperature [B], top_p [B], max_new_tokens [B], stop_ids [B, M] (-1 = unused).
   """
   return _generate_jit(params, tokens, mask, cache, lora, adapter_ids, rng, temperature,
-                       top_p, max_new_tokens, stop_ids, config=config, num_new=num_new,
+                       top_p, max_new_tokens, stop_ids, prompt_adapter_ids, config=config,
+                       num_new=num_new,
                        top_k=top_k, greedy=greedy, pad_id=pad_id, on_step=on_step)
 
 
@@ -379,7 +382,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              max_new_tokens: Union[int, Sequence[int], np.ndarray],
              prompt_lens=None, prompt_mask=None, cache: Optional[KVCache] = None,
              cache_size: Optional[int] = None, lora: Optional[Adapters] = None,
-             adapter_ids=None, temperature=1.0, top_k: Optional[int] = None, top_p=None,
+             adapter_ids=None, prompt_adapter_ids=None, temperature=1.0,
+             top_k: Optional[int] = None, top_p=None,
              eos_ids: Union[int, Sequence[int], None] = None, stop_ids=None,
              pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
              on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
@@ -408,6 +412,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     cache_size: slots of a fresh cache, to leave room for later continuations.
     lora, adapter_ids: adapters and a scalar or [B] per-row adapter ids in [-1, A)
       (-1 = base) for prompt and output.
+    prompt_adapter_ids: optional [B, P] per-token ids for the prompt chunk instead (e.g. a
+      re-encoded multi-agent history, each token through the adapter that first encoded it).
     temperature: scalar or [B], finite and ≥ 0; 0 = greedy. A tiny temperature is computed
       stably (the max logit is subtracted first) and approaches greedy.
     top_k: static int ≥ 0, or None; 0 and None are off (as in transformers).
@@ -445,12 +451,23 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
                  else 0 if adapter_ids is None else adapter_ids, B, np.int64)
   check_ids("adapter_ids", ids, 1 if lora is None else lora.num_adapters, low=NO_ADAPTER)
+  if prompt_adapter_ids is not None:
+    prompt_adapter_ids = np.asarray(prompt_adapter_ids)
+    if prompt_adapter_ids.shape != (B, P):
+      raise ValueError(f"prompt_adapter_ids has shape {prompt_adapter_ids.shape}; tokens "
+                       f"have {(B, P)}")
+    check_ids("prompt_adapter_ids", prompt_adapter_ids,
+              1 if lora is None else lora.num_adapters, where=mask, low=NO_ADAPTER)
   _check_positions(config, cache, mask, max_new)
 
   used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
   width = bucket(used, MIN_PROMPT_BUCKET)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
   mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
+  if prompt_adapter_ids is not None:
+    prompt_adapter_ids = jnp.asarray(np.pad(
+        np.where(mask[:, :min(P, width)], prompt_adapter_ids[:, :width], NO_ADAPTER),
+        ((0, 0), (0, max(width - P, 0))), constant_values=NO_ADAPTER), jnp.int32)
   num_new = max_new_tokens_bucket or bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
   if num_new < max_new.max(initial=0):
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={max_new.max()}")
@@ -461,6 +478,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       _fit_cache(cache, config, B, width + num_new, cache_size), lora,
       jnp.asarray(ids, jnp.int32), rng, jnp.asarray(temperature), top_p,
       jnp.asarray(max_new, jnp.int32),
-      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)), config=config,
+      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),
+      prompt_adapter_ids, config=config,
       num_new=num_new, top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=int(pad_id),
       on_step=on_step)

@@ -1,0 +1,11 @@
+"""marft_jax.rollout: agent teams playing environments through the jitted sampler.
+
+  episode      TokenSequence / Episode records: exactly what was sampled, per token.
+  context      the per-agent view and the shared stream: what each agent is conditioned on.
+  runner       rollout(envs, team, graph, params, ...): one episode per environment.
+  transcripts  a JSONL file of every episode's turns, for people.
+"""
+
+from marft_jax.rollout.episode import ActionSpan, Episode, TokenSequence, Turn
+from marft_jax.rollout.runner import CONTEXT_MODES, RolloutConfig, RolloutResult, rollout
+from marft_jax.rollout.transcripts import episode_record, write_transcripts

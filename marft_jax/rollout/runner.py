@@ -1,0 +1,413 @@
+"""Rollout: a batch of environments run env step by env step, turn by turn, through the sampler.
+
+One `rollout` call plays one episode in each environment of an `EnvBatch`. Within an env
+step, each environment's `Schedule` (chain, DAG layer or orchestrator) says which agents act;
+every turn is one batched `sampler.generate` call over all environments (rows), each row with
+its agent's adapter, system prompt and sampling settings (temperature, top-p and max new
+tokens per row; top-k is static in the sampler, so a team shares one). Rows with nothing to
+do (their episode is over, or their env step is) take adapter id -1 and sample nothing.
+
+Context modes (`context.py`): "per_agent" builds each turn's prompt afresh; "shared_stream"
+keeps one KV cache per environment and appends each transition to it, so agent k+1 continues
+agent k's cache instead of re-encoding the episode (`reencode=True` re-encodes instead: the
+reference the cache continuation is tested against).
+
+A turn whose prompt plus max new tokens would pass `max_context` positions ends its episode
+cleanly (`Episode.dropped = "context_overflow"`, counted in the metrics); so does an
+environment that raises (`"env_error: ..."`). The run goes on.
+
+Shapes stay few, so the sampler compiles a handful of times per run: the batch is always the
+batch of environments (× the widest graph layer in the per-agent view), the number of new
+tokens is bucketed once for the team, and a shared stream's cache has `max_context` slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+from marft_jax.envs.batch import EnvBatch
+from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule
+from marft_jax.envs.profiles import AgentProfile, adapter_index, check_team
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import sampler, transformer
+from marft_jax.models.config import ModelConfig
+from marft_jax.rollout import context
+from marft_jax.rollout.episode import Episode, TokenSequence, Turn
+
+CONTEXT_MODES = ("per_agent", "shared_stream")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """How episodes are played (the team and graph are passed separately).
+
+  context_mode: "per_agent" or "shared_stream" (see `context.py`).
+  horizon: env steps per episode at most (the environment may end it earlier).
+  max_context: positions a sequence may reach (prompt + replies); beyond it the episode ends
+    as a context overflow. At most the model's max_position_embeddings.
+  reencode: shared stream only: re-encode the whole stream every turn instead of continuing
+    the KV cache (a reference for tests and benchmarks; slower).
+  """
+
+  context_mode: str = "per_agent"
+  horizon: int = 1
+  max_context: int = 1024
+  reencode: bool = False
+
+  def __post_init__(self):
+    if self.context_mode not in CONTEXT_MODES:
+      raise ValueError(f"context_mode={self.context_mode!r}: use one of {CONTEXT_MODES}")
+    for key in ("horizon", "max_context"):
+      value = getattr(self, key)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: use an int >= 1")
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  episodes: list
+  metrics: dict
+
+
+class _Agents:
+  """The team plus an orchestrator (if any), indexed by agent id."""
+
+  def __init__(self, team: Sequence[AgentProfile], structure):
+    self.team = tuple(team)
+    self.profiles = self.team + ((structure.profile,) if isinstance(structure, Orchestrator)
+                                 else ())
+
+  def adapter(self, agent: int) -> int:
+    if agent < len(self.team):
+      return adapter_index(self.team, agent)
+    own = self.profiles[agent].adapter
+    return agent if own is None else own
+
+
+def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
+            structure: Union[AgentGraph, Orchestrator, None], params: Any, model_config: ModelConfig,
+            tokenizer, rng: jax.Array, *, lora: Optional[Adapters] = None,
+            config: RolloutConfig = RolloutConfig(), policy_version: int = 0) -> RolloutResult:
+  """Plays one episode in every environment of `envs`; returns the records and metrics.
+
+  Args:
+    envs: the environments; each starts its next task (auto-reset).
+    team: the agents, in their default speaking order.
+    structure: an `AgentGraph`, an `Orchestrator`, or None for the sequential chain.
+    params, model_config: the base model (any layout; `layout.decoding()` is the fast one).
+    tokenizer: with a chat template and an EOS token.
+    rng: PRNG key; the same key (and tasks) give the same episodes.
+    lora: the stacked adapters the profiles index into (None: every agent is the base model).
+    config: context mode, horizon, context limit.
+    policy_version: recorded on every episode (the learner's version that sampled it).
+  """
+  structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
+  agents = _Agents(team, structure)
+  check_team(team, None if lora is None else lora.num_adapters)
+  if config.context_mode == "shared_stream" and isinstance(structure, AgentGraph) and \
+      not structure.is_sequential():
+    raise ValueError("shared_stream needs a sequential schedule (a chain or an orchestrator): "
+                     "parallel graph branches each see only their ancestors, which one stream "
+                     "cannot show; use context_mode='per_agent' for this graph")
+  top_ks = {p.sampling.top_k for p in agents.profiles}
+  if len(top_ks) > 1:
+    raise ValueError(f"the team's profiles use different top_k {sorted(top_ks)}: the sampler "
+                     "takes one top_k per call; give every profile the same")
+  if config.max_context > model_config.max_position_embeddings:
+    raise ValueError(f"max_context={config.max_context} exceeds the model's "
+                     f"max_position_embeddings={model_config.max_position_embeddings}")
+  runner = _Runner(envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
+                   policy_version)
+  return runner.run()
+
+
+class _Runner:
+  """The state of one rollout call (host side)."""
+
+  def __init__(self, envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
+               policy_version):
+    self.envs, self.agents, self.structure = envs, agents, structure
+    self.params, self.model_config, self.tokenizer = params, model_config, tokenizer
+    self.rng, self.lora, self.config = rng, lora, config
+    self.policy_version = int(policy_version)
+    self.eos = int(tokenizer.eos_token_id)
+    self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos)
+    self.num_new = sampler.bucket(max(p.sampling.max_new_tokens for p in agents.profiles),
+                                  sampler.MIN_NEW_TOKENS_BUCKET)
+    self.top_k = agents.profiles[0].sampling.top_k or None
+    width = 1
+    if isinstance(structure, AgentGraph):
+      width = max(len(layer) for layer in structure.layers())
+    self.rows = len(envs) * (width if config.context_mode == "per_agent" else 1)
+    self.calls = 0
+    self.metrics = {"generated_tokens": 0, "prompt_tokens": 0, "sampler_s": 0.0, "env_s": 0.0,
+                    "context_overflow": 0, "env_error": 0, "turns": 0}
+    self.episodes: list[Episode] = []
+    self.streams: list[Optional[TokenSequence]] = []
+    self.cache = None
+
+  # --- the episode loop ---------------------------------------------------------------------
+
+  def run(self) -> RolloutResult:
+    start = time.perf_counter()
+    observations = []
+    for i in range(len(self.envs)):
+      episode = Episode(env_index=i, seed=self.envs.episode_seed(i, self.envs.episodes[i]),
+                        task="", policy_version=self.policy_version)
+      self.episodes.append(episode)
+      observations.append(self._env_call(episode, lambda i=i: self.envs.reset(i)[1]))
+      if observations[-1] is not None:
+        episode.task = observations[-1].task
+    self.streams = [None] * len(self.envs)
+    history: list[list[list[tuple[int, str]]]] = [[] for _ in range(len(self.envs))]
+    for env_step in range(self.config.horizon):
+      live = [i for i, ep in enumerate(self.episodes)
+              if ep.dropped is None and observations[i] is not None
+              and not (ep.dones and ep.dones[-1])]
+      if not live:
+        break
+      schedules = {i: Schedule(self.structure, self.agents.team) for i in live}
+      self._play_env_step(env_step, schedules, observations, history)
+      for i in live:
+        episode = self.episodes[i]
+        if episode.dropped is not None:
+          continue
+        replies = schedules[i].replies
+        history[i].append(replies)
+        actions = {p.role: "" for p in self.agents.team}
+        for agent, text in replies:  # each role's last reply of this env step
+          if agent < len(self.agents.team):
+            actions[self.agents.team[agent].role] = text
+        step = self._env_call(episode, lambda i=i, a=actions: self.envs.step(i, a))
+        if step is None:
+          continue
+        episode.rewards.append([float(step.rewards.get(p.role, 0.0)) for p in self.agents.team])
+        episode.dones.append(bool(step.done) or env_step == self.config.horizon - 1)
+        episode.infos.append(dict(step.info, orchestrator_calls=schedules[i].calls))
+        observations[i] = step.observation
+    for i, episode in enumerate(self.episodes):
+      if self.streams[i] is not None and len(self.streams[i]):
+        episode.sequences.append(self.streams[i])
+    self.metrics["rollout_s"] = time.perf_counter() - start
+    return RolloutResult(self.episodes, self._summary())
+
+  def _env_call(self, episode: Episode, fn):
+    """Runs an environment method; an exception drops the episode (counted) and returns None."""
+    start = time.perf_counter()
+    try:
+      return fn()
+    except Exception as e:  # an environment's failure must not stop the run
+      episode.dropped = f"env_error: {type(e).__name__}: {e}"
+      self.metrics["env_error"] += 1
+      return None
+    finally:
+      self.metrics["env_s"] += time.perf_counter() - start
+
+  def _play_env_step(self, env_step, schedules, observations, history):
+    """Turn after turn until every live environment's schedule is over."""
+    while True:
+      jobs = []  # (env index, agent)
+      for i, schedule in schedules.items():
+        if self.episodes[i].dropped is None:
+          jobs += [(i, agent) for agent in schedule.next_turn()]
+      if not jobs:
+        return
+      if self.config.context_mode == "per_agent":
+        texts = self._per_agent_turn(jobs, env_step, schedules, observations, history)
+      else:
+        texts = self._stream_turn(jobs, env_step, observations)
+      for (i, agent), text in zip(jobs, texts):
+        schedules[i].record(agent, "" if text is None else text)
+
+  # --- one batched sampler call ---------------------------------------------------------------
+
+  def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None):
+    """One sampler call. prompts: per row a token list (or None: the row sits out);
+    prompt_adapters: optional per row per-token adapter ids of the prompt."""
+    rows = len(prompts)
+    width = max([len(p) for p in prompts if p] + [1])
+    tokens = np.full((rows, width), self.pad, np.int32)
+    lens = np.zeros((rows,), np.int32)
+    max_new = np.zeros((rows,), np.int32)
+    temperature = np.ones((rows,), np.float32)
+    top_p = np.ones((rows,), np.float32)
+    adapter_ids = np.full((rows,), -1, np.int32)
+    token_adapters = None if prompt_adapters is None else np.full((rows, width), -1, np.int32)
+    for r, (prompt, agent) in enumerate(zip(prompts, agents_per_row)):
+      if not prompt:
+        continue
+      tokens[r, :len(prompt)], lens[r] = prompt, len(prompt)
+      if token_adapters is not None:
+        token_adapters[r, :len(prompt)] = prompt_adapters[r]
+      s = self.agents.profiles[agent].sampling
+      max_new[r], temperature[r], top_p[r] = s.max_new_tokens, s.temperature, s.top_p
+      adapter_ids[r] = self.agents.adapter(agent)
+    key = jax.random.fold_in(self.rng, self.calls)
+    self.calls += 1
+    start = time.perf_counter()
+    out = sampler.generate(
+        self.params, tokens, self.model_config, rng=key, max_new_tokens=max_new,
+        prompt_lens=lens, cache=cache,
+        lora=self.lora,
+        adapter_ids=adapter_ids if self.lora is not None else None,
+        prompt_adapter_ids=token_adapters if self.lora is not None else None,
+        temperature=temperature,
+        top_k=self.top_k, top_p=None if np.all(top_p >= 1) else top_p, eos_ids=self.eos,
+        pad_id=self.pad, max_new_tokens_bucket=self.num_new)
+    result = (np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.lengths))
+    self.metrics["sampler_s"] += time.perf_counter() - start
+    self.metrics["generated_tokens"] += int(result[2].sum())
+    self.metrics["prompt_tokens"] += int(lens.sum())
+    self.metrics["turns"] += int((max_new > 0).sum())
+    return result, out.cache
+
+  def _decode(self, tokens) -> str:
+    return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+  # --- the per-agent view ---------------------------------------------------------------------
+
+  def _per_agent_turn(self, jobs, env_step, schedules, observations, history):
+    prompts, agents, texts = [None] * self.rows, [0] * self.rows, [None] * len(jobs)
+    placed = []  # (job index, row)
+    next_row = {}
+    for j, (i, agent) in enumerate(jobs):
+      profile = self.agents.profiles[agent]
+      prompt = context.per_agent_prompt(self.tokenizer, profile, self.agents.team,
+                                        observations[i], history[i],
+                                        schedules[i].visible(agent))
+      if len(prompt) + profile.sampling.max_new_tokens > self.config.max_context:
+        self._overflow(i)
+        continue
+      row = i * (self.rows // len(self.envs)) + next_row.get(i, 0)
+      next_row[i] = next_row.get(i, 0) + 1
+      prompts[row], agents[row] = prompt, agent
+      placed.append((j, row))
+    if not placed:
+      return texts
+    (tokens, logprobs, lengths), _ = self._generate(prompts, agents)
+    for j, row in placed:
+      i, agent = jobs[j]
+      n = int(lengths[row])
+      sequence = TokenSequence()
+      adapter = self.agents.adapter(agent)
+      sequence.add_context(prompts[row], adapter)
+      sequence.add_reply(tokens[row, :n], logprobs[row, :n], agent, adapter,
+                         self.agents.profiles[agent].sampling.temperature,
+                         len(self.episodes[i].turns), env_step)
+      self.episodes[i].sequences.append(sequence)
+      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[row, :n])
+    return texts
+
+  def _record_turn(self, i, agent, env_step, prompt, reply) -> str:
+    text = self._decode(reply)
+    stopped = len(reply) > 0 and int(reply[-1]) == self.eos
+    self.episodes[i].turns.append(Turn(env_step=env_step, agent=agent,
+                                       role=self.agents.profiles[agent].role,
+                                       prompt=self.tokenizer.decode(prompt), reply=text,
+                                       num_tokens=len(reply), stopped=stopped))
+    return text
+
+  def _overflow(self, i):
+    if self.episodes[i].dropped is None:
+      self.episodes[i].dropped = "context_overflow"
+      self.metrics["context_overflow"] += 1
+
+  # --- the shared stream ----------------------------------------------------------------------
+
+  def _stream_turn(self, jobs, env_step, observations):
+    chunks, agents, texts = [None] * self.rows, [0] * self.rows, [None] * len(jobs)
+    for j, (i, agent) in enumerate(jobs):
+      profile = self.agents.profiles[agent]
+      stream = self.streams[i]
+      if stream is None:
+        chunk = context.stream_start(self.tokenizer, observations[i].task, profile)
+      else:
+        last = self.episodes[i].turns[-1] if self.episodes[i].turns else None
+        stopped = last is None or last.stopped
+        new_step = last is not None and last.env_step != env_step
+        feedback = observations[i].feedback[-1] if new_step and observations[i].feedback else ""
+        chunk = context.stream_transition(self.tokenizer, profile, stopped, feedback)
+      used = 0 if stream is None else len(stream)
+      if used + len(chunk) + profile.sampling.max_new_tokens > self.config.max_context:
+        self._overflow(i)
+        continue
+      chunks[i], agents[i] = chunk, agent
+    if not any(c is not None for c in chunks):
+      return texts
+    prompt_adapters = None
+    if self.config.reencode:  # the whole stream, each token through its first adapter
+      prompts, cache = self._full_streams(chunks), None
+      prompt_adapters = self._full_stream_adapters(chunks, agents)
+    else:
+      prompts, cache = chunks, (self._fresh_cache() if self.cache is None else self.cache)
+    (tokens, logprobs, lengths), self.cache = self._generate(prompts, agents, cache=cache,
+                                                             prompt_adapters=prompt_adapters)
+    if self.config.reencode:
+      self.cache = None
+    for j, (i, agent) in enumerate(jobs):
+      if chunks[i] is None:
+        continue
+      if self.streams[i] is None:
+        self.streams[i] = TokenSequence()
+      adapter = self.agents.adapter(agent)
+      n = int(lengths[i])
+      self.streams[i].add_context(chunks[i], adapter)
+      self.streams[i].add_reply(tokens[i, :n], logprobs[i, :n], agent, adapter,
+                                self.agents.profiles[agent].sampling.temperature,
+                                len(self.episodes[i].turns), env_step)
+      texts[j] = self._record_turn(i, agent, env_step, chunks[i], tokens[i, :n])
+    return texts
+
+  def _full_streams(self, chunks):
+    """Each row's whole stream so far plus its new chunk (re-encoding, or a first call)."""
+    full = []
+    for i, chunk in enumerate(chunks):
+      if chunk is None:
+        full.append(None)
+      else:
+        before = [] if self.streams[i] is None else list(self.streams[i].tokens)
+        full.append(before + list(chunk))
+    return full
+
+  def _full_stream_adapters(self, chunks, agents):
+    out = []
+    for i, chunk in enumerate(chunks):
+      if chunk is None:
+        out.append(None)
+        continue
+      before = [] if self.streams[i] is None else list(self.streams[i].adapter_ids)
+      out.append(before + [self.agents.adapter(agents[i])] * len(chunk))
+    return out
+
+  def _fresh_cache(self):
+    """A cache for the whole episode. Each call uses its padded chunk width plus its longest
+    reply in slots, more than the real tokens `max_context` bounds: twice that is room for
+    padding (a call that would not fit grows the cache, at the price of a compile)."""
+    size = sampler.bucket(2 * self.config.max_context, sampler.MIN_PROMPT_BUCKET)
+    return transformer.init_cache(self.model_config, self.rows, size)
+
+  # --- metrics --------------------------------------------------------------------------------
+
+  def _summary(self) -> dict:
+    m = dict(self.metrics)
+    episodes = self.episodes
+    m["episodes"] = len(episodes)
+    m["dropped"] = sum(e.dropped is not None for e in episodes)
+    kept = [e for e in episodes if e.dropped is None]
+    m["reward"] = float(np.mean([e.episodic_return for e in kept])) if kept else 0.0
+    m["rollout_tok_s"] = m["generated_tokens"] / max(m["rollout_s"], 1e-9)
+    for agent, profile in enumerate(self.agents.profiles):
+      lengths = [t.num_tokens for e in episodes for t in e.turns if t.agent == agent]
+      m[f"agent/{profile.role}/reply_tokens"] = float(np.mean(lengths)) if lengths else 0.0
+    for agent, profile in enumerate(self.agents.team):
+      rewards = [r[agent] for e in kept for r in e.rewards]
+      m[f"agent/{profile.role}/reward"] = float(np.mean(rewards)) if rewards else 0.0
+    infos = [info.get("metrics", {}) for e in episodes for info in e.infos]
+    for name in sorted({k for info in infos for k in info}):
+      m[f"env/{name}"] = float(np.mean([info[name] for info in infos if name in info]))
+    return m

@@ -1,0 +1,211 @@
+"""Rollouts record exactly what the sampler produced, and re-scoring reproduces it.
+
+The tiny model and tokenizer (`models.tiny`) in the decoding layout, two LoRA adapters, the
+echo environment. References: a direct `sampler.generate` call with the rollout's key (the
+recorded tokens are the sampler's), a teacher-forced forward over each recorded sequence
+with its per-token adapter ids (the behaviour log-probs), and re-encoding the whole stream
+every turn (the shared stream's KV-cache continuation).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax import envs, rollout as rollout_lib
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import layout, sampler, tiny, transformer
+from marft_jax.models.config import tiny_config
+from marft_jax.models.sampling import SamplingConfig
+from marft_jax.models.targets import linear_shapes
+from marft_jax.rollout import context
+
+E = 3  # environments
+
+
+@pytest.fixture(scope="module")
+def model():
+  tokenizer = tiny.tiny_tokenizer()
+  base = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
+  params = transformer.init_params(base, jax.random.key(0), std=0.1)
+  config = base.replace(layout=layout.DECODING)
+  rng = np.random.default_rng(1)
+  layers = {name: {"a": jnp.asarray(rng.normal(0, 0.3, (2, 2, i, 4)), jnp.float32),
+                   "b": jnp.asarray(rng.normal(0, 0.3, (2, 2, 4, o)), jnp.float32)}
+            for name, (i, o) in linear_shapes(base).items()}
+  return dict(tokenizer=tokenizer, base=base, params=params, config=config,
+              fast=layout.convert_params(params, base.layout, config.layout),
+              lora=Adapters(layers=layers, scale=2.0))
+
+
+def _team(temperature=1.0, top_p=1.0):
+  sampling = lambda n: SamplingConfig(max_new_tokens=n, temperature=temperature, top_p=top_p)
+  return (envs.AgentProfile("reasoner", "Think about it.", "Thinks.", sampling(12)),
+          envs.AgentProfile("actor", "Answer with the number.", "Answers.", sampling(6),
+                            graded=True))
+
+
+def _play(model, team, structure=None, seed=0, **config):
+  batch = envs.EnvBatch(lambda i: envs.EchoEnv(graded=["actor"]), E, seed=seed)
+  return rollout_lib.rollout(batch, team, structure, model["fast"], model["config"],
+                             model["tokenizer"], jax.random.key(5), lora=model["lora"],
+                             config=rollout_lib.RolloutConfig(**config), policy_version=3)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _token_logprobs(params, lora, tokens, adapter_ids, temperature, config):
+  logits, _ = transformer.forward(params, tokens[None], config, lora=lora,
+                                  adapter_ids=adapter_ids[None])
+  logp = jax.nn.log_softmax(logits[0, :-1] / temperature[1:, None], axis=-1)
+  return jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
+
+
+def _assert_rescoring_reproduces(model, sequence):
+  """Teacher-forced log-probs (training layout, recorded adapter ids) = behaviour log-probs."""
+  a = sequence.arrays()
+  logp = _token_logprobs(model["params"], model["lora"], jnp.asarray(a["tokens"]),
+                         jnp.asarray(a["adapter_ids"]), jnp.asarray(a["temperature"]),
+                         model["base"])
+  mask = a["loss_mask"][1:]
+  assert not a["loss_mask"][0]
+  # f32 rounding grows with the length (a 450-token stream: 3e-5 on log-probs near -5, the
+  # same in both layouts: it is the cached vs uncached summation order), hence rtol too.
+  np.testing.assert_allclose(np.asarray(logp)[mask], a["behaviour_logprobs"][1:][mask],
+                             atol=1e-5, rtol=1e-5)
+
+
+def test_per_agent_rollout_records_the_sampler_output(model):
+  team = _team(temperature=0.7)
+  result = _play(model, team)
+  assert result.metrics["episodes"] == E and result.metrics["dropped"] == 0
+  for i, episode in enumerate(result.episodes):
+    assert episode.policy_version == 3 and len(episode.sequences) == 2  # one per turn
+    assert [t.role for t in episode.turns] == ["reasoner", "actor"]
+    for agent, sequence in enumerate(episode.sequences):
+      a = sequence.arrays()
+      assert set(a["agent_ids"][a["loss_mask"]]) == {agent}
+      assert set(a["adapter_ids"]) == {agent}  # prompt and reply through the agent's adapter
+      _assert_rescoring_reproduces(model, sequence)
+  # The first turn, by hand: the same prompts, key and settings through the sampler directly.
+  tok = model["tokenizer"]
+  prompts = [context.per_agent_prompt(tok, team[0], team, envs.Observation(ep.task), [], [])
+             for ep in result.episodes]
+  width = max(map(len, prompts))
+  padded = np.array([p + [tok.pad_token_id] * (width - len(p)) for p in prompts])
+  out = sampler.generate(model["fast"], padded, model["config"], rng=jax.random.fold_in(
+      jax.random.key(5), 0), max_new_tokens=12, prompt_lens=[len(p) for p in prompts],
+      lora=model["lora"], adapter_ids=[0] * E, temperature=0.7, eos_ids=tok.eos_token_id,
+      pad_id=tok.pad_token_id, max_new_tokens_bucket=16)
+  for row, episode in enumerate(result.episodes):
+    n = int(out.lengths[row])
+    reply = episode.sequences[0].arrays()
+    np.testing.assert_array_equal(reply["tokens"][reply["loss_mask"]],
+                                  np.asarray(out.tokens[row, :n]))
+    np.testing.assert_array_equal(reply["tokens"][~reply["loss_mask"]], prompts[row])
+
+
+def test_shared_stream_continues_the_cache_exactly_as_reencoding(model):
+  team = _team()
+  continued = _play(model, team, context_mode="shared_stream")
+  reencoded = _play(model, team, context_mode="shared_stream", reencode=True)
+  for a, b in zip(continued.episodes, reencoded.episodes):
+    assert len(a.sequences) == 1  # one stream per episode
+    sa, sb = a.sequences[0].arrays(), b.sequences[0].arrays()
+    np.testing.assert_array_equal(sa["tokens"], sb["tokens"])
+    np.testing.assert_allclose(sa["behaviour_logprobs"], sb["behaviour_logprobs"], atol=1e-5)
+    _assert_rescoring_reproduces(model, a.sequences[0])
+    spans = a.sequences[0].spans
+    assert [s.agent for s in spans] == [0, 1] and spans[0].end < spans[1].start
+    # Both roles' own instructions are in the stream (the AReaL code drops the second).
+    text = model["tokenizer"].decode(sa["tokens"])
+    assert "Think about it." in text and "Answer with the number." in text
+
+
+def test_dag_branches_see_only_their_ancestors(model):
+  sampling = SamplingConfig(max_new_tokens=6)
+  team = (envs.AgentProfile("a", "Root.", "r", sampling, adapter=0),
+          envs.AgentProfile("b", "Left.", "l", sampling, adapter=1),
+          envs.AgentProfile("c", "Right.", "r", sampling, adapter=0),
+          envs.AgentProfile("d", "Join.", "j", sampling, adapter=1, graded=True))
+  graph = envs.AgentGraph(("a", "b", "c", "d"), (("a", "b"), ("a", "c"), ("b", "d"),
+                                                  ("c", "d")))
+  assert graph.layers() == (("a",), ("b", "c"), ("d",))
+  batch = envs.EnvBatch(lambda i: envs.EchoEnv(graded=["d"]), 2)
+  result = rollout_lib.rollout(batch, team, graph, model["fast"], model["config"],
+                               model["tokenizer"], jax.random.key(1), lora=model["lora"])
+  for episode in result.episodes:
+    turns = {t.role: t for t in episode.turns}
+    assert [t.role for t in episode.turns][0] == "a" and episode.turns[-1].role == "d"
+    said = {role: f"{role.title()}: {turns[role].reply.strip()}" for role in "abc"}
+    assert said["a"] in turns["b"].prompt and said["a"] in turns["c"].prompt
+    if turns["b"].reply.strip() and turns["c"].reply.strip():
+      assert said["c"] not in turns["b"].prompt and said["b"] not in turns["c"].prompt
+    assert all(said[r] in turns["d"].prompt for r in "abc" if turns[r].reply.strip())
+
+
+def test_orchestrator_schedule_routes_by_its_tags():
+  team = _team()
+  schedule = envs.Schedule(envs.Orchestrator(envs.orchestrator_profile(team), max_calls=2),
+                           team)
+  assert schedule.next_turn() == (2,)  # the orchestrator speaks first
+  schedule.record(2, "The plan first. <call>Reasoner</call>")
+  assert schedule.next_turn() == (0,)
+  schedule.record(0, "steps")
+  assert schedule.next_turn() == (2,)
+  schedule.record(2, "<call>actor</call>")
+  assert schedule.next_turn() == (1,)
+  schedule.record(1, "7")
+  schedule.record(2, "<call>reasoner</call>")  # a third call: over the limit of 2
+  assert schedule.next_turn() == () and schedule.calls == 2
+  done = envs.Schedule(envs.Orchestrator(envs.orchestrator_profile(team)), team)
+  done.next_turn()
+  done.record(2, "nothing to route")  # unparseable: the env step ends
+  assert done.next_turn() == ()
+  assert envs.parse_route("<call>x</call> <DONE/>", ["x"]) == "done"
+  assert envs.parse_route("<call> actor </call>", ["actor"]) == "actor"
+  assert envs.parse_route("<call>nobody</call>", ["actor"]) is None
+
+
+def test_orchestrated_rollout_trains_the_routing_tokens(model):
+  team = _team()
+  orchestrator = envs.Orchestrator(envs.orchestrator_profile(team, adapter=1, max_new_tokens=8))
+  result = _play(model, team, orchestrator, context_mode="shared_stream")
+  for episode in result.episodes:
+    assert episode.turns[0].role == "orchestrator"  # random text: rarely a valid route
+    a = episode.sequences[0].arrays()
+    assert 2 in set(a["agent_ids"][a["loss_mask"]])  # the orchestrator's tokens are trained
+    _assert_rescoring_reproduces(model, episode.sequences[0])
+
+
+def test_env_order_is_seeded_and_failures_are_counted(model):
+  tasks = lambda r: [e.task for e in r.episodes]
+  assert tasks(_play(model, _team(), seed=4)) == tasks(_play(model, _team(), seed=4))
+  assert tasks(_play(model, _team(), seed=4)) != tasks(_play(model, _team(), seed=5))
+  overflow = _play(model, _team(), max_context=40)  # the prompt alone is longer
+  assert overflow.metrics["context_overflow"] == E and overflow.metrics["dropped"] == E
+  assert all(e.dropped == "context_overflow" for e in overflow.episodes)
+
+  class Broken(envs.EchoEnv):
+    def step(self, actions):
+      raise RuntimeError("grader crashed")
+
+  batch = envs.EnvBatch(lambda i: Broken(graded=["actor"]) if i == 1 else
+                        envs.EchoEnv(graded=["actor"]), E)
+  result = rollout_lib.rollout(batch, _team(), None, model["fast"], model["config"],
+                               model["tokenizer"], jax.random.key(0), lora=model["lora"])
+  assert result.metrics["env_error"] == 1
+  assert result.episodes[1].dropped.startswith("env_error: RuntimeError: grader crashed")
+  assert result.episodes[0].dropped is None and result.episodes[0].rewards
+
+
+def test_transcripts_are_one_readable_line_per_episode(model, tmp_path):
+  import json
+  result = _play(model, _team())
+  path = rollout_lib.write_transcripts(str(tmp_path / "it_0.jsonl"), result.episodes)
+  lines = [json.loads(line) for line in open(path)]
+  assert len(lines) == E
+  assert [t["role"] for t in lines[0]["turns"]] == ["reasoner", "actor"]
+  assert lines[0]["task"].startswith("Repeat this number:")
+  assert "infos" in lines[0] and lines[0]["rewards"][0][1] in (0.0, 1.0)
