@@ -1,0 +1,232 @@
+"""Per-iteration metrics: TensorBoard event files, a `metrics.jsonl`, and learning-curve PNGs.
+
+The JSONL file is the record tests and scripts read (one object per iteration, `{"step": N,
+...}`); TensorBoard is for looking. Both are written by `MetricWriter`, the shape of clu's
+writers (clu's own need TensorFlow). A resumed run first drops what the interrupted run wrote
+at or after the resumed step, so each step appears once in the JSONL file and in TensorBoard
+(`purge_step`).
+
+Plots use matplotlib's Agg canvas directly (no pyplot: no GUI backend, no global figure state)
+and replace the PNG atomically, so a viewer never sees half an image.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+StrPath = Union[str, "os.PathLike[str]"]
+METRICS_FILE = "metrics.jsonl"
+TEXTS_FILE = "texts.jsonl"
+
+
+class MetricWriter:
+  """Writes scalars to `workdir/tensorboard` and `workdir/metrics.jsonl`, texts to
+  TensorBoard and `workdir/texts.jsonl`.
+
+  Args:
+    workdir: the run's folder.
+    enabled: False makes every method a no-op (processes other than 0 of a multi-host run).
+    resume_step: the first step a resumed run will write: lines at or after it are dropped
+      from the JSONL files and hidden in TensorBoard, so nothing appears twice.
+  """
+
+  def __init__(self, workdir: StrPath, enabled: bool = True, resume_step: Optional[int] = None):
+    self.enabled = enabled
+    self.workdir = os.fspath(workdir)
+    self.metrics_path = os.path.join(self.workdir, METRICS_FILE)
+    self.texts_path = os.path.join(self.workdir, TEXTS_FILE)
+    self._tb = self._jsonl = self._texts = None
+    if not enabled:
+      return
+    os.makedirs(self.workdir, exist_ok=True)
+    if resume_step is not None:
+      self.truncate_after(resume_step)
+    from tensorboardX import SummaryWriter  # Imported here: disabled writers never need it.
+    # Event files are named by the second they open in and opened with "wb": the suffix keeps
+    # a writer opened in the same second (a quick restart) from truncating the previous file.
+    self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"), purge_step=resume_step,
+                             filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:6]}")
+    self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+    self._texts = open(self.texts_path, "a", encoding="utf-8")
+
+  def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    """Writes `scalars` (numbers: Python, NumPy or 0-d JAX) for `step`, then flushes.
+
+    A NaN or inf goes to TensorBoard as is and to the JSONL file as null (JSON has no NaN).
+    Raises TypeError naming the key of a value that is not a number.
+    """
+    if not self.enabled:
+      return
+    values = {key: _to_float(key, value, step) for key, value in scalars.items()}
+    for key, value in values.items():
+      self._tb.add_scalar(key, value, global_step=step)
+    record = {"step": int(step)}
+    record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    self._tb.flush()
+
+  def write_text(self, step: int, tag: str, text: str) -> None:
+    """Writes a text (a transcript, a sample table in Markdown) under `tag` for `step`."""
+    if not self.enabled:
+      return
+    self._tb.add_text(tag, text, global_step=step)
+    self._texts.write(json.dumps({"step": int(step), "tag": tag, "text": text}) + "\n")
+    self._texts.flush()
+    self._tb.flush()
+
+  def truncate_after(self, step: int) -> None:
+    """Drops the JSONL lines with a step >= `step` (and a torn last line), atomically."""
+    if not self.enabled:
+      return
+    reopen = self._jsonl is not None  # The rename replaces the file under an open handle.
+    if reopen:
+      self._jsonl.close()
+      self._texts.close()
+    for path in (self.metrics_path, self.texts_path):
+      if os.path.exists(path):
+        kept = [json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", -1) < step]
+        _write_atomically(path, lambda f, kept=kept: f.writelines(kept), mode="w")
+    if reopen:
+      self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+      self._texts = open(self.texts_path, "a", encoding="utf-8")
+
+  def flush(self) -> None:
+    if self.enabled:
+      self._jsonl.flush()
+      self._texts.flush()
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self.enabled and self._tb is not None:
+      self._jsonl.close()
+      self._texts.close()
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> "MetricWriter":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def read_metrics(jsonl_path: StrPath) -> list[dict]:
+  """The records of a metrics JSONL file, in order; unreadable lines (a torn last line from
+  a killed run) are skipped."""
+  records = []
+  with open(jsonl_path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict):
+        records.append(record)
+  return records
+
+
+def plot_learning_curves(jsonl_path: StrPath, png_path: StrPath,
+                         keys: Sequence[str] = ("reward",), title: Optional[str] = None,
+                         smoothing: float = 0.6) -> None:
+  """One panel per key against step: raw points and an exponentially smoothed line.
+
+  A key with no finite value yet gets an empty panel saying so (the trainer refreshes the
+  plot from the first checkpoint on). `smoothing` is TensorBoard's: 0 draws the raw values.
+  """
+  records = read_metrics(jsonl_path)
+  fig, axes = _figure(len(keys))
+  for ax, key in zip(axes, keys):
+    _plot_series(ax, *_series(records, key), smoothing, label=None)
+    ax.set_ylabel(key)
+  axes[-1].set_xlabel("step")
+  if title:
+    fig.suptitle(title)
+  _save_figure(fig, png_path)
+
+
+def plot_runs(runs: Mapping[str, StrPath], png_path: StrPath, key: str = "reward",
+              title: Optional[str] = None, smoothing: float = 0.6) -> None:
+  """Compares runs: `key` against step for each `{label: jsonl_path}`, in one panel."""
+  fig, (ax,) = _figure(1)
+  for label, path in runs.items():
+    _plot_series(ax, *_series(read_metrics(path), key), smoothing, label=label)
+  ax.set_xlabel("step")
+  ax.set_ylabel(key)
+  if runs:
+    ax.legend(loc="best")
+  ax.set_title(title or key)
+  _save_figure(fig, png_path)
+
+
+def smooth(values: Sequence[float], weight: float) -> np.ndarray:
+  """TensorBoard's debiased exponential moving average: s_t = w·s_{t-1} + (1-w)·x_t, divided
+  by 1 - w^t so the first points are not pulled towards 0."""
+  out, last = np.empty(len(values)), 0.0
+  for t, x in enumerate(values):
+    last = weight * last + (1.0 - weight) * x
+    out[t] = last / (1.0 - weight ** (t + 1)) if weight < 1.0 else x
+  return out
+
+
+def _to_float(key: str, value: Any, step: int) -> float:
+  try:
+    return float(np.asarray(value).item())
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"metric {key!r} at step {step} is not a number: {value!r} ({e})") from None
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+  pairs = [(r["step"], r[key]) for r in records
+           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and "step" in r]
+  steps, values = zip(*pairs) if pairs else ((), ())
+  return np.asarray(steps, float), np.asarray(values, float)
+
+
+def _figure(panels: int):
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+  fig = Figure(figsize=(7, 2.6 * panels + 0.6), layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(panels, 1, sharex=True, squeeze=False)[:, 0]
+  return fig, list(axes)
+
+
+def _plot_series(ax, steps: np.ndarray, values: np.ndarray, smoothing: float,
+                 label: Optional[str]) -> None:
+  if not len(steps):
+    ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes)
+    return
+  order = np.argsort(steps, kind="stable")
+  steps, values = steps[order], values[order]
+  line, = ax.plot(steps, smooth(values, smoothing), label=label)
+  ax.scatter(steps, values, s=6, alpha=0.35, color=line.get_color())
+  ax.grid(alpha=0.3)
+
+
+def _save_figure(fig, png_path: StrPath) -> None:
+  _write_atomically(os.fspath(png_path), lambda f: fig.savefig(f, format="png", dpi=100),
+                    mode="wb")
+
+
+def _write_atomically(path: str, write, mode: str) -> None:
+  """Writes through `write(file)` into a sibling temporary file, then renames it over `path`."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  temp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+  try:
+    with open(temp, mode) as f:
+      write(f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temp, path)
+  except BaseException:
+    if os.path.exists(temp):
+      os.remove(temp)
+    raise

@@ -1,0 +1,143 @@
+"""MetricWriter (TensorBoard + JSONL, resume without duplicates) and the learning-curve plots."""
+
+import json
+import math
+import os
+import struct
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from marft_jax.train import metrics
+from marft_jax.train.metrics import MetricWriter, plot_learning_curves, plot_runs, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_events(folder):
+  """Every event in a TensorBoard folder (TFRecord: u64 length, u32 crc, data, u32 crc)."""
+  events = []
+  for name in sorted(os.listdir(folder)):
+    with open(os.path.join(folder, name), "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      events.append(event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]))
+      pos += 12 + length + 4
+  return events
+
+
+def scalars(folder):
+  return [(e.step, v.tag, v.simple_value) for e in read_events(folder) for v in e.summary.value]
+
+
+def test_write_goes_to_jsonl_and_tensorboard(tmp_path):
+  with MetricWriter(tmp_path) as writer:
+    writer.write(0, {"reward": 0.25, "loss": np.float32(1.5), "kl": jnp.asarray(0.125)})
+    writer.write(1, {"reward": float("nan"), "loss": math.inf, "kl": 0.0})
+    writer.write_text(1, "samples/agent_0", "2 + 2 = 4")
+    # Flushed on every write: a reader sees the lines before close.
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line) for line in lines] == [
+      {"step": 0, "reward": 0.25, "loss": 1.5, "kl": 0.125},
+      {"step": 1, "reward": None, "loss": None, "kl": 0.0}]
+  assert "NaN" not in lines[1]  # strict JSON
+  assert (0, "reward", 0.25) in scalars(tmp_path / "tensorboard")
+  nan_reward = [v for s, tag, v in scalars(tmp_path / "tensorboard") if (s, tag) == (1, "reward")]
+  assert len(nan_reward) == 1 and math.isnan(nan_reward[0])
+  texts = read_metrics(tmp_path / "texts.jsonl")
+  assert texts == [{"step": 1, "tag": "samples/agent_0", "text": "2 + 2 = 4"}]
+
+
+def test_non_number_names_the_key(tmp_path):
+  with MetricWriter(tmp_path) as writer:
+    with pytest.raises(TypeError, match="metric 'name' at step 3 is not a number"):
+      writer.write(3, {"reward": 1.0, "name": "abc"})
+
+
+def test_resume_drops_lines_at_and_after_the_resumed_step(tmp_path):
+  with MetricWriter(tmp_path) as writer:
+    for step in range(6):
+      writer.write(step, {"reward": step / 10})
+      writer.write_text(step, "t", f"text {step}")
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 6, "rew')  # torn line of a killed run
+  with MetricWriter(tmp_path, resume_step=3) as writer:
+    assert [r["step"] for r in read_metrics(writer.metrics_path)] == [0, 1, 2]
+    writer.write(3, {"reward": 0.9})
+    writer.write(4, {"reward": 1.0})
+  records = read_metrics(tmp_path / "metrics.jsonl")
+  assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+  assert records[3]["reward"] == 0.9
+  assert [r["step"] for r in read_metrics(tmp_path / "texts.jsonl")] == [0, 1, 2]
+  events = read_events(tmp_path / "tensorboard")
+  assert any(e.step == 3 and e.session_log.status == event_pb2.SessionLog.START for e in events)
+  assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_truncate_after_on_an_open_writer_keeps_writing_to_the_file(tmp_path):
+  with MetricWriter(tmp_path) as writer:
+    for step in range(4):
+      writer.write(step, {"reward": 1.0})
+    writer.truncate_after(2)
+    writer.write(2, {"reward": 2.0})
+  assert [(r["step"], r["reward"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+      (0, 1.0), (1, 1.0), (2, 2.0)]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+  with MetricWriter(tmp_path / "w", enabled=False) as writer:
+    writer.write(0, {"reward": 1.0})
+    writer.write_text(0, "t", "x")
+    writer.truncate_after(0)
+  assert not (tmp_path / "w").exists()
+
+
+def test_smooth_is_tensorboards_debiased_ema():
+  np.testing.assert_allclose(metrics.smooth([1.0, 3.0], 0.5), [1.0, (0.25 + 1.5) / 0.75])
+  np.testing.assert_allclose(metrics.smooth([1.0, 3.0, 2.0], 0.0), [1.0, 3.0, 2.0])
+
+
+def test_learning_curves_png(tmp_path):
+  with MetricWriter(tmp_path) as writer:
+    for step in range(20):
+      writer.write(step, {"reward": step / 20 + 0.1 * np.sin(step), "loss": 1.0 / (step + 1)})
+  png = tmp_path / "plots" / "curves.png"
+  plot_learning_curves(tmp_path / "metrics.jsonl", png, keys=("reward", "loss", "absent"),
+                       title="toy run")
+  assert png.read_bytes().startswith(PNG_MAGIC)
+  first = png.stat().st_size
+  plot_learning_curves(tmp_path / "metrics.jsonl", png)  # refreshed in place
+  assert png.read_bytes().startswith(PNG_MAGIC) and png.stat().st_size != first
+  assert os.listdir(png.parent) == ["curves.png"]
+
+
+def test_plot_runs_compares_several_files(tmp_path):
+  runs = {}
+  for label, slope in (("marft-a", 0.05), ("grpo", 0.03)):
+    with MetricWriter(tmp_path / label) as writer:
+      for step in range(10):
+        writer.write(step, {"reward": slope * step})
+    runs[label] = tmp_path / label / "metrics.jsonl"
+  plot_runs(runs, tmp_path / "compare.png", key="reward")
+  assert (tmp_path / "compare.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_failed_plot_keeps_the_previous_png(tmp_path, monkeypatch):
+  (tmp_path / "m.jsonl").write_text('{"step": 0, "reward": 1.0}\n')
+  png = tmp_path / "curves.png"
+  plot_learning_curves(tmp_path / "m.jsonl", png)
+  before = png.read_bytes()
+
+  def broken_savefig(*args, **kwargs):
+    raise RuntimeError("renderer failed")
+
+  monkeypatch.setattr("matplotlib.figure.Figure.savefig", broken_savefig)
+  with pytest.raises(RuntimeError, match="renderer failed"):
+    plot_learning_curves(tmp_path / "m.jsonl", png)
+  assert png.read_bytes() == before
+  assert sorted(os.listdir(tmp_path)) == ["curves.png", "m.jsonl"]
