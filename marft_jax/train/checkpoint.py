@@ -50,6 +50,9 @@ _EXPORT = re.compile(r"^step_(\d+)$")
 _EXPORT_TEMP = re.compile(r"^\.step_\d+\.(tmp|old)-[0-9a-f]+$")
 
 
+_all_finite = jax.jit(lambda x: jnp.all(jnp.isfinite(x)))
+
+
 class NonFiniteStateError(ValueError):
   """A state with a NaN or inf leaf was about to be checkpointed (and was not)."""
 
@@ -80,7 +83,7 @@ def first_non_finite(tree: Any) -> Optional[str]:
         or not jax.dtypes.issubdtype(dtype, jnp.inexact)):
       continue
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-      finite = bool(jax.jit(lambda x: jnp.all(jnp.isfinite(x)))(leaf))
+      finite = bool(_all_finite(leaf))
     else:
       values = np.asarray(leaf)
       if values.dtype.kind not in "fc":  # bfloat16 and other ml_dtypes floats
@@ -120,6 +123,7 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, "checkpoints")
     self.exports_dir = os.path.join(self.workdir, "exports")
     self.async_save = async_save
+    self._closed = False
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if keep_every is not None:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
@@ -189,7 +193,10 @@ class Checkpointer:
     self._prune_exports()
 
   def close(self) -> None:
-    """Waits for outstanding saves, then releases Orbax's threads."""
+    """Waits for outstanding saves, then releases Orbax's threads (a second call is a no-op)."""
+    if self._closed:
+      return
+    self._closed = True
     try:
       self.wait()
     finally:

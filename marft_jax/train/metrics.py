@@ -59,10 +59,13 @@ class MetricWriter:
     """Writes `scalars` (numbers: Python, NumPy or 0-d JAX) for `step`, then flushes.
 
     A NaN or inf goes to TensorBoard as is and to the JSONL file as null (JSON has no NaN).
-    Raises TypeError naming the key of a value that is not a number.
+    Raises TypeError naming the key of a value that is not a number, ValueError for a key
+    "step" (the JSONL record's own).
     """
     if not self.enabled:
       return
+    if "step" in scalars:
+      raise ValueError(f"metric key 'step' at step {step} is reserved for the step number")
     values = {key: _to_float(key, value, step) for key, value in scalars.items()}
     for key, value in values.items():
       self._tb.add_scalar(key, value, global_step=step)

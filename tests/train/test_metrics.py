@@ -57,6 +57,8 @@ def test_non_number_names_the_key(tmp_path):
   with MetricWriter(tmp_path) as writer:
     with pytest.raises(TypeError, match="metric 'name' at step 3 is not a number"):
       writer.write(3, {"reward": 1.0, "name": "abc"})
+    with pytest.raises(ValueError, match="'step' at step 3 is reserved"):
+      writer.write(3, {"step": 1.0})
 
 
 def test_resume_drops_lines_at_and_after_the_resumed_step(tmp_path):
