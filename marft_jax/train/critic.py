@@ -236,8 +236,8 @@ def values(critic_params: CriticParams, base_params: Any, tokens: jax.Array,
 def _mlp(kernels: list, x: jax.Array) -> jax.Array:
   """x [..., D] f32, kernels [D, F1], ..., [F_k, 1] -> [...]: relu between layers, no biases."""
   for w in kernels[:-1]:
-    x = jax.nn.relu(x @ w)
-  return (x @ kernels[-1])[..., 0]
+    x = jax.nn.relu(jnp.einsum("...i,io->...o", x, w))
+  return jnp.einsum("...i,io->...o", x, kernels[-1])[..., 0]
 
 
 def _checked_agent_ids(agent_ids: Optional[jax.Array], shape: tuple, num_agents: int,
