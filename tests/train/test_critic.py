@@ -22,6 +22,7 @@ from marft_jax.train.critic import (CriticConfig, action_frame_ids, critic_hidde
                                     init_critic, values, values_from_hidden)
 
 CONFIG = tiny_config()
+LORA_CONFIG = lora.LoraConfig(rank=4, targets="q_proj|v_proj")  # as `random_adapters`
 HIDDEN = (32, 16)  # Head widths of the tests (the default (1024, 512) only in the init test).
 T = 10
 # Row 0: prompt, agent 0's reply, a transition, agent 1's reply. Row 1: agent 1 first.
@@ -46,10 +47,12 @@ def random_params(config=CONFIG, seed=0):
 
 
 def random_adapters(num_adapters, rank=4, seed=1):
-  """Adapters (scale 2, all linear layers) with both factors random: each changes the model."""
+  """Adapters (scale 2, on q_proj and v_proj: cheap to compile) with both factors random, so
+  that each changes the model."""
   rng = np.random.default_rng(seed)
   layers = {}
-  for name, (d_in, d_out) in linear_shapes(CONFIG).items():
+  for name in ("q_proj", "v_proj"):
+    d_in, d_out = linear_shapes(CONFIG)[name]
     shape_a = (CONFIG.num_layers, num_adapters, d_in, rank)
     shape_b = (CONFIG.num_layers, num_adapters, rank, d_out)
     layers[name] = {"a": jnp.asarray(rng.normal(0, d_in ** -0.5, shape_a), jnp.float32),
@@ -78,11 +81,13 @@ def head_n(head, n):
 
 
 PARAMS = random_params()
+jit_values = jax.jit(values, static_argnums=(3, 4))
+jit_hidden_states = jax.jit(transformer.hidden_states, static_argnums=2)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def run_values(request):
-  return jax.jit(values, static_argnums=(3, 4)) if request.param else values
+  return jit_values if request.param else values
 
 
 def base_hidden(params=PARAMS, config=CONFIG, **kwargs):
@@ -105,28 +110,33 @@ def test_bf16_base_gives_f32_values_and_gradients():
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
   critic = {"head": random_head(1)}
   critic_config = CriticConfig(hidden=HIDDEN)
-  v = values(critic, params, TOKENS, config, critic_config)
-  assert v.dtype == jnp.float32
+  v = values(critic, params, TOKENS, config, critic_config)  # eager: jit fuses bf16 ops
+  assert v.dtype == jnp.float32                                # differently from the reference
   h = base_hidden(params, config)  # bf16 hidden states, then f32 for the head
   np.testing.assert_allclose(v, numpy_head(head_n(critic["head"], 0), h), rtol=1e-5, atol=1e-6)
-  grads = jax.grad(lambda c: jnp.sum(values(c, params, TOKENS, config, critic_config)))(critic)
+  grads = jax.jit(jax.grad(lambda c: jnp.sum(values(c, params, TOKENS, config, critic_config))))(
+      critic)
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
 
-def test_init_shapes_dtypes_and_values_near_zero():
-  rng = jax.random.key(0)
+def test_init_shapes_and_dtypes():
   lora_config = lora.LoraConfig(rank=2, targets="q_proj|v_proj")
   cases = {"shared": (1, 1), "per_agent_lora": (1, 3), "per_agent_head": (3, 1)}
   for mode, (num_heads, num_adapters) in cases.items():
     critic_config = CriticConfig(mode=mode, lora=lora_config)
-    critic = init_critic(critic_config, CONFIG, 3, rng)
+    critic = jax.eval_shape(lambda: init_critic(critic_config, CONFIG, 3, jax.random.key(0)))
     assert [w.shape for w in critic["head"]] == [(num_heads, 64, 1024), (num_heads, 1024, 512),
                                                  (num_heads, 512, 1)]
     assert critic["lora"].num_adapters == num_adapters
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(critic))
-    v = values(critic, PARAMS, TOKENS, CONFIG, critic_config, agent_ids=AGENT_IDS)
-    assert 0 < np.max(np.abs(v)) < 0.05, mode
-  assert "lora" not in init_critic(CriticConfig(), CONFIG, 2, rng)
+  assert "lora" not in init_critic(CriticConfig(), CONFIG, 2, jax.random.key(0))
+
+
+def test_init_values_start_near_zero():
+  critic_config = CriticConfig(mode="per_agent_head")
+  critic = init_critic(critic_config, CONFIG, 2, jax.random.key(0))
+  v = jit_values(critic, PARAMS, TOKENS, CONFIG, critic_config, agent_ids=AGENT_IDS)
+  assert 0 < np.max(np.abs(v)) < 0.05
 
 
 # --- routing in the action frame -------------------------------------------------------------
@@ -156,7 +166,6 @@ def test_per_agent_heads_follow_the_agent_of_the_next_token(run_values):
 ADAPTERS = random_adapters(2)
 
 
-@functools.cache
 def cached_turns(row, chunks):
   """Hidden states [T, D] of one row, run chunk by chunk through a KV cache, each chunk with
   one of ADAPTERS (-1: the base), as the sampler runs agent turns. chunks: (start, end, id)."""
@@ -164,31 +173,30 @@ def cached_turns(row, chunks):
   out = []
   for start, end, adapter in chunks:
     one = None if adapter < 0 else lora.select_adapter(ADAPTERS, adapter)
-    h, cache = transformer.hidden_states(PARAMS, TOKENS[row:row + 1, start:end], CONFIG,
-                                         cache=cache, lora=one, adapter_ids=0)
+    h, cache = jit_hidden_states(PARAMS, TOKENS[row:row + 1, start:end], CONFIG, cache=cache,
+                                 lora=one, adapter_ids=0)
     out.append(np.asarray(h[0]))
   return np.concatenate(out)
 
 
-def test_per_agent_lora_follows_the_agent_of_the_next_token(run_values):
+def test_per_agent_lora_follows_the_agent_of_the_next_token():
   head = random_head(1)
-  critic_config = CriticConfig(mode="per_agent_lora", hidden=HIDDEN, lora=lora.LoraConfig())
-  v = run_values({"head": head, "lora": ADAPTERS}, PARAMS, TOKENS, CONFIG, critic_config,
+  critic_config = CriticConfig(mode="per_agent_lora", hidden=HIDDEN, lora=LORA_CONFIG)
+  v = jit_values({"head": head, "lora": ADAPTERS}, PARAMS, TOKENS, CONFIG, critic_config,
                  agent_ids=AGENT_IDS)
-  chunks = [((0, 1, -1), (1, 4, 0), (4, 6, -1), (6, 9, 1), (9, 10, -1)),
-            ((0, 2, -1), (2, 4, 1), (4, 5, -1), (5, 9, 0), (9, 10, -1))]
-  for row in range(2):
-    h = cached_turns(row, chunks[row])
-    np.testing.assert_allclose(v[row], numpy_head(head_n(head, 0), h), rtol=1e-4, atol=1e-5)
+  # Row 0 by turns: position 0 decides a prompt token, 1-3 agent 0's tokens, 4-5 transition
+  # tokens, 6-8 agent 1's, and 9 nothing. (Row 1's routing is the same function of its ids.)
+  h = cached_turns(0, ((0, 1, -1), (1, 4, 0), (4, 6, -1), (6, 9, 1), (9, 10, -1)))
+  np.testing.assert_allclose(v[0], numpy_head(head_n(head, 0), h), rtol=1e-4, atol=1e-5)
   # The token-frame routing (AReaL's) values position 6 (agent 1's first decision) with the base.
-  areal = transformer.hidden_states(PARAMS, TOKENS, CONFIG, lora=ADAPTERS, adapter_ids=AGENT_IDS)
+  areal = jit_hidden_states(PARAMS, TOKENS, CONFIG, lora=ADAPTERS, adapter_ids=AGENT_IDS)
   areal_v = numpy_head(head_n(head, 0), np.asarray(areal[0]))
   assert abs(areal_v[0, 6] - v[0, 6]) > 1e-3
 
 
 def test_shared_lora_applies_at_every_position(run_values):
   adapters, head = random_adapters(1), random_head(1)
-  critic_config = CriticConfig(hidden=HIDDEN, lora=lora.LoraConfig())
+  critic_config = CriticConfig(hidden=HIDDEN, lora=LORA_CONFIG)
   v = run_values({"head": head, "lora": adapters}, PARAMS, TOKENS, CONFIG, critic_config)
   h = base_hidden(lora=adapters, adapter_ids=np.zeros((2, T), np.int32))
   np.testing.assert_allclose(v, numpy_head(head_n(head, 0), h), rtol=1e-5, atol=1e-6)
@@ -212,10 +220,10 @@ CASES = {
     "per_agent_head": ({"head": random_head(2)},
                        CriticConfig(mode="per_agent_head", hidden=HIDDEN)),
     "shared_lora": ({"head": random_head(1), "lora": random_adapters(1)},
-                    CriticConfig(hidden=HIDDEN, lora=lora.LoraConfig())),
+                    CriticConfig(hidden=HIDDEN, lora=LORA_CONFIG)),
     "per_agent_lora": ({"head": random_head(1), "lora": random_adapters(2)},
                        CriticConfig(mode="per_agent_lora", hidden=HIDDEN,
-                                    lora=lora.LoraConfig())),
+                                    lora=LORA_CONFIG)),
 }
 
 
@@ -229,7 +237,7 @@ def test_gradients_reach_the_critic_only(case):
   critic, critic_config = CASES[case]
   loss = functools.partial(weighted_values, weights=jnp.ones((2, T)),
                            critic_config=critic_config)
-  grad_critic, grad_base = jax.grad(loss, argnums=(0, 1))(critic, PARAMS)
+  grad_critic, grad_base = jax.jit(jax.grad(loss, argnums=(0, 1)))(critic, PARAMS)
   assert all(not np.any(g) for g in jax.tree.leaves(grad_base))
   assert all(np.any(g) for g in jax.tree.leaves(grad_critic))
   # Without a critic LoRA nothing is differentiated through the decoder: the gradient program
@@ -243,8 +251,8 @@ def test_a_loss_on_agent_0_leaves_agent_1_critic_untouched():
   for case, (part, agent_axis) in {"per_agent_head": ("head", 0),
                                    "per_agent_lora": ("lora", 1)}.items():
     critic, critic_config = CASES[case]
-    grads = jax.grad(weighted_values)(critic, PARAMS, weights, critic_config, TOKENS[:1],
-                                      AGENT_IDS[:1])
+    grads = jax.jit(jax.grad(weighted_values), static_argnums=3)(
+        critic, PARAMS, weights, critic_config, TOKENS[:1], AGENT_IDS[:1])
     for g in jax.tree.leaves(grads[part]):
       assert np.any(np.take(np.asarray(g), 0, axis=agent_axis)), case
       assert not np.any(np.take(np.asarray(g), 1, axis=agent_axis)), case
@@ -261,8 +269,9 @@ def test_fast_path_equals_the_full_path(case):
   weights = jnp.asarray(np.random.default_rng(3).normal(size=(2, T)), jnp.float32)
   fast = lambda head: jnp.sum(values_from_hidden(head, h, ids, critic_config.mode) * weights)
   full = lambda head: weighted_values({"head": head}, PARAMS, weights, critic_config)
-  np.testing.assert_allclose(fast(critic["head"]), full(critic["head"]), rtol=1e-6)
-  for g_fast, g_full in zip(jax.grad(fast)(critic["head"]), jax.grad(full)(critic["head"])):
+  np.testing.assert_allclose(fast(critic["head"]), jax.jit(full)(critic["head"]), rtol=1e-6)
+  grads_full = jax.jit(jax.grad(full))(critic["head"])
+  for g_fast, g_full in zip(jax.grad(fast)(critic["head"]), grads_full):
     np.testing.assert_allclose(g_fast, g_full, rtol=1e-5, atol=1e-7)
 
 

@@ -1,0 +1,117 @@
+"""From episode records to the padded arrays one jitted update trains on.
+
+Every `TokenSequence` of every kept episode becomes one row of a [B, T] batch (right-padded,
+T bucketed so the update compiles a few times per run). The learner works in the action
+frame: position t is the decision that emits token t+1 (its logits predict it), so every
+per-decision array here is shifted by one from the records' per-token arrays.
+
+Agent turns (one reply each) are also indexed per row, up to K turns a row ([B, K] arrays):
+action-level algorithms take one log-prob, one value and one advantage per turn. A turn's
+value is read at the decision that emits its first token: the state after its whole prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from flax import struct
+
+from marft_jax.rollout.episode import Episode
+
+MIN_LENGTH_BUCKET = 64
+
+
+@struct.dataclass
+class TrainBatch:
+  """B sequences padded to T tokens, K turns a row. All NumPy or JAX arrays."""
+
+  tokens: np.ndarray  # [B, T] int32
+  mask: np.ndarray  # [B, T] bool: a real token (not padding)
+  adapter_ids: np.ndarray  # [B, T] int32: adapter each token was sampled/encoded with
+  act_mask: np.ndarray  # [B, T] bool: decision t emitted a sampled token t+1 (trained)
+  act_agent: np.ndarray  # [B, T] int32: the agent of that decision, -1 elsewhere
+  act_turn: np.ndarray  # [B, T] int32: its turn's index in the row, -1 elsewhere
+  act_temperature: np.ndarray  # [B, T] f32: its sampling temperature (1 elsewhere)
+  act_behaviour_logp: np.ndarray  # [B, T] f32: the sampler's log-prob of token t+1
+  turn_valid: np.ndarray  # [B, K] bool
+  turn_agent: np.ndarray  # [B, K] int32
+  turn_value_pos: np.ndarray  # [B, K] int32: decision emitting the turn's first token
+  turn_length: np.ndarray  # [B, K] int32: its number of tokens
+  row_episode: np.ndarray  # [B] int32: index of the row's episode in the batch
+  # Filled in by `advantages.py` (zeros until then).
+  act_advantage: np.ndarray  # [B, T] f32 per decision (token-level algorithms)
+  act_return: np.ndarray  # [B, T] f32 value targets per decision
+  act_old_value: np.ndarray  # [B, T] f32 critic values at rollout time
+  turn_advantage: np.ndarray  # [B, K] f32 (action-level algorithms)
+  turn_return: np.ndarray  # [B, K] f32
+  turn_old_value: np.ndarray  # [B, K] f32
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.tokens.shape
+
+
+def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
+  """Lengths round up to a multiple of `minimum` below 4·minimum, then to powers of two."""
+  n = max(int(n), 1)
+  if n <= 4 * minimum:
+    return -(-n // minimum) * minimum
+  return 1 << (n - 1).bit_length()
+
+
+def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
+               max_turns: int = 0) -> TrainBatch:
+  """Stacks the sequences of `episodes` (dropped ones excluded by the caller) into a batch.
+
+  Args:
+    episodes: the episodes to train on.
+    pad_id: the token id filling padding (never attended, never trained).
+    num_rows: pad the batch to this many rows (0: exactly the sequences); padded rows are
+      all-masked, so a fixed B keeps one compile when episodes are dropped.
+    max_turns: K (0: the most turns of any row).
+  """
+  rows = [(e, s.arrays(), s.spans) for e, ep in enumerate(episodes) for s in ep.sequences]
+  if not rows:
+    raise ValueError("no sequences to train on (every episode was dropped?)")
+  B = max(num_rows, len(rows))
+  T = bucket_length(max(len(a["tokens"]) for _, a, _ in rows))
+  K = max(max_turns, max(len(spans) for _, _, spans in rows), 1)
+  b = {name: np.zeros((B, T), dtype) for name, dtype in (
+      ("tokens", np.int32), ("mask", bool), ("act_mask", bool), ("act_temperature", np.float32),
+      ("act_behaviour_logp", np.float32))}
+  b["tokens"][:] = pad_id
+  b["act_temperature"][:] = 1.0
+  for name in ("adapter_ids", "act_agent", "act_turn"):
+    b[name] = np.full((B, T), -1, np.int32)
+  turn = {"turn_valid": np.zeros((B, K), bool), "turn_agent": np.full((B, K), -1, np.int32),
+          "turn_value_pos": np.zeros((B, K), np.int32),
+          "turn_length": np.zeros((B, K), np.int32)}
+  row_episode = np.full((B,), -1, np.int32)
+  for r, (e, a, spans) in enumerate(rows):
+    n = len(a["tokens"])
+    row_episode[r] = e
+    b["tokens"][r, :n], b["mask"][r, :n] = a["tokens"], True
+    b["adapter_ids"][r, :n] = a["adapter_ids"]
+    # Action frame: decision t emits token t + 1.
+    b["act_mask"][r, :n - 1] = a["loss_mask"][1:]
+    b["act_agent"][r, :n - 1] = np.where(a["loss_mask"][1:], a["agent_ids"][1:], -1)
+    b["act_temperature"][r, :n - 1] = a["temperature"][1:]
+    b["act_behaviour_logp"][r, :n - 1] = a["behaviour_logprobs"][1:]
+    if len(spans) > K:
+      raise ValueError(f"a sequence has {len(spans)} turns, more than max_turns={K}")
+    for k, span in enumerate(spans):
+      if span.end == span.start:
+        continue  # an empty reply emits nothing: no decision to train
+      if span.start == 0:
+        raise ValueError("a reply starts a sequence: no prompt conditions it")
+      b["act_turn"][r, span.start - 1:span.end - 1] = k
+      turn["turn_valid"][r, k] = True
+      turn["turn_agent"][r, k] = span.agent
+      turn["turn_value_pos"][r, k] = span.start - 1
+      turn["turn_length"][r, k] = span.end - span.start
+  zeros_bt, zeros_bk = np.zeros((B, T), np.float32), np.zeros((B, K), np.float32)
+  return TrainBatch(**b, **turn, row_episode=row_episode, act_advantage=zeros_bt,
+                    act_return=zeros_bt.copy(), act_old_value=zeros_bt.copy(),
+                    turn_advantage=zeros_bk, turn_return=zeros_bk.copy(),
+                    turn_old_value=zeros_bk.copy())

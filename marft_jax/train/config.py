@@ -1,0 +1,215 @@
+"""`TrainConfig`: everything a training run needs, as frozen dataclasses (the launch configs in
+`launch/configs/` are these defaults plus their changes, overridable on the command line).
+
+Algorithms (`algorithm.name`), each a preset of the sections below:
+
+  marft_a            action-level PPO (one ratio per agent turn) with an action-level critic
+  marft_t            token-level PPO with the token-level backup (γ_token = λ_token = 1)
+  ppo                single-agent PPO: the baseline, a team of one (action level)
+  grpo               no critic: G rollouts per task, advantages normalised per task and agent
+  shared_stream_ppo  the AReaL-style form: one shared token stream per episode, token-level
+                     PPO with a centralised token-level critic
+
+Every field is checked when the dataclass is built, so a wrong key or value fails before any
+model loads, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from marft_jax.train.advantages import AdvantageConfig
+from marft_jax.train.update import LossConfig
+from marft_jax.validation import check_int, check_positive, check_range
+
+ALGORITHMS = ("marft_a", "marft_t", "ppo", "grpo", "shared_stream_ppo")
+TASKS = ("arithmetic", "math_jsonl", "code", "echo")
+
+
+def _one_of(key, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"{key}={value!r}: use one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
+  param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators
+  rollout_layout: str = "auto"  # "auto" (layout.decoding()), "decoding" or "training"
+
+  def __post_init__(self):
+    _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+  name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
+  path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
+  level: int = 1  # arithmetic difficulty, 1 (one operation) to 5
+  horizon: int = 1  # env steps per episode (math: retries after a judge line)
+  eval_problems: int = 300  # held-out problems for launch/eval.py
+
+  def __post_init__(self):
+    _one_of("name", self.name, TASKS)
+    check_int("level", self.level, 1, 5)
+    check_int("horizon", self.horizon, 1)
+    check_int("eval_problems", self.eval_problems, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeamSection:
+  num_roles: int = 2  # math: 1-4 (1: a single solver), code: 2-3
+  max_new_tokens: int = 96  # per turn, every role but the last
+  last_max_new_tokens: int = 32  # the graded (last) role's turn
+  temperature: float = 1.0
+  top_p: float = 1.0
+  shared_adapter: bool = False  # every role runs adapter 0 (else one adapter per role)
+  graph: str = "chain"  # "chain" or "orchestrator"
+  orchestrator_max_calls: int = 4
+
+  def __post_init__(self):
+    check_int("num_roles", self.num_roles, 1, 4)
+    check_int("max_new_tokens", self.max_new_tokens, 1)
+    check_int("last_max_new_tokens", self.last_max_new_tokens, 1)
+    check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
+    check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+    _one_of("graph", self.graph, ("chain", "orchestrator"))
+    check_int("orchestrator_max_calls", self.orchestrator_max_calls, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  num_envs: int = 8  # episodes per iteration (with GRPO: tasks × group_size)
+  group_size: int = 1  # GRPO: rollouts of each task
+  context_mode: str = "per_agent"  # or "shared_stream"
+  max_context: int = 1024
+
+  def __post_init__(self):
+    check_int("num_envs", self.num_envs, 1)
+    check_int("group_size", self.group_size, 1)
+    _one_of("context_mode", self.context_mode, ("per_agent", "shared_stream"))
+    check_int("max_context", self.max_context, 16)
+    if self.num_envs % self.group_size:
+      raise ValueError(f"num_envs={self.num_envs} is not a multiple of "
+                       f"group_size={self.group_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+  rank: int = 8
+  alpha: float = 16.0
+  targets: str = "all-linear"  # "all-linear", or a regex over q_proj, k_proj, ... down_proj
+
+  def __post_init__(self):
+    check_int("rank", self.rank, 1)
+    check_positive("alpha", self.alpha)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticSection:
+  mode: str = "shared"  # "shared", "per_agent_lora", "per_agent_head", or "none"
+  lora_rank: int = 0  # a critic LoRA of this rank (0: the frozen base, the fast path)
+  hidden: tuple[int, ...] = (1024, 512)
+  lr: float = 1e-4
+  warmup_iterations: int = 0  # iterations that train only the critic
+
+  def __post_init__(self):
+    _one_of("mode", self.mode, ("shared", "per_agent_lora", "per_agent_head", "none"))
+    check_int("lora_rank", self.lora_rank, 0)
+    check_positive("lr", self.lr)
+    check_int("warmup_iterations", self.warmup_iterations, 0)
+    if self.mode == "per_agent_lora" and self.lora_rank == 0:
+      raise ValueError("mode='per_agent_lora' needs lora_rank > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSection:
+  lr: float = 1e-4  # the policy adapters' peak learning rate
+  warmup_iterations: int = 0
+  decay: str = "constant"  # "constant", "linear" or "cosine" over the run
+  weight_decay: float = 0.0
+  epochs: int = 1  # PPO epochs per iteration
+  minibatches: int = 1  # per epoch (the batch's rows must divide evenly)
+  agent_iteration_interval: int = 0  # K > 0: only agent (iteration // K) % N trains
+
+  def __post_init__(self):
+    check_positive("lr", self.lr)
+    check_int("warmup_iterations", self.warmup_iterations, 0)
+    _one_of("decay", self.decay, ("constant", "linear", "cosine"))
+    check_range("weight_decay", self.weight_decay, 0.0)
+    check_int("epochs", self.epochs, 1)
+    check_int("minibatches", self.minibatches, 1)
+    check_int("agent_iteration_interval", self.agent_iteration_interval, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One training run (see the module docstring for the algorithms)."""
+
+  algorithm: str = "marft_a"
+  iterations: int = 40
+  seed: int = 0
+  model: ModelSection = ModelSection()
+  task: TaskSection = TaskSection()
+  team: TeamSection = TeamSection()
+  rollout: RolloutSection = RolloutSection()
+  lora: LoraSection = LoraSection()
+  critic: CriticSection = CriticSection()
+  optimizer: OptimizerSection = OptimizerSection()
+  advantage: AdvantageConfig = AdvantageConfig()
+  loss: LossConfig = LossConfig()
+  checkpoint_every: int = 10  # iterations; also at the end and on SIGTERM
+  max_to_keep: int = 3
+  eval_every: int = 0  # iterations between held-out evaluations (0: none during training)
+  eval_episodes: int = 64
+  init_from: str = ""  # comma-separated PEFT adapter folders, one per adapter
+
+  def __post_init__(self):
+    _one_of("algorithm", self.algorithm, ALGORITHMS)
+    for key in ("iterations", "checkpoint_every", "max_to_keep", "eval_episodes"):
+      check_int(key, getattr(self, key), 1)
+    check_int("eval_every", self.eval_every, 0)
+    check_int("seed", self.seed)
+    if self.algorithm == "ppo" and self.team.num_roles != 1:
+      raise ValueError(f"algorithm='ppo' is the single-agent baseline: team.num_roles must "
+                       f"be 1, got {self.team.num_roles}")
+    if self.algorithm == "grpo" and self.rollout.group_size < 2:
+      raise ValueError("algorithm='grpo' needs rollout.group_size >= 2 (rollouts per task)")
+    if self.algorithm == "shared_stream_ppo" and self.rollout.context_mode != "shared_stream":
+      raise ValueError("algorithm='shared_stream_ppo' needs rollout.context_mode="
+                       "'shared_stream'")
+    if self.uses_critic and self.critic.mode == "none":
+      raise ValueError(f"algorithm={self.algorithm!r} needs a critic: critic.mode != 'none'")
+
+  @property
+  def uses_critic(self) -> bool:
+    return self.algorithm != "grpo"
+
+  @property
+  def num_adapters(self) -> int:
+    return 1 if self.team.shared_adapter else self.team.num_roles + (
+        1 if self.team.graph == "orchestrator" else 0)
+
+
+def preset(algorithm: str, **changes) -> TrainConfig:
+  """A `TrainConfig` with `algorithm`'s sections set as the module docstring says."""
+  level = {"marft_a": "action", "ppo": "action", "marft_t": "token", "grpo": "grpo",
+           "shared_stream_ppo": "token"}[algorithm]
+  advantage = AdvantageConfig(level=level, normalize=algorithm != "grpo")
+  loss = LossConfig(policy_level="action" if level == "action" else "token")
+  defaults = dict(algorithm=algorithm, advantage=advantage, loss=loss)
+  if algorithm == "ppo":
+    defaults["team"] = TeamSection(num_roles=1)
+  if algorithm == "grpo":
+    defaults["critic"] = CriticSection(mode="none")
+    defaults["rollout"] = RolloutSection(group_size=4)
+  if algorithm == "shared_stream_ppo":
+    defaults["rollout"] = RolloutSection(context_mode="shared_stream")
+  defaults.update(changes)
+  return TrainConfig(**defaults)
+
+
+def critic_lora_rank(config: TrainConfig) -> Optional[int]:
+  return config.critic.lora_rank or None

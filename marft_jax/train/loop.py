@@ -1,0 +1,328 @@
+"""`train(config, workdir)`: the MARFT training loop, top to bottom.
+
+Per iteration: rollout (the team plays one episode per environment through the sampler, in
+the fast decoding layout) → batch and advantages (critic values at rollout time, then GAE,
+the token-level backup or GRPO's group normalisation) → one jitted update (PPO epochs ×
+minibatches) → metrics, transcripts, checkpoints.
+
+Resume: the checkpoint already in `workdir` always wins. It holds the adapters, the critic,
+both optimizer states and the step counter; its meta holds the iteration, the environments'
+data cursor and the config. Every PRNG key is `fold_in(seed, iteration)`, so a resumed run
+continues exactly as an uninterrupted one would. SIGTERM/SIGINT save and exit cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from marft_jax import envs as envs_lib
+from marft_jax import lora as lora_lib
+from marft_jax.configs import to_config_dict
+from marft_jax.models import layout as layout_lib
+from marft_jax.models import loading
+from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
+from marft_jax.train import critic as critic_lib
+from marft_jax.train import optim
+from marft_jax.train.advantages import compute_advantages
+from marft_jax.train.batching import make_batch
+from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
+from marft_jax.train.config import TrainConfig
+from marft_jax.train.metrics import MetricWriter, plot_learning_curves
+from marft_jax.train.update import TrainState, make_update, prepare
+
+
+@dataclasses.dataclass
+class Model:
+  """The frozen base: params (training layout), config, tokenizer."""
+
+  params: Any
+  config: Any
+  tokenizer: Any
+
+
+# --- building the run's pieces from the config ------------------------------------------------
+
+
+def build_team(config: TrainConfig):
+  """(team profiles, schedule structure) from the config's task and team sections."""
+  t = config.team
+  if config.task.name == "code":
+    team = envs_lib.code_team(t.num_roles, temperature=t.temperature)
+  elif t.num_roles == 1:
+    team = (envs_lib.AgentProfile(
+        "solver", "Solve the problem step by step. Put the final answer, a number, in "
+        "\\boxed{}.", "Solves the problem.", graded=True),)
+  else:
+    team = envs_lib.math_team(t.num_roles, temperature=t.temperature)
+  sampling = lambda p, last: dataclasses.replace(p.sampling, top_p=t.top_p,
+                                                 temperature=t.temperature,
+                                                 max_new_tokens=t.last_max_new_tokens if last
+                                                 else t.max_new_tokens)
+  team = tuple(dataclasses.replace(p, sampling=sampling(p, i == len(team) - 1))
+               for i, p in enumerate(team))
+  if t.shared_adapter:
+    team = envs_lib.shared_adapter(team)
+  structure = None
+  if t.graph == "orchestrator":
+    profile = envs_lib.orchestrator_profile(team, adapter=0 if t.shared_adapter else None,
+                                            temperature=t.temperature)
+    structure = envs_lib.Orchestrator(profile, max_calls=t.orchestrator_max_calls)
+  return team, structure
+
+
+def build_envs(config: TrainConfig, team, seed: int, split: str = "train"):
+  """An `EnvBatch` of the task (a shared grading worker for math)."""
+  graded = [p.role for p in team if p.graded]
+  task = config.task
+  if task.name == "echo":
+    make = lambda i: envs_lib.EchoEnv(graded=graded)
+  elif task.name == "code":
+    from marft_jax.envs.code_env import CodeEnv
+    make = lambda i: CodeEnv(graded_roles=graded, **({"path": task.path} if task.path else {}))
+  else:
+    from marft_jax.envs import arithmetic, problems as problems_lib
+    from marft_jax.envs.math_env import MathEnv
+    from marft_jax.envs.math_grading import Grader
+    if task.name == "arithmetic":
+      source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
+    else:
+      source = problems_lib.read_problems(task.path or problems_lib.bundled_path(
+          "gsm8k_style.jsonl"))
+    grader = Grader()
+    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon, grader=grader)
+  return envs_lib.EnvBatch(make, config.rollout.num_envs, seed=seed,
+                           group_size=config.rollout.group_size)
+
+
+def load(config: TrainConfig) -> Model:
+  params, model_config, tokenizer = loading.load_model(
+      config.model.source, param_dtype=config.model.param_dtype,
+      compute_dtype=config.model.param_dtype)
+  return Model(params, model_config, tokenizer)
+
+
+def _rollout_model(model: Model, config: TrainConfig):
+  choice = config.model.rollout_layout
+  layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
+            "training": layout_lib.TRAINING}[choice]
+  fast = model.config.replace(layout=layout)
+  return layout_lib.convert_params(model.params, model.config.layout, layout), fast
+
+
+def _critic_config(config: TrainConfig):
+  if not config.uses_critic:
+    return None
+  lora = None
+  if config.critic.lora_rank:
+    lora = lora_lib.LoraConfig(rank=config.critic.lora_rank, alpha=config.critic.lora_rank)
+  return critic_lib.CriticConfig(mode=config.critic.mode, hidden=config.critic.hidden, lora=lora)
+
+
+def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimizer,
+               critic_optimizer) -> TrainState:
+  key = jax.random.key(config.seed)
+  lora_config = lora_lib.LoraConfig(rank=config.lora.rank, alpha=config.lora.alpha,
+                                    targets=config.lora.targets)
+  policy = lora_lib.init_adapters(lora_config, model.config, jax.random.fold_in(key, 1),
+                                  config.num_adapters)
+  if config.init_from:
+    paths = [p for p in config.init_from.split(",") if p]
+    policy = lora_lib.load_peft_adapters(paths, model.config)
+    if policy.num_adapters != config.num_adapters:
+      raise ValueError(f"init_from: {len(paths)} adapter folders for "
+                       f"{config.num_adapters} adapters")
+  critic = None
+  critic_config = _critic_config(config)
+  if critic_config is not None:
+    critic = critic_lib.init_critic(critic_config, model.config, num_agents,
+                                    jax.random.fold_in(key, 2))
+  return TrainState(policy=policy, critic=critic, policy_opt=policy_optimizer.init(policy),
+                    critic_opt=None if critic is None else critic_optimizer.init(critic),
+                    step=jnp.zeros((), jnp.int32))
+
+
+def _optimizers(config: TrainConfig):
+  o = config.optimizer
+  steps_per_iteration = o.epochs * o.minibatches
+  schedule = optim.learning_rate(o.lr, o.warmup_iterations * steps_per_iteration,
+                                 config.iterations * steps_per_iteration, o.decay)
+  policy = optax.adamw(schedule, eps=1e-5, weight_decay=o.weight_decay)
+  critic = optax.adam(config.critic.lr, eps=1e-5)
+  return policy, critic
+
+
+def _critic_fns(critic_config, model_config):
+  """(values for the update, hidden states for `prepare`) for the critic's configuration."""
+  if critic_config is None:
+    return None, None
+  token_agents = lambda b: jnp.concatenate(
+      [jnp.full_like(b.act_agent[:, :1], -1), b.act_agent[:, :-1]], axis=1)
+  if critic_config.lora is None:  # frozen base: hidden states once per batch, the head trains
+    hidden = jax.jit(lambda critic, params, b: critic_lib.critic_hidden_states(
+        critic, params, b.tokens, model_config, critic_config, mask=b.mask))
+    values = lambda critic, params, b, ex: critic_lib.values_from_hidden(
+        critic["head"], ex.critic_hidden, b.act_agent, critic_config.mode)
+    return values, hidden
+  values = lambda critic, params, b, ex: critic_lib.values(
+      critic, params, b.tokens, model_config, critic_config, mask=b.mask,
+      agent_ids=token_agents(b))
+  return values, None
+
+
+def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
+  """[A] bool: the adapters the agent-by-agent schedule trains at `iteration`."""
+  k, A = config.optimizer.agent_iteration_interval, config.num_adapters
+  if k == 0 or config.team.shared_adapter:
+    return np.ones((A,), bool)
+  return np.arange(A) == (iteration // k) % A
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
+          progress: bool = True, on_iteration: Optional[Callable] = None) -> dict:
+  """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
+  tiny one); default: `config.model.source`."""
+  os.makedirs(workdir, exist_ok=True)
+  model = load(config) if model is None else model
+  team, structure = build_team(config)
+  num_agents = len(team) + (1 if structure is not None else 0)
+  rollout_params, rollout_config = _rollout_model(model, config)
+  envs = build_envs(config, team, seed=config.seed)
+  policy_optimizer, critic_optimizer = _optimizers(config)
+  state = init_state(config, model, num_agents, policy_optimizer, critic_optimizer)
+  critic_config = _critic_config(config)
+  critic_values, critic_hidden = _critic_fns(critic_config, model.config)
+  update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer,
+                       critic_values, config.num_adapters, config.optimizer.epochs,
+                       config.optimizer.minibatches)
+  old_values_fn = None if critic_values is None else jax.jit(critic_values)
+  config_dict = to_config_dict(config).to_dict()
+  start = 0
+  checkpointer = Checkpointer(workdir, max_to_keep=config.max_to_keep)
+  if checkpointer.latest_step() is not None:
+    state, meta = checkpointer.restore(state, config=config_dict,
+                                       may_differ=("iterations", "checkpoint_every"))
+    start = int(meta["iteration"])
+    envs.load_state_dict(meta["envs"])
+    logging.warning("Resuming from %s: iteration %d (policy version %d, data cursor %s)",
+                    workdir, start, start, meta["envs"]["episodes"][:4])
+  writer = MetricWriter(workdir, resume_step=start)
+  rows = config.rollout.num_envs * _turns_per_episode(config, structure)
+  pad = model.tokenizer.pad_token_id
+  pad = model.tokenizer.eos_token_id if pad is None else pad
+  metrics: dict = {}
+  bar = _progress(progress, start, config.iterations)
+  with PreemptionFlag() as preempt, checkpointer:
+    for iteration in range(start, config.iterations):
+      key = jax.random.fold_in(jax.random.key(config.seed), iteration)
+      t0 = time.perf_counter()
+      # --- rollout ---
+      result = rollout(envs, team, structure, rollout_params, rollout_config, model.tokenizer,
+                       jax.random.fold_in(key, 0), lora=state.policy,
+                       config=RolloutConfig(context_mode=config.rollout.context_mode,
+                                            horizon=config.task.horizon,
+                                            max_context=config.rollout.max_context),
+                       policy_version=iteration)
+      t1 = time.perf_counter()
+      write_transcripts(os.path.join(workdir, "transcripts", f"iteration_{iteration:05d}.jsonl"),
+                        result.episodes)
+      kept = [e for e in result.episodes if e.dropped is None]
+      # --- advantages ---
+      update_metrics = {}
+      if kept:
+        batch = make_batch(kept, pad, num_rows=_round_up(rows, config.optimizer.minibatches))
+        batch = jax.tree.map(np.asarray, batch)
+        extras = prepare(model.params, state.policy, batch, model.config, config.loss,
+                         None if critic_hidden is None else
+                         functools.partial(critic_hidden, state.critic),
+                         config.optimizer.minibatches)
+        if critic_values is not None:
+          old_values = old_values_fn(state.critic, model.params, batch, extras)
+          batch = batch.replace(act_old_value=np.asarray(old_values))
+        groups = [envs.group(e.env_index) for e in kept]
+        batch = compute_advantages(batch, kept, config.advantage, len(team), groups)
+        # --- update ---
+        state, update_metrics = update(
+            state, model.params, batch, extras, jnp.asarray(active_adapters(config, iteration)),
+            jnp.asarray(iteration >= config.critic.warmup_iterations),
+            jax.random.fold_in(key, 1))
+        update_metrics = {k: float(v) for k, v in update_metrics.items()}
+      t2 = time.perf_counter()
+      # --- metrics, checkpoints ---
+      metrics = _iteration_metrics(result, update_metrics, team, t0, t1, t2)
+      writer.write(iteration, metrics)
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}")
+      if on_iteration is not None:
+        on_iteration(iteration, metrics)
+      done = iteration + 1 == config.iterations
+      if (iteration + 1) % config.checkpoint_every == 0 or done or preempt.requested:
+        _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
+                    workdir, config)
+      if preempt.requested:
+        logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
+        break
+  writer.close()
+  envs.close()
+  if bar is not None:
+    bar.close()
+  return metrics
+
+
+def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, workdir, config):
+  meta = {"iteration": step, "envs": envs.state_dict(), "config": config_dict,
+          "policy_version": step}
+  checkpointer.save(step, state, meta, force=True)
+  names = [p.role for p in team] if not config.team.shared_adapter else ["shared"]
+  if len(names) < state.policy.num_adapters:
+    names.append("orchestrator")
+  checkpointer.export_peft(step, state.policy, names[:state.policy.num_adapters],
+                           config.model.source)
+  writer.flush()
+  plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
+                       os.path.join(workdir, "learning_curve.png"),
+                       keys=("reward", "accuracy", "policy_loss", "value_loss"))
+
+
+def _turns_per_episode(config: TrainConfig, structure) -> int:
+  """Rows a per-agent-view episode can fill (one per turn); 1 for a shared stream."""
+  if config.rollout.context_mode == "shared_stream":
+    return 1
+  per_step = config.team.num_roles if structure is None else 2 * structure.max_calls + 1
+  return per_step * config.task.horizon
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def _iteration_metrics(result, update_metrics, team, t0, t1, t2) -> dict:
+  m = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+  m.update(update_metrics)
+  m["accuracy"] = m.get("env/accuracy", m["reward"])
+  m["time/rollout_s"], m["time/update_s"] = t1 - t0, t2 - t1
+  m["time/iteration_s"] = t2 - t0
+  m["time/sampler_share"] = result.metrics["sampler_s"] / max(t2 - t0, 1e-9)
+  m["update_tok_s"] = result.metrics["generated_tokens"] / max(t2 - t1, 1e-9)
+  return m
+
+
+def _progress(enabled: bool, start: int, total: int):
+  if not enabled:
+    return None
+  from tqdm import tqdm
+  return tqdm(total=total, initial=start, desc="training", unit="it", file=sys.stderr)

@@ -1,0 +1,265 @@
+"""One jitted PPO update: epochs × minibatches (`lax.scan`) over a `TrainBatch`.
+
+Gradients are taken w.r.t. the policy adapters and the critic only (the base is an argument
+that is never differentiated). Per minibatch:
+
+  policy   PPO clip on the ratio π_θ / π_old, per agent turn (action level: the turn's
+           log-prob summed, or averaged over its tokens) or per token; π_old is recomputed by
+           this same forward before the first step, so the first ratio is 1
+  value    clipped value loss (Huber with `huber_delta`, else squared) at the value positions
+  entropy  bonus on the sampled positions' token entropy
+  KL       optional penalty to the frozen base (the adapters switched off), k3 estimator
+
+Each agent's gradient is clipped on its own; agents that are frozen (agent-by-agent
+schedule, critic warm-up) or had no token in the minibatch keep their weights and optimizer
+moments exactly (`optim.apply_masked`). A minibatch whose loss or gradients are not finite
+changes nothing and is counted; one whose approximate KL to π_old exceeds `kl_limit` skips
+its policy step ("skip") or every later policy step of the update ("stop"), counted too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from marft_jax import ppo
+from marft_jax.lora.routing import Adapters
+from marft_jax.models import transformer
+from marft_jax.models.config import ModelConfig
+from marft_jax.train import optim
+from marft_jax.train.batching import TrainBatch
+
+POLICY_LEVELS = ("action", "token")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Loss weights and PPO settings (static under jit)."""
+
+  policy_level: str = "action"  # "action": one ratio per turn; "token": one per token
+  action_logprob: str = "sum"  # action level: "sum" (the sequence's) or "mean" (per token)
+  clip_eps: float = 0.2
+  clip_eps_high: Optional[float] = None
+  value_coef: float = 1.0
+  value_clip: Optional[float] = 0.2
+  huber_delta: Optional[float] = 10.0  # None: squared error
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0  # penalty to the base model
+  kl_limit: Optional[float] = None  # approximate KL(π_old ‖ π) that stops a policy step
+  kl_guard: str = "skip"  # "skip" this minibatch's policy step, or "stop" the rest
+  max_grad_norm: float = 1.0  # per agent
+  critic_max_grad_norm: float = 1.0
+
+  def __post_init__(self):
+    if self.policy_level not in POLICY_LEVELS:
+      raise ValueError(f"policy_level={self.policy_level!r}: use one of {POLICY_LEVELS}")
+    if self.action_logprob not in ("sum", "mean"):
+      raise ValueError(f"action_logprob={self.action_logprob!r}: use 'sum' or 'mean'")
+    if self.kl_guard not in ("skip", "stop"):
+      raise ValueError(f"kl_guard={self.kl_guard!r}: use 'skip' or 'stop'")
+    for key in ("clip_eps", "value_coef", "entropy_coef", "kl_coef"):
+      if not getattr(self, key) >= 0:
+        raise ValueError(f"{key}={getattr(self, key)!r}: must be >= 0")
+    for key in ("max_grad_norm", "critic_max_grad_norm"):
+      if not getattr(self, key) > 0:
+        raise ValueError(f"{key}={getattr(self, key)!r}: must be > 0")
+
+
+@struct.dataclass
+class TrainState:
+  """Everything the update changes (and a checkpoint holds, with the loop's counters)."""
+
+  policy: Adapters  # [L, A, ...] stacked per-agent (or one shared) adapters, f32
+  critic: Any  # critic parameters, or None without a critic
+  policy_opt: Any
+  critic_opt: Any
+  step: jax.Array  # [] int32: optimizer steps taken
+
+
+@struct.dataclass
+class Extras:
+  """Per-decision arrays computed once per batch, before the first step (no gradient)."""
+
+  old_logp: jax.Array  # [B, T] π_old at each decision
+  ref_logp: jax.Array  # [B, T] the base model's (zeros when kl_coef is 0)
+  critic_hidden: Any  # [B, T, D] frozen-base hidden states for the critic head, or None
+
+
+def token_logp_and_entropy(params, policy, batch: TrainBatch, model_config: ModelConfig,
+                           with_entropy: bool) -> tuple[jax.Array, jax.Array]:
+  """[B, T] log-prob of token t+1 at decision t under the sampling temperature, and the
+  entropy of that distribution (zeros unless `with_entropy`). `policy=None`: the base."""
+  logits, _ = transformer.forward(params, batch.tokens, model_config, mask=batch.mask,
+                                  lora=policy,
+                                  adapter_ids=None if policy is None else batch.adapter_ids)
+  logits = logits / batch.act_temperature[..., None]
+  logp_all = jax.nn.log_softmax(logits, axis=-1)
+  next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)
+  logp = jnp.take_along_axis(logp_all, next_tokens[..., None], axis=-1)[..., 0]
+  if not with_entropy:
+    return logp, jnp.zeros_like(logp)
+  p = jnp.exp(logp_all)
+  entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
+  return logp, entropy
+
+
+def _per_turn(x: jax.Array, batch: TrainBatch, mean: bool) -> jax.Array:
+  """[B, T] per-decision values summed (or averaged) over each turn -> [B, K]."""
+  K = batch.turn_valid.shape[1]
+  onehot = jax.nn.one_hot(batch.act_turn, K, dtype=x.dtype)  # -1 rows are all zero
+  total = jnp.einsum("bt,btk->bk", jnp.where(batch.act_mask, x, 0.0), onehot)
+  if mean:
+    total = total / jnp.maximum(batch.turn_length, 1).astype(x.dtype)
+  return total
+
+
+def _value_loss(values, old_values, returns, mask, config: LossConfig):
+  if config.huber_delta is None:
+    return ppo.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
+  return ppo.clipped_huber_value_loss(values, old_values, returns, mask, config.huber_delta,
+                                      config.value_clip)
+
+
+def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
+           model_config: ModelConfig, config: LossConfig,
+           critic_values: Optional[Callable]) -> tuple[jax.Array, dict]:
+  """The minibatch loss (to minimise) and its diagnostics."""
+  logp, entropy = token_logp_and_entropy(params, policy, batch, model_config,
+                                         with_entropy=config.entropy_coef > 0)
+  m = batch.act_mask
+  if config.policy_level == "action":
+    mean = config.action_logprob == "mean"
+    new, old = _per_turn(logp, batch, mean), _per_turn(extras.old_logp, batch, mean)
+    policy_loss = ppo.ppo_clip_loss(new, old, batch.turn_advantage, batch.turn_valid,
+                                    config.clip_eps, config.clip_eps_high)
+    approx_kl = ppo.approx_kl(new, old, batch.turn_valid)
+    clipped = ppo.clip_fraction(new, old, batch.turn_valid, config.clip_eps, config.clip_eps_high)
+  else:
+    policy_loss = ppo.ppo_clip_loss(logp, extras.old_logp, batch.act_advantage, m,
+                                    config.clip_eps, config.clip_eps_high)
+    approx_kl = ppo.approx_kl(logp, extras.old_logp, m)
+    clipped = ppo.clip_fraction(logp, extras.old_logp, m, config.clip_eps, config.clip_eps_high)
+  total = policy_loss - config.entropy_coef * ppo.masked_mean(entropy, m)
+  kl_base = ppo.kl_penalty(logp, extras.ref_logp, m) if config.kl_coef > 0 else jnp.zeros(())
+  total = total + config.kl_coef * kl_base
+  value_loss = jnp.zeros(())
+  if critic_values is not None:
+    values = critic_values(critic, params, batch, extras)  # [B, T] per decision
+    if config.policy_level == "action":
+      turn_values = jnp.take_along_axis(values, batch.turn_value_pos, axis=1)
+      value_loss = _value_loss(turn_values, batch.turn_old_value, batch.turn_return,
+                               batch.turn_valid, config)
+    else:
+      value_loss = _value_loss(values, batch.act_old_value, batch.act_return, m, config)
+    total = total + config.value_coef * value_loss
+  aux = {"policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
+         "clip_fraction": clipped, "entropy": ppo.masked_mean(entropy, m),
+         "kl_to_base": kl_base}
+  return total, aux
+
+
+def _finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
+                critic_optimizer, critic_values: Optional[Callable], num_adapters: int,
+                epochs: int, minibatches: int):
+  """The jitted update `update(state, params, batch, extras, active, train_policy, rng)`.
+
+  Args (of the returned function):
+    state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches).
+    extras: `prepare(...)`'s output. active: [A] bool, adapters the schedule lets train.
+    train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches.
+  Returns:
+    (new state, metrics averaged over the minibatches; `nonfinite` and `kl_skipped` count
+    the minibatches whose step was skipped).
+  """
+  grad_fn = jax.value_and_grad(
+      functools.partial(losses, model_config=model_config, config=config,
+                        critic_values=critic_values), argnums=(0, 1), has_aux=True)
+
+  def update(state, params, batch, extras, active, train_policy, rng):
+    B = batch.tokens.shape[0]
+
+    def minibatch_step(carry, indices):
+      state, stopped = carry
+      mb, ex = jax.tree.map(lambda x: x[indices], (batch, extras))
+      (loss, aux), (g_policy, g_critic) = grad_fn(state.policy, state.critic, params, mb, ex)
+      finite = jnp.isfinite(loss) & _finite(g_policy.layers)
+      if g_critic is not None:
+        finite = finite & _finite(g_critic)
+      too_far = jnp.asarray(False if config.kl_limit is None else
+                            aux["approx_kl"] > config.kl_limit)
+      g_policy, norms = optim.clip_per_agent(g_policy, config.max_grad_norm)
+      move = active & _adapters_present(mb, num_adapters) & train_policy & finite & \
+          ~too_far & ~stopped
+      policy, policy_opt = optim.apply_masked(policy_optimizer, g_policy, state.policy_opt,
+                                              state.policy, move)
+      critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
+      if g_critic is not None:
+        critic_norm = optax.global_norm(g_critic)
+        scale = jnp.minimum(1.0, config.critic_max_grad_norm / jnp.maximum(critic_norm, 1e-12))
+        updates, new_opt = critic_optimizer.update(
+            jax.tree.map(lambda g: g * scale, g_critic), state.critic_opt, state.critic)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        critic = keep(optax.apply_updates(state.critic, updates), state.critic)
+        critic_opt = keep(new_opt, state.critic_opt)
+      stopped = stopped | (too_far & (config.kl_guard == "stop"))
+      new_state = state.replace(policy=policy, critic=critic, policy_opt=policy_opt,
+                                critic_opt=critic_opt, step=state.step + 1)
+      metrics = dict(aux, loss=loss, nonfinite=(~finite).astype(jnp.float32),
+                     kl_skipped=(too_far & finite).astype(jnp.float32),
+                     policy_grad_norm=jnp.sqrt(jnp.sum(norms ** 2)),
+                     critic_grad_norm=critic_norm)
+      for a in range(num_adapters):
+        metrics[f"adapter{a}/grad_norm"] = norms[a]
+      return (new_state, stopped), metrics
+
+    keys = jax.random.split(rng, epochs)
+    orders = jax.vmap(lambda k: jax.random.permutation(k, B))(keys)
+    indices = orders.reshape(epochs * minibatches, B // minibatches)
+    (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)), indices)
+    out = {k: jnp.mean(v) for k, v in metrics.items()}
+    out["nonfinite"] = jnp.sum(metrics["nonfinite"])
+    out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
+    return state, out
+
+  return jax.jit(update)
+
+
+def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
+  """[A] bool: adapters that sampled at least one of the minibatch's trained tokens."""
+  act_adapter = jnp.concatenate([batch.adapter_ids[:, 1:], batch.adapter_ids[:, :1]], axis=1)
+  ids = jnp.where(batch.act_mask & (act_adapter >= 0), act_adapter, num_adapters)
+  counts = jnp.zeros((num_adapters + 1,), jnp.int32).at[ids.reshape(-1)].add(1)
+  return counts[:num_adapters] > 0
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "with_ref", "minibatches"))
+def _old_and_ref_logp(params, policy, batch, model_config, with_ref, minibatches):
+  B = batch.tokens.shape[0]
+  chunks = jax.tree.map(lambda x: x.reshape((minibatches, B // minibatches) + x.shape[1:]),
+                        batch)
+  logp = lambda pol, b: token_logp_and_entropy(params, pol, b, model_config, False)[0]
+  old = jax.lax.map(lambda b: logp(policy, b), chunks).reshape(B, -1)
+  ref = jax.lax.map(lambda b: logp(None, b), chunks).reshape(B, -1) if with_ref else \
+      jnp.zeros_like(old)
+  return old, ref
+
+
+def prepare(params, policy, batch: TrainBatch, model_config: ModelConfig, config: LossConfig,
+            critic_hidden_fn: Optional[Callable] = None, minibatches: int = 1) -> Extras:
+  """π_old, the base's log-probs (if a KL penalty is on) and the frozen critic's hidden
+  states (if its base is not adapted), computed once per batch without gradients, minibatch
+  by minibatch with the update's own shapes (so the first ratio is 1)."""
+  old, ref = _old_and_ref_logp(params, policy, batch, model_config, config.kl_coef > 0,
+                               minibatches)
+  hidden = None if critic_hidden_fn is None else critic_hidden_fn(params, batch)
+  return Extras(old_logp=old, ref_logp=ref, critic_hidden=hidden)

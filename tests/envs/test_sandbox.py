@@ -1,0 +1,281 @@
+"""The sandbox contains hostile programs and reports how each ended, in every mode here.
+
+Each test runs in plain mode and, where bubblewrap is installed, in bwrap mode. Limits are
+small (1-2 s, 256 MiB) so that the whole file stays fast. After a run, no process that the
+sandbox started may be left: every sandboxed interpreter carries the boot code, and so the
+start mark, on its command line (`_leftovers`).
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+
+import pytest
+
+from marft_jax.envs.sandbox import Job, Limits, Sandbox, Status
+
+LIMITS = Limits(wall_s=2.0, memory_mb=256, processes=4, file_mb=1, stdout_bytes=10_000,
+                stderr_bytes=2_000)
+MODES = ["plain", "bwrap"]
+
+
+def _sandbox(mode, limits=LIMITS, **kwargs):
+  if mode == "bwrap" and shutil.which("bwrap") is None:
+    pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
+  return Sandbox(limits, mode=mode, **kwargs)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def box(request):
+  sandbox = _sandbox(request.param)
+  yield sandbox
+  sandbox.close()
+
+
+def _leftovers():
+  """Live processes whose command line holds the sandbox's boot code."""
+  pids = []
+  for path in glob.glob("/proc/[0-9]*/cmdline"):
+    try:
+      with open(path, "rb") as f:
+        if b"marft-sandbox-started" in f.read():
+          pids.append(int(path.split("/")[2]))
+    except OSError:
+      pass  # exited meanwhile
+  return pids
+
+
+def assert_no_leftovers():
+  until = time.monotonic() + 2.0
+  while _leftovers() and time.monotonic() < until:
+    time.sleep(0.05)
+  assert _leftovers() == []
+
+
+# --- ordinary programs ---
+
+def test_program_reads_stdin(box):
+  result = box.run("import sys\nprint(sys.stdin.read().strip()[::-1])", "abc\n")
+  assert (result.status, result.stdout, result.exit_code) == (Status.OK, "cba\n", 0)
+
+
+def test_call_returns_json_and_keeps_prints_apart(box):
+  result = box.call("def add(a, b):\n  print('noise')\n  return a + b", "add", [2, 3])
+  assert result.status == Status.OK, result
+  assert json.loads(result.stdout) == 5
+  assert "noise" in result.stderr
+
+
+def test_call_finds_a_solution_class(box):
+  source = "class Solution:\n  def twice(self, xs):\n    return xs + xs\n"
+  assert json.loads(box.call(source, "twice", [[1, 2]]).stdout) == [1, 2, 1, 2]
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("raise ValueError('boom')", "ValueError: boom"),
+    ("def f(:\n  pass", "SyntaxError"),
+    ("import sys\nsys.exit(3)", ""),
+])
+def test_errors_are_runtime_errors(box, source, needle):
+  result = box.run(source)
+  assert result.status == Status.RUNTIME_ERROR and result.exit_code != 0
+  assert needle in result.stderr
+
+
+def test_call_of_a_missing_function(box):
+  result = box.call("x = 1", "solve", [])
+  assert result.status == Status.RUNTIME_ERROR and "NameError" in result.stderr
+
+
+def test_environment_holds_none_of_the_trainers_paths(box):
+  source = ("import json, os, sys\n"
+            "try:\n  import marft_jax\n  found = True\nexcept ImportError:\n  found = False\n"
+            "print(json.dumps([sorted(os.environ), sys.path, os.getcwd(), os.environ['HOME'],"
+            " found, sys.flags.isolated, sys.flags.no_site]))")
+  result = box.run(source)
+  assert result.status == Status.OK, result
+  env, path, cwd, home, found, isolated, no_site = json.loads(result.stdout)
+  assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}
+  assert not any("site-packages" in p for p in path)
+  assert cwd == home and not found and isolated and no_site
+
+
+def test_work_directory_is_writable_and_removed(box):
+  before = set(glob.glob(os.path.join(tempfile.gettempdir(), "marft-sandbox-*")))
+  source = ("import os\nopen('note.txt', 'w').write('kept')\nos.mkdir('locked')\n"
+            "open('locked/x', 'w').write('x')\nos.chmod('locked', 0)\n"
+            "print(open('note.txt').read())")
+  result = box.run(source)
+  assert (result.status, result.stdout) == (Status.OK, "kept\n")
+  after = set(glob.glob(os.path.join(tempfile.gettempdir(), "marft-sandbox-*")))
+  assert after <= before
+
+
+# --- hostile programs: each ends within its limits, reported as what it was ---
+
+@pytest.mark.parametrize("source", ["while True:\n  pass", "import time\ntime.sleep(60)"])
+def test_infinite_loop_and_sleep_time_out(box, source):
+  start = time.monotonic()
+  result = box.run(source, timeout_s=1.0)
+  assert result.status == Status.TIMEOUT and "wall-clock" in result.detail
+  assert time.monotonic() - start < 3.0
+  assert_no_leftovers()
+
+
+def test_cpu_limit_is_a_timeout(box):
+  sandbox = _sandbox(box.mode, dataclasses.replace(LIMITS, wall_s=6.0, cpu_s=1))
+  start = time.monotonic()
+  result = sandbox.run("while True:\n  pass")
+  assert result.status == Status.TIMEOUT and "CPU" in result.detail, result
+  assert time.monotonic() - start < 4.0
+
+
+def test_fork_bomb_is_contained(box):
+  source = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n"
+  start = time.monotonic()
+  result = box.run(source, timeout_s=1.5)
+  assert result.status == Status.TIMEOUT
+  assert time.monotonic() - start < 4.0
+  assert_no_leftovers()
+
+
+def test_process_count_is_limited(box):
+  source = ("import os, time\nn = 0\nfor _ in range(50):\n  try:\n    pid = os.fork()\n"
+            "  except OSError:\n    break\n  if pid == 0:\n    time.sleep(30)\n    os._exit(0)\n"
+            "  n += 1\nprint(n)\n")
+  result = box.run(source)
+  assert result.status == Status.OK, result
+  assert int(result.stdout) <= LIMITS.processes
+  assert_no_leftovers()  # the sleeping children were killed
+
+
+def test_descendants_that_leave_the_group_are_killed(box):
+  if not (box.plan.namespaces or box.plan.drop_uid):
+    pytest.skip("this plan cannot reach processes that leave the group (see guarantees)")
+  source = ("import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(30)\n"
+            "  os._exit(0)\nprint('parent done')\n")
+  result = box.run(source)
+  assert result.status == Status.OK
+  assert_no_leftovers()
+
+
+@pytest.mark.parametrize("source", ["x = bytearray(10 * 1024 ** 3)",
+                                    "xs = []\nwhile True:\n  xs.append(bytearray(10 ** 7))"])
+def test_huge_allocations_fail_inside(box, source):
+  result = box.run(source)
+  assert result.status == Status.RUNTIME_ERROR and "MemoryError" in result.stderr
+
+
+def test_stdout_flood_stops_at_the_cap(box):
+  start = time.monotonic()
+  result = box.run("while True:\n  print('y' * 1000)")
+  assert result.status == Status.OUTPUT_LIMIT
+  assert len(result.stdout) <= LIMITS.stdout_bytes
+  assert time.monotonic() - start < LIMITS.wall_s
+
+
+def test_stderr_flood_keeps_only_the_tail(box):
+  result = box.run("import sys\nwhile True:\n  sys.stderr.write('e' * 1000)", timeout_s=1.0)
+  assert result.status == Status.TIMEOUT and len(result.stderr) <= LIMITS.stderr_bytes
+
+
+def test_file_size_limit(box):
+  result = box.run("open('big', 'wb').write(b'x' * (2 << 20))")
+  assert result.status == Status.RUNTIME_ERROR and "File too large" in result.stderr
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_no_network(box, guard):
+  if not guard and box.plan.mode == "plain" and not box.plan.namespaces:
+    pytest.skip("without namespaces only the audit hook guards the network")
+  sandbox = box if guard else _sandbox(box.mode, guard=False)
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.3)
+    port = server.getsockname()[1]
+    result = sandbox.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 1)\n"
+                         "print('connected')")
+    assert result.status == Status.RUNTIME_ERROR and "connected" not in result.stdout
+    with pytest.raises(socket.timeout):
+      server.accept()
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_no_writes_outside_the_work_directory(box, tmp_path, guard):
+  if not guard and not (box.plan.drop_uid or box.plan.mode == "bwrap"):
+    pytest.skip("without an own uid or bwrap only the audit hook guards the files")
+  sandbox = box if guard else _sandbox(box.mode, guard=False)
+  target = tmp_path / "trainer_file.txt"
+  for source in (f"open({str(target)!r}, 'w').write('x')",
+                 f"import os\nos.close(os.open({str(target)!r}, os.O_CREAT | os.O_WRONLY))"):
+    result = sandbox.run(source)
+    assert result.status == Status.RUNTIME_ERROR, result
+    assert not target.exists()
+
+
+def test_bwrap_shows_no_host_files(tmp_path):
+  sandbox = _sandbox("bwrap")
+  secret = tmp_path / "secret.txt"
+  secret.write_text("x")
+  for path in (str(secret), "/etc/passwd", os.path.expanduser("~/.bashrc")):
+    result = sandbox.run(f"print(open({path!r}).read())")
+    assert result.status == Status.RUNTIME_ERROR and "FileNotFoundError" in result.stderr
+  unguarded = _sandbox("bwrap", guard=False)
+  for path in ("/usr/pwned", "/pwned", "/tmp/pwned", "/proc/pwned"):
+    result = unguarded.run(f"open({path!r}, 'w')")
+    assert result.status == Status.RUNTIME_ERROR and "Error" in result.stderr, path
+
+
+# --- batches, budgets, failures of the sandbox itself ---
+
+def test_run_many_runs_in_parallel(box):
+  jobs = [Job("import time\ntime.sleep(0.5)\nprint(1)")] * 4
+  start = time.monotonic()
+  results = box.run_many(jobs)
+  assert [r.status for r in results] == [Status.OK] * 4
+  assert time.monotonic() - start < 1.9  # two at a time; one at a time would take 2 s
+
+
+def test_run_many_budget_bounds_the_batch(box):
+  start = time.monotonic()
+  results = box.run_many([Job("import time\ntime.sleep(30)")] * 5, budget_s=1.0)
+  assert [r.status for r in results] == [Status.TIMEOUT] * 5
+  assert time.monotonic() - start < 3.0
+  assert_no_leftovers()
+
+
+def test_a_sandbox_that_cannot_start_the_program_says_so(box):
+  sandbox = _sandbox(box.mode, dataclasses.replace(LIMITS, memory_mb=1))
+  result = sandbox.run("print(1)")
+  assert result.status == Status.SANDBOX_ERROR and result.detail
+
+
+def test_no_working_plan_raises():
+  with pytest.raises(RuntimeError, match="no sandbox plan works"):
+    Sandbox(LIMITS, mode="plain", python="/nonexistent/python3").run("print(1)")
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(wall_s=0), "wall_s"), (dict(memory_mb=0), "memory_mb"), (dict(cpu_s=-1), "cpu_s"),
+    (dict(processes=1.5), "processes"), (dict(open_files=8), "open_files")])
+def test_limits_refuse_bad_values_by_name(kwargs, key):
+  with pytest.raises(ValueError, match=key):
+    Limits(**kwargs)
+
+
+def test_sandbox_refuses_bad_arguments_by_name():
+  with pytest.raises(ValueError, match="mode"):
+    Sandbox(mode="docker")
+  with pytest.raises(ValueError, match="max_parallel"):
+    Sandbox(max_parallel=0)
+
+
+def test_guarantees_name_the_mode(box):
+  assert box.guarantees[0] == f"mode={box.plan.mode}"
+  assert box.plan.mode == box.mode
