@@ -4,7 +4,7 @@
   batch     EnvBatch: E environments with a seeded, reproducible task order.
   profiles  AgentProfile; shipped math and code teams.
   graph     AgentGraph (chain, DAG) and Orchestrator (dynamic routing); Schedule.
-  toy       EchoEnv: repeat the number shown (a task whose best answer is known).
+  toy       EchoEnv: repeat the number shown (a task whose best answer is known); echo_team.
 """
 
 from marft_jax.envs.base import Environment, Observation, Step
@@ -13,4 +13,4 @@ from marft_jax.envs.graph import (AgentGraph, Orchestrator, Schedule, orchestrat
                                   parse_route)
 from marft_jax.envs.profiles import (AgentProfile, adapter_index, check_team, code_team, math_team,
                                      shared_adapter, with_sampling)
-from marft_jax.envs.toy import EchoEnv
+from marft_jax.envs.toy import EchoEnv, echo_team

@@ -50,12 +50,14 @@ class TaskSection:
   level: int = 1  # arithmetic difficulty, 1 (one operation) to 5
   horizon: int = 1  # env steps per episode (math: retries after a judge line)
   eval_problems: int = 300  # held-out problems for launch/eval.py
+  echo_high: int = 10  # "echo" (the toy task of tests): numbers shown are drawn from [0, echo_high)
 
   def __post_init__(self):
     _one_of("name", self.name, TASKS)
     check_int("level", self.level, 1, 5)
     check_int("horizon", self.horizon, 1)
     check_int("eval_problems", self.eval_problems, 1)
+    check_int("echo_high", self.echo_high, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,8 @@ def build_team(config: TrainConfig):
   t = config.team
   if config.task.name == "code":
     team = envs_lib.code_team(t.num_roles, temperature=t.temperature)
+  elif config.task.name == "echo":
+    team = envs_lib.echo_team(t.num_roles)
   elif t.num_roles == 1:
     team = (envs_lib.AgentProfile(
         "solver", "Solve the problem step by step. Put the final answer, a number, in "
@@ -86,7 +88,7 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train"):
   graded = [p.role for p in team if p.graded]
   task = config.task
   if task.name == "echo":
-    make = lambda i: envs_lib.EchoEnv(graded=graded)
+    make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
   elif task.name == "code":
     from marft_jax.envs.code_env import CodeEnv
     make = lambda i: CodeEnv(graded_roles=graded, **({"path": task.path} if task.path else {}))
@@ -217,70 +219,82 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
                                        may_differ=("iterations", "checkpoint_every"))
     start = int(meta["iteration"])
     envs.load_state_dict(meta["envs"])
-    logging.warning("Resuming from %s: iteration %d (policy version %d, data cursor %s)",
-                    workdir, start, start, meta["envs"]["episodes"][:4])
+    logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
+                    workdir, start, config.iterations)
   writer = MetricWriter(workdir, resume_step=start)
   rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   pad = model.tokenizer.pad_token_id
   pad = model.tokenizer.eos_token_id if pad is None else pad
   metrics: dict = {}
   bar = _progress(progress, start, config.iterations)
-  with PreemptionFlag() as preempt, checkpointer:
-    for iteration in range(start, config.iterations):
-      key = jax.random.fold_in(jax.random.key(config.seed), iteration)
-      t0 = time.perf_counter()
-      # --- rollout ---
-      result = rollout(envs, team, structure, rollout_params, rollout_config, model.tokenizer,
-                       jax.random.fold_in(key, 0), lora=state.policy,
-                       config=RolloutConfig(context_mode=config.rollout.context_mode,
-                                            horizon=config.task.horizon,
-                                            max_context=config.rollout.max_context),
-                       policy_version=iteration)
-      t1 = time.perf_counter()
-      write_transcripts(os.path.join(workdir, "transcripts", f"iteration_{iteration:05d}.jsonl"),
-                        result.episodes)
-      kept = [e for e in result.episodes if e.dropped is None]
-      # --- advantages ---
-      update_metrics = {}
-      if kept:
-        batch = make_batch(kept, pad, num_rows=_round_up(rows, config.optimizer.minibatches))
-        batch = jax.tree.map(np.asarray, batch)
-        extras = prepare(model.params, state.policy, batch, model.config, config.loss,
-                         None if critic_hidden is None else
-                         functools.partial(critic_hidden, state.critic),
-                         config.optimizer.minibatches)
-        if critic_values is not None:
-          old_values = old_values_fn(state.critic, model.params, batch, extras)
-          batch = batch.replace(act_old_value=np.asarray(old_values))
-        groups = [envs.group(e.env_index) for e in kept]
-        batch = compute_advantages(batch, kept, config.advantage, len(team), groups)
-        # --- update ---
-        state, update_metrics = update(
-            state, model.params, batch, extras, jnp.asarray(active_adapters(config, iteration)),
-            jnp.asarray(iteration >= config.critic.warmup_iterations),
-            jax.random.fold_in(key, 1))
-        update_metrics = {k: float(v) for k, v in update_metrics.items()}
-      t2 = time.perf_counter()
-      # --- metrics, checkpoints ---
-      metrics = _iteration_metrics(result, update_metrics, team, t0, t1, t2)
-      writer.write(iteration, metrics)
-      if bar is not None:
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}")
-      if on_iteration is not None:
-        on_iteration(iteration, metrics)
-      done = iteration + 1 == config.iterations
-      if (iteration + 1) % config.checkpoint_every == 0 or done or preempt.requested:
-        _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
-                    workdir, config)
-      if preempt.requested:
-        logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
-        break
-  writer.close()
-  envs.close()
-  if bar is not None:
-    bar.close()
+  rollout_settings = RolloutConfig(context_mode=config.rollout.context_mode,
+                                   horizon=config.task.horizon,
+                                   max_context=config.rollout.max_context)
+  learn = functools.partial(
+      _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
+      old_values_fn=old_values_fn, envs=envs, num_roles=len(team),
+      num_rows=_round_up(rows, config.optimizer.minibatches))
+  try:
+    with PreemptionFlag() as preempt, checkpointer:
+      for iteration in range(start, config.iterations):
+        key = jax.random.fold_in(jax.random.key(config.seed), iteration)
+        t0 = time.perf_counter()
+        result = rollout(envs, team, structure, rollout_params, rollout_config,
+                         model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
+                         config=rollout_settings, policy_version=iteration)
+        t1 = time.perf_counter()
+        write_transcripts(os.path.join(workdir, "transcripts",
+                                       f"iteration_{iteration:05d}.jsonl"), result.episodes)
+        kept = [e for e in result.episodes if e.dropped is None]
+        update_metrics = {}
+        if kept:
+          state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
+                                        pad_id=pad)
+        t2 = time.perf_counter()
+        metrics = _iteration_metrics(result, update_metrics, team, t0, t1, t2)
+        writer.write(iteration, metrics)
+        if bar is not None:
+          bar.update(1)
+          bar.set_postfix(reward=f"{metrics['reward']:.3f}")
+        if on_iteration is not None:
+          on_iteration(iteration, metrics)
+        done = iteration + 1 == config.iterations
+        if (iteration + 1) % config.checkpoint_every == 0 or done or preempt.requested:
+          _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
+                      workdir, config)
+        if preempt.requested:
+          logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
+          break
+  finally:
+    writer.close()
+    envs.close()
+    if bar is not None:
+      bar.close()
   return metrics
+
+
+def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
+           old_values_fn, envs, num_roles, num_rows):
+  """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)"""
+  batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
+  extras = prepare(model.params, state.policy, batch, model.config, config.loss,
+                   None if critic_hidden is None else
+                   functools.partial(critic_hidden, state.critic),
+                   config.optimizer.minibatches)
+  gap = _max_gap(extras.old_logp, batch)
+  if old_values_fn is not None:
+    old_values = old_values_fn(state.critic, model.params, batch, extras)
+    batch = batch.replace(act_old_value=np.asarray(old_values))
+  groups = [envs.group(e.env_index) for e in kept]
+  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups)
+  state, metrics = update(
+      state, model.params, batch, extras, jnp.asarray(active_adapters(config, iteration)),
+      jnp.asarray(iteration >= config.critic.warmup_iterations), key)
+  metrics = {k: float(v) for k, v in metrics.items()}
+  metrics["logp/sampler_learner_max_gap"] = gap
+  # Tokens through the learner's forward + backward: every real token, every epoch.
+  metrics["update_tokens"] = float(batch.mask.sum()) * config.optimizer.epochs
+  return state, metrics
 
 
 def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, workdir, config):
@@ -306,18 +320,29 @@ def _turns_per_episode(config: TrainConfig, structure) -> int:
   return per_step * config.task.horizon
 
 
+def _max_gap(learner_logp, batch) -> float:
+  """The largest |learner − sampler| log-prob over the trained tokens: the policy the update
+  optimises must be the one that sampled (same adapters, temperature, layout up to rounding);
+  a gap far above ~1e-5 in f32 means the two disagree about the policy."""
+  gap = np.abs(np.asarray(learner_logp) - batch.act_behaviour_logp)
+  return float(np.max(np.where(batch.act_mask, gap, 0.0)))
+
+
 def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
 def _iteration_metrics(result, update_metrics, team, t0, t1, t2) -> dict:
+  """Rollout and update metrics, and where the iteration's wall time went."""
   m = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
   m.update(update_metrics)
   m["accuracy"] = m.get("env/accuracy", m["reward"])
-  m["time/rollout_s"], m["time/update_s"] = t1 - t0, t2 - t1
-  m["time/iteration_s"] = t2 - t0
-  m["time/sampler_share"] = result.metrics["sampler_s"] / max(t2 - t0, 1e-9)
-  m["update_tok_s"] = result.metrics["generated_tokens"] / max(t2 - t1, 1e-9)
+  total = max(t2 - t0, 1e-9)
+  m["time/iteration_s"], m["time/rollout_s"], m["time/update_s"] = total, t1 - t0, t2 - t1
+  m["time/sampler_share"] = result.metrics["sampler_s"] / total
+  m["time/rollout_host_share"] = (t1 - t0 - result.metrics["sampler_s"]) / total
+  m["time/update_share"] = (t2 - t1) / total
+  m["update_tok_s"] = update_metrics.get("update_tokens", 0.0) / max(t2 - t1, 1e-9)
   return m
 
 

@@ -204,7 +204,7 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                                               state.policy, move)
       critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
       if g_critic is not None:
-        critic_norm = optax.global_norm(g_critic)
+        critic_norm = optax.tree.norm(g_critic)
         scale = jnp.minimum(1.0, config.critic_max_grad_norm / jnp.maximum(critic_norm, 1e-12))
         updates, new_opt = critic_optimizer.update(
             jax.tree.map(lambda g: g * scale, g_critic), state.critic_opt, state.critic)

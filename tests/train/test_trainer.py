@@ -1,9 +1,9 @@
-"""The trainer end to end on the tiny model: it learns, resumes exactly, isolates agents.
+"""The trainer end to end on the tiny model: it learns, resumes exactly, isolates agents,
+skips non-finite updates, and trains the policy that sampled.
 
-References: a toy task whose best answer is known (repeat the number shown: chance is the
-untrained model's rate), an uninterrupted run (for resume), the sampler's own log-probs under
-the updated adapters (for learner/sampler agreement), and the adapters before the update
-(for isolation).
+References: a toy task whose best answer is known (the untrained model's reward is chance),
+an uninterrupted run (for resume), the adapters before the update (for isolation), and the
+sampler's own log-probs of the tokens it drew (for learner/sampler agreement).
 """
 
 import dataclasses
@@ -11,46 +11,147 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from marft_jax.models import tiny, transformer
 from marft_jax.models.config import tiny_config
+from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
-from marft_jax.train.loop import Model, train
+from marft_jax.train import loop
 
 
 @pytest.fixture(scope="module")
 def model():
   tokenizer = tiny.tiny_tokenizer()
   config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-  return Model(transformer.init_params(config, jax.random.key(0), std=0.1), config, tokenizer)
+  return loop.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
+                    tokenizer)
 
 
-def _echo_config(algorithm, **changes):
+def _echo_config(algorithm, num_envs=64, **changes):
+  """2 agents on "repeat the number shown" with numbers from [0, 1): the best reply is known
+  ("0"), and a random tiny model says it first in ~2 % of episodes."""
   base = config_lib.preset(algorithm)
   sections = dict(
-      task=config_lib.TaskSection(name="echo"),
+      task=config_lib.TaskSection(name="echo", echo_high=1),
       team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3),
-      rollout=dataclasses.replace(base.rollout, num_envs=32, max_context=256),
+      rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
       lora=config_lib.LoraSection(rank=8, alpha=16.0),
       critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
       optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
-      checkpoint_every=1000, iterations=40)
+      checkpoint_every=1000, iterations=14)
   sections.update(changes)
   return dataclasses.replace(base, **sections)
 
 
-def _rewards(workdir):
+def _metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line)["reward"] for line in f]
+    return [json.loads(line) for line in f]
+
+
+def _final_state(config, model, workdir):
+  """The state in `workdir`'s latest checkpoint, restored into the run's structure."""
+  team, structure = loop.build_team(config)
+  policy_opt, critic_opt = loop._optimizers(config)
+  template = loop.init_state(config, model, len(team) + (structure is not None), policy_opt,
+                             critic_opt)
+  with checkpoint_lib.Checkpointer(workdir) as checkpointer:
+    return checkpointer.restore(template)[0], template
+
+
+def _assert_trees_equal(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                  err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("algorithm", ["marft_a", "marft_t", "grpo"])
 def test_reward_rises_from_chance_on_the_echo_task(model, tmp_path, algorithm):
-  config = _echo_config(algorithm)
-  train(config, str(tmp_path), model=model, progress=False)
-  rewards = _rewards(tmp_path)
-  assert np.mean(rewards[:3]) < 0.4, rewards
-  assert max(np.mean(rewards[i:i + 3]) for i in range(len(rewards) - 2)) >= 0.8, rewards
+  train_config = _echo_config(algorithm)
+  loop.train(train_config, str(tmp_path), model=model, progress=False)
+  rewards = [m["reward"] for m in _metrics(tmp_path)]
+  assert rewards[0] < 0.2, rewards  # before any update: the untrained model's chance
+  best = max(np.mean(rewards[i:i + 3]) for i in range(len(rewards) - 2))
+  assert best >= 0.8, rewards
+  # Every update trained the policy that sampled: same adapters, temperature, tokens.
+  gaps = [m["logp/sampler_learner_max_gap"] for m in _metrics(tmp_path)]
+  assert max(gaps) < 1e-4, gaps
+
+
+class _Kill(Exception):
+  pass
+
+
+def test_resume_is_exact(model, tmp_path):
+  """4 iterations straight vs 2, a crash in the 3rd (before its checkpoint), and a resume of
+  the same command: identical adapters, critic, optimizer states and metrics."""
+  train_config = _echo_config("marft_a", num_envs=16, iterations=4, checkpoint_every=2)
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  loop.train(train_config, straight, model=model, progress=False)
+
+  def crash(iteration, metrics):
+    if iteration == 2:
+      raise _Kill()
+
+  with pytest.raises(_Kill):
+    loop.train(train_config, resumed, model=model, progress=False, on_iteration=crash)
+  assert checkpoint_lib.Checkpointer(resumed).all_steps() == [2]
+  loop.train(train_config, resumed, model=model, progress=False)
+
+  state_straight, template = _final_state(train_config, model, straight)
+  state_resumed, _ = _final_state(train_config, model, resumed)
+  _assert_trees_equal(state_straight, state_resumed)
+  assert not np.array_equal(np.asarray(jax.tree.leaves(state_straight.policy)[0]),
+                            np.asarray(jax.tree.leaves(template.policy)[0]))  # it trained
+  strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and
+                         not k.endswith("tok_s") and not k.endswith("_s")} for r in rows]
+  assert strip(_metrics(straight)) == strip(_metrics(resumed))  # no iteration twice
+
+
+def test_agent_by_agent_update_leaves_the_other_agent_bit_identical(model, tmp_path):
+  """K = 1: iteration 0 trains agent 0 only. Weight decay is on, so an unmasked AdamW step
+  would move agent 1 even with a zero gradient."""
+  train_config = _echo_config(
+      "marft_a", num_envs=16, iterations=1,
+      optimizer=config_lib.OptimizerSection(lr=5e-3, weight_decay=0.1, epochs=2,
+                                            minibatches=2, agent_iteration_interval=1))
+  state, template = _final_state(train_config, model, _trained(train_config, model, tmp_path))
+  moved = lambda a: [not np.array_equal(np.asarray(x)[:, a], np.asarray(y)[:, a])
+                     for x, y in zip(jax.tree.leaves(state.policy.layers),
+                                     jax.tree.leaves(template.policy.layers))]
+  assert any(moved(0)) and not any(moved(1))
+  adam = state.policy_opt[0]  # adamw: (ScaleByAdamState, ...)
+  for moment in (adam.mu, adam.nu):
+    for leaf in jax.tree.leaves(moment.layers):
+      assert np.all(np.asarray(leaf)[:, 1] == 0)  # agent 1's moments never advanced
+      assert np.any(np.asarray(leaf)[:, 0] != 0)
+
+
+def _trained(train_config, model, tmp_path):
+  loop.train(train_config, str(tmp_path), model=model, progress=False)
+  return str(tmp_path)
+
+
+def test_the_base_model_is_never_changed(model, tmp_path):
+  before = jax.tree.map(np.array, model.params)
+  _trained(_echo_config("marft_t", num_envs=16, iterations=1), model, tmp_path)
+  _assert_trees_equal(before, model.params)
+
+
+def test_nonfinite_loss_skips_the_update_and_is_counted(model, tmp_path, monkeypatch):
+  """NaN advantages make every minibatch's loss NaN: nothing moves, each skip is counted,
+  and the checkpoint written at the end holds the (finite) untouched state."""
+  compute = loop.compute_advantages
+
+  def nan_advantages(batch, *args, **kwargs):
+    batch = compute(batch, *args, **kwargs)
+    return batch.replace(turn_advantage=np.full_like(batch.turn_advantage, np.nan))
+
+  monkeypatch.setattr(loop, "compute_advantages", nan_advantages)
+  train_config = _echo_config("marft_a", num_envs=16, iterations=2)
+  state, template = _final_state(train_config, model, _trained(train_config, model, tmp_path))
+  _assert_trees_equal(state.policy, template.policy)
+  _assert_trees_equal(state.critic, template.critic)
+  steps = train_config.optimizer.epochs * train_config.optimizer.minibatches
+  assert [m["nonfinite"] for m in _metrics(tmp_path)] == [steps, steps]
