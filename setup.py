@@ -42,6 +42,7 @@ setup(
     description="Multi-Agent Reinforcement Fine-Tuning (MARFT) of LLM agent teams in JAX",
     python_requires=">=3.10",
     packages=find_packages(include=["marft_jax", "marft_jax.*"]),
+    package_data={"marft_jax.envs": ["data/*.jsonl"]},  # bundled problem fixtures
     install_requires=INSTALL_REQUIRES,
     extras_require={"test": TEST_REQUIRES},
 )

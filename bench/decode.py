@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import (SMOLLM2_SHAPE, best_time, emit, matmul_peak, memory_bandwidth,
+                          torch_model)
 from marft_jax.models import layout, sampler, transformer
-from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
-from marft_jax.models.config import ModelConfig, tiny_config
+from marft_jax.models.config import tiny_config
 
 PROMPT_LEN, NEW_TOKENS, BATCHES = 64, 128, (1, 16)
 TINY_PROMPT_LEN, TINY_NEW_TOKENS, TINY_BATCHES = 8, 8, (1, 2)
@@ -41,44 +42,6 @@ _FEATURE_MAJOR = flags.DEFINE_bool("feature_major", None, "layout: feature-major
 _TINY = flags.DEFINE_bool("tiny", False, "smoke run: the tiny test model, 8 + 8 tokens, "
                           "small machine-limit probes (the figures mean nothing)")
 
-SMOLLM2_SHAPE = ModelConfig(
-    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
-    rms_norm_eps=1e-5, tie_word_embeddings=True)
-
-
-def emit(name: str, value) -> None:
-  print(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}", flush=True)
-
-
-def best_time(fn, repeats: int) -> float:
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
-# --- machine limits ---------------------------------------------------------------------
-
-
-def memory_bandwidth(repeats: int, scale: int = 1) -> float:
-  """Bytes/s read by the faster of a jitted sum and a jitted matrix-vector product."""
-  x = jnp.ones((64 << 20 // scale,), jnp.float32)  # 256 MiB
-  w = jnp.ones((49152 // scale, 576), jnp.float32)
-  v = jnp.ones((576,), jnp.float32)
-  total, matvec = jax.jit(jnp.sum), jax.jit(jnp.dot)
-  total(x).block_until_ready(), matvec(w, v).block_until_ready()
-  return max(x.nbytes / best_time(lambda: total(x), repeats + 2),
-             w.nbytes / best_time(lambda: matvec(w, v), repeats + 5))
-
-
-def matmul_peak(repeats: int, n: int = 2048) -> float:
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  mm = jax.jit(jnp.matmul)
-  mm(a, a).block_until_ready()
-  return 2 * n ** 3 / best_time(lambda: mm(a, a), repeats + 5)
 
 
 # --- models -----------------------------------------------------------------------------
@@ -97,19 +60,6 @@ def load_model(prompt_len: int):
           "The baker opened her shop, and the smell of bread drifted over the harbour. ") * 8
   ids = np.asarray(tokenizer(text)["input_ids"])
   return params, config, np.stack([ids[i:i + prompt_len] for i in range(16)])
-
-
-def torch_model(params, config: ModelConfig):
-  """A transformers `LlamaForCausalLM` holding exactly `params` (kernels transposed)."""
-  import torch
-  import transformers
-  hf = transformers.LlamaConfig(**hf_config_dict(config))
-  model = transformers.LlamaForCausalLM(hf).eval()
-  state = {name: torch.from_numpy(w) for name, w in hf_tensors(params, config).items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-  model.tie_weights()
-  return model
 
 
 def torch_generate(model, prompts: np.ndarray, new_tokens: int):

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.common import SMOLLM2_SHAPE
 from marft_jax import lora
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig, tiny_config
@@ -43,10 +44,7 @@ SMOLLM2_LAYERS = 30
 
 
 def smollm2_shaped(num_layers: int) -> ModelConfig:
-  return ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
-                     intermediate_size=1536, num_layers=num_layers, num_heads=9, num_kv_heads=3,
-                     head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=True)
+  return SMOLLM2_SHAPE.replace(num_layers=num_layers)
 
 
 def agent_turns(batch: int, time_: int, num_agents: int) -> np.ndarray:

@@ -25,7 +25,7 @@ def _commands():
 def test_ci_runs_the_readme_commands_word_for_word():
   main_job, test = _commands()[:2]
   ci = _read(".ci/run")
-  assert main_job.startswith("pip install -e . &&") and "python -m launch.generate" in main_job
+  assert main_job.startswith("pip install -e . &&") and "python -m launch.train" in main_job
   assert test.startswith("pip install torch==2.13.0") and "python -m pytest" in test
   assert test in ci.splitlines(), "the README's test command must be in .ci/run verbatim"
   # The main job runs with a short prompt and few tokens: the README's command, then flags.
@@ -36,11 +36,15 @@ def test_ci_runs_the_readme_commands_word_for_word():
 
 def test_readme_launch_commands_name_real_config_keys():
   from launch import cli
-  cli._default_config_path = os.path.join(cli.CONFIG_DIR, "generate.py")
   for command in _commands():
-    if "python -m launch.generate" in command:
-      argv = shlex.split(command.split("#")[0].split("python -m ")[-1])
-      assert cli._unknown_override(argv) == "", command
+    for script in ("generate", "train"):
+      if f"python -m launch.{script}" in command:
+        argv = shlex.split(command.split("#")[0].split("python -m ")[-1])
+        config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+                           os.path.join(cli.CONFIG_DIR, f"{script}.py"))
+        cli._default_config_path = os.path.join(ROOT, config_file)
+        assert os.path.isfile(cli._default_config_path), command
+        assert cli._unknown_override(argv) == "", command
 
 
 @pytest.mark.slow

@@ -86,13 +86,13 @@ def with_sampling(team: Sequence[AgentProfile], **changes) -> tuple[AgentProfile
 
 _BOXED = "Put the final answer, a number, in \\boxed{}."
 _MATH_ROLES = {
-    "reasoner": ("You are the Reasoner of a small math team. Read the problem, name the "
-                 "quantities it gives and what it asks, and lay out the steps that lead to the "
-                 "answer. Do not do the arithmetic yourself: the Actor will.",
-                 "Works out a plan of steps, without computing the answer."),
-    "actor": ("You are the Actor of a small math team. Follow the plan written before you, do "
-              f"each calculation carefully, and give the result. {_BOXED}",
-              "Carries out the plan and computes the final answer."),
+    "reasoner": ("You are the Reasoner of a small math team. Solve the problem step by step, "
+                 "writing out each calculation. The Actor will state the final answer.",
+                 "Works the problem out step by step."),
+    # Short on purpose: the actor checks the reasoning and answers, so its turn stays cheap.
+    "actor": ("You are the Actor of a small math team. Read the reasoning before you, check "
+              f"its arithmetic, and reply with only the final answer. {_BOXED}",
+              "Checks the reasoning and states the final answer."),
     "verifier": ("You are the Verifier of a small math team. Check the work written before you "
                  "step by step. If it is right, restate the answer; if not, correct it. "
                  f"{_BOXED}", "Checks the answer and gives the corrected final answer."),

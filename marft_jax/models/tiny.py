@@ -46,15 +46,21 @@ def tiny_tokenizer(vocab_size: int = 384):
                                  chat_template=CHATML_TEMPLATE, clean_up_tokenization_spaces=False)
 
 
+def tiny_model(architecture: str = "llama", seed: int = 0, **config_changes):
+  """(params, config, tokenizer): a random tiny `architecture` model, in memory (training
+  layout); `config_changes` go to `tiny_config` (e.g. max_position_embeddings=1024)."""
+  tokenizer = tiny_tokenizer()
+  config = tiny_config(architecture, vocab_size=len(tokenizer), **config_changes)
+  return init_params(config, jax.random.key(seed), std=0.1), config, tokenizer
+
+
 def save_tiny_model(path: Union[str, os.PathLike], architecture: str = "llama",
                     seed: int = 0) -> str:
   """Writes a random tiny `architecture` model with its tokenizer to folder `path`."""
   from safetensors.numpy import save_file
   path = os.fspath(path)
   os.makedirs(path, exist_ok=True)
-  tokenizer = tiny_tokenizer()
-  config = tiny_config(architecture, vocab_size=len(tokenizer))
-  params = init_params(config, jax.random.key(seed), std=0.1)
+  params, config, tokenizer = tiny_model(architecture, seed)
   save_file(hf_tensors(params, config), os.path.join(path, "model.safetensors"),
             metadata={"format": "pt"})
   with open(os.path.join(path, "config.json"), "w") as f:

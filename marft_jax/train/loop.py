@@ -78,7 +78,8 @@ def build_team(config: TrainConfig):
   structure = None
   if t.graph == "orchestrator":
     profile = envs_lib.orchestrator_profile(team, adapter=0 if t.shared_adapter else None,
-                                            temperature=t.temperature)
+                                            temperature=t.temperature, top_p=t.top_p,
+                                            max_new_tokens=t.orchestrator_max_new_tokens)
     structure = envs_lib.Orchestrator(profile, max_calls=t.orchestrator_max_calls)
   return team, structure
 
@@ -247,7 +248,10 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
                                        f"iteration_{iteration:05d}.jsonl"), result.episodes)
         kept = [e for e in result.episodes if e.dropped is None]
         update_metrics = {}
-        if kept:
+        if not kept:
+          logging.warning("Iteration %d: every episode was dropped (%s); no update",
+                          iteration, _drop_reasons(result.episodes))
+        else:
           state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
                                         pad_id=pad)
         t2 = time.perf_counter()
@@ -318,6 +322,15 @@ def _turns_per_episode(config: TrainConfig, structure) -> int:
     return 1
   per_step = config.team.num_roles if structure is None else 2 * structure.max_calls + 1
   return per_step * config.task.horizon
+
+
+def _drop_reasons(episodes) -> str:
+  counts = {}
+  for e in episodes:
+    counts[e.dropped] = counts.get(e.dropped, 0) + 1
+  hint = " (raise rollout.max_context or lower max_new_tokens)" if "context_overflow" in counts \
+      else ""
+  return ", ".join(f"{n} {reason}" for reason, n in counts.items()) + hint
 
 
 def _max_gap(learner_logp, batch) -> float:

@@ -155,3 +155,48 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(model, tmp_path, monkeyp
   _assert_trees_equal(state.critic, template.critic)
   steps = train_config.optimizer.epochs * train_config.optimizer.minibatches
   assert [m["nonfinite"] for m in _metrics(tmp_path)] == [steps, steps]
+
+
+@pytest.mark.parametrize("algorithm,changes", [
+    ("ppo", {}),
+    ("shared_stream_ppo", {}),
+    ("marft_a", {"critic": config_lib.CriticSection(mode="per_agent_lora", lora_rank=4,
+                                                    hidden=(32,))}),
+    ("marft_t", {"critic": config_lib.CriticSection(mode="per_agent_head", hidden=(32,)),
+                 "team": config_lib.TeamSection(max_new_tokens=3, last_max_new_tokens=3,
+                                                shared_adapter=True)}),
+    ("marft_a", {"team": config_lib.TeamSection(max_new_tokens=3, last_max_new_tokens=3,
+                                                graph="orchestrator",
+                                                orchestrator_max_calls=2,
+                                                orchestrator_max_new_tokens=4),
+                 "rollout": config_lib.RolloutSection(num_envs=8, max_context=1024)}),
+], ids=["ppo", "shared_stream_ppo", "per_agent_lora_critic", "per_agent_head_shared_adapter",
+        "orchestrator"])
+def test_every_algorithm_and_critic_trains_the_policy_that_sampled(model, tmp_path, algorithm,
+                                                                   changes):
+  """Two iterations of each form: finite losses, adapters that move, and the learner's
+  log-probs of the sampled tokens equal to the sampler's under the updated adapters."""
+  train_config = _echo_config(algorithm, **{"num_envs": 8, "iterations": 2, **changes})
+  state, template = _final_state(train_config, model, _trained(train_config, model, tmp_path))
+  rows = _metrics(tmp_path)
+  assert len(rows) == 2
+  for row in rows:
+    assert np.isfinite(row["loss"]) and row["nonfinite"] == 0, row
+    assert row["logp/sampler_learner_max_gap"] < 1e-4, row
+  assert any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
+             zip(jax.tree.leaves(state.policy), jax.tree.leaves(template.policy)))
+
+
+def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
+  """The PEFT folders a checkpoint exports, given as --init_from, are the new run's start."""
+  train_config = _echo_config("marft_a", num_envs=8, iterations=1)
+  first = _trained(train_config, model, tmp_path / "first")
+  state, _ = _final_state(train_config, model, first)
+  exports = os.path.join(first, "exports", "step_1")
+  folders = ",".join(os.path.join(exports, role) for role in ("helper0", "repeater"))
+  restarted = dataclasses.replace(train_config, init_from=folders)
+  team, _ = loop.build_team(restarted)
+  policy_opt, critic_opt = loop._optimizers(restarted)
+  start = loop.init_state(restarted, model, len(team), policy_opt, critic_opt)
+  for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
