@@ -38,7 +38,7 @@ from marft_jax import lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import critic as critic_lib
-from marft_jax.train.batching import TrainBatch
+from marft_jax.train.batching import TrainBatch, act_positions
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
 
 ROWS, PROMPT, REPLY, RANK, AGENTS = 8, 160, 96, 16, 2
@@ -73,6 +73,7 @@ def turn_batch(vocab: int, rows: int, prompt: int, reply: int) -> TrainBatch:
       adapter_ids=np.broadcast_to(agent, (rows, T)).astype(np.int32), act_mask=act,
       act_agent=np.where(act, agent, -1).astype(np.int32), act_turn=turn_act,
       act_temperature=np.ones((rows, T), np.float32), act_behaviour_logp=zeros,
+      act_positions=act_positions(act),
       turn_valid=np.ones((rows, 1), bool), turn_agent=agent.astype(np.int32),
       turn_value_pos=np.full((rows, 1), prompt - 1, np.int32),
       turn_length=np.full((rows, 1), reply, np.int32), row_episode=np.arange(rows, dtype=np.int32),

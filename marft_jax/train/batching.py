@@ -5,6 +5,10 @@ T bucketed so the update compiles a few times per run). The learner works in the
 frame: position t is the decision that emits token t+1 (its logits predict it), so every
 per-decision array here is shifted by one from the records' per-token arrays.
 
+The learner needs logits only at the trained decisions: `act_positions` lists them row by row
+(P, the most of any row, bucketed), so the vocabulary projection, a fifth of the model's
+FLOPs, skips the prompts (most of a per-agent-view row).
+
 Agent turns (one reply each) are also indexed per row, up to K turns a row ([B, K] arrays):
 action-level algorithms take one log-prob, one value and one advantage per turn. A turn's
 value is read at the decision that emits its first token: the state after its whole prompt.
@@ -34,6 +38,7 @@ class TrainBatch:
   act_turn: np.ndarray  # [B, T] int32: its turn's index in the row, -1 elsewhere
   act_temperature: np.ndarray  # [B, T] f32: its sampling temperature (1 elsewhere)
   act_behaviour_logp: np.ndarray  # [B, T] f32: the sampler's log-prob of token t+1
+  act_positions: np.ndarray  # [B, P] int32: each row's trained decisions, then -1 (see below)
   turn_valid: np.ndarray  # [B, K] bool
   turn_agent: np.ndarray  # [B, K] int32
   turn_value_pos: np.ndarray  # [B, K] int32: decision emitting the turn's first token
@@ -58,6 +63,17 @@ def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
   if n <= 4 * minimum:
     return -(-n // minimum) * minimum
   return 1 << (n - 1).bit_length()
+
+
+def act_positions(act_mask: np.ndarray) -> np.ndarray:
+  """[B, T] bool -> [B, P] int32: the indices of each row's True entries, padded with -1."""
+  counts = act_mask.sum(axis=1)
+  P = min(bucket_length(max(int(counts.max(initial=0)), 1)), act_mask.shape[1])
+  out = np.full((act_mask.shape[0], P), -1, np.int32)
+  for r, row in enumerate(act_mask):
+    index = np.flatnonzero(row)
+    out[r, :len(index)] = index
+  return out
 
 
 def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
@@ -111,7 +127,8 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
       turn["turn_value_pos"][r, k] = span.start - 1
       turn["turn_length"][r, k] = span.end - span.start
   zeros_bt, zeros_bk = np.zeros((B, T), np.float32), np.zeros((B, K), np.float32)
-  return TrainBatch(**b, **turn, row_episode=row_episode, act_advantage=zeros_bt,
+  return TrainBatch(**b, **turn, row_episode=row_episode,
+                    act_positions=act_positions(b["act_mask"]), act_advantage=zeros_bt,
                     act_return=zeros_bt.copy(), act_old_value=zeros_bt.copy(),
                     turn_advantage=zeros_bk, turn_return=zeros_bk.copy(),
                     turn_old_value=zeros_bk.copy())

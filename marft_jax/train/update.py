@@ -94,19 +94,28 @@ class Extras:
 def token_logp_and_entropy(params, policy, batch: TrainBatch, model_config: ModelConfig,
                            with_entropy: bool) -> tuple[jax.Array, jax.Array]:
   """[B, T] log-prob of token t+1 at decision t under the sampling temperature, and the
-  entropy of that distribution (zeros unless `with_entropy`). `policy=None`: the base."""
-  logits, _ = transformer.forward(params, batch.tokens, model_config, mask=batch.mask,
-                                  lora=policy,
-                                  adapter_ids=None if policy is None else batch.adapter_ids)
-  logits = logits / batch.act_temperature[..., None]
+  entropy of that distribution (zeros unless `with_entropy`), at the trained decisions
+  (`batch.act_positions`; 0 elsewhere). `policy=None`: the base."""
+  h, _ = transformer.hidden_states(params, batch.tokens, model_config, mask=batch.mask,
+                                   lora=policy,
+                                   adapter_ids=None if policy is None else batch.adapter_ids)
+  B, T = batch.tokens.shape
+  valid = batch.act_positions >= 0  # [B, P]
+  at = jnp.where(valid, batch.act_positions, 0)
+  pick = lambda x: jnp.take_along_axis(x, at, axis=1)
+  h = jnp.take_along_axis(h, at[..., None], axis=1)  # [B, P, D]
+  logits = transformer.logits_from_hidden(params, h, model_config)
+  logits = logits / pick(batch.act_temperature)[..., None]
   logp_all = jax.nn.log_softmax(logits, axis=-1)
   next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)
-  logp = jnp.take_along_axis(logp_all, next_tokens[..., None], axis=-1)[..., 0]
-  if not with_entropy:
-    return logp, jnp.zeros_like(logp)
-  p = jnp.exp(logp_all)
-  entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
-  return logp, entropy
+  logp = jnp.take_along_axis(logp_all, pick(next_tokens)[..., None], axis=-1)[..., 0]
+  entropy = jnp.zeros_like(logp)
+  if with_entropy:
+    p = jnp.exp(logp_all)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
+  rows, cols = jnp.arange(B)[:, None], jnp.where(valid, at, T)  # T: dropped
+  scatter = lambda x: jnp.zeros((B, T), x.dtype).at[rows, cols].set(x, mode="drop")
+  return scatter(logp), scatter(entropy)
 
 
 def _per_turn(x: jax.Array, batch: TrainBatch, mean: bool) -> jax.Array:
