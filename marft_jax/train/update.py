@@ -139,8 +139,9 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
            model_config: ModelConfig, config: LossConfig,
            critic_values: Optional[Callable]) -> tuple[jax.Array, dict]:
   """The minibatch loss (to minimise) and its diagnostics."""
-  logp, entropy = token_logp_and_entropy(params, policy, batch, model_config,
-                                         with_entropy=config.entropy_coef > 0)
+  logp, entropy = token_logp_and_entropy(params, policy, batch, model_config, with_entropy=True)
+  if config.entropy_coef == 0:  # reported, not trained: no gradient through it
+    entropy = jax.lax.stop_gradient(entropy)
   m = batch.act_mask
   if config.policy_level == "action":
     mean = config.action_logprob == "mean"

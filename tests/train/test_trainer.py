@@ -200,3 +200,17 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
   start = loop.init_state(restarted, model, len(team), policy_opt, critic_opt)
   for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path):
+  bf16_config = model.config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  bf16 = loop.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
+                    bf16_config, model.tokenizer)
+  train_config = _echo_config("marft_a", num_envs=8, iterations=1)
+  state, _ = _final_state(train_config, bf16, _trained(train_config, bf16, tmp_path))
+  for tree in (state.policy, state.policy_opt, state.critic, state.critic_opt):
+    floats = [x.dtype for x in jax.tree.leaves(tree) if jax.numpy.issubdtype(x.dtype,
+                                                                              np.floating)]
+    assert floats and all(d == np.float32 for d in floats), floats
+  row = _metrics(tmp_path)[0]
+  assert np.isfinite(row["loss"]) and row["entropy"] > 0, row
