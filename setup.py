@@ -15,6 +15,8 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.22,<0.24",
     "jinja2>=3.1,<4",  # chat templates (transformers imports it only when one is applied)
     "tensorflow-datasets>=4.9.8,<5",
+    # tfds.data_source reads paths through etils.epath, which imports it undeclared.
+    "importlib_resources>=6.4,<8",
     "absl-py>=2.1,<3",
     "ml-collections>=1.0,<2",
     "safetensors>=0.5,<0.9",

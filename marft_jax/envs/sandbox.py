@@ -366,8 +366,8 @@ class _Reader:
 class Sandbox:
   """Runs programs under `limits`, at most `max_parallel` at a time.
 
-  mode: "auto" (bwrap when it works here, else plain), "bwrap" (a ValueError where bwrap is
-    missing), or "plain". python: the interpreter (None: `sys.executable`, then the system's
+  mode: "auto" (plain for now: see `_candidates`), "bwrap" (experimental; a ValueError where
+    bwrap is missing), or "plain". python: the interpreter (None: `sys.executable`, then the system's
     `python3`). uid_base: as root, runs use unused uids from here on (no account has them;
     a lock file under the temp dir keeps other sandboxes off them; every process of such a
     uid is killed after a run). guard: the audit hook (tests turn it off to check what the
@@ -493,7 +493,9 @@ class Sandbox:
     have_bwrap = shutil.which("bwrap") is not None
     if self.mode == "bwrap" and not have_bwrap:
       raise ValueError("Sandbox mode='bwrap': no bwrap on PATH (apt-get install bubblewrap)")
-    layers = [("bwrap", True)] if have_bwrap and self.mode != "plain" else []
+    # bwrap only when asked for: run after run under one uid it still fails here (a PID
+    # namespace's processes outlive the run and exhaust RLIMIT_NPROC; see issue 10's note).
+    layers = [("bwrap", True)] if have_bwrap and self.mode == "bwrap" else []
     if self.mode != "bwrap":
       layers += [("plain", True)] if shutil.which("unshare") else []
       layers += [("plain", False)]
@@ -596,8 +598,8 @@ class Sandbox:
         self._kill_uid(plan, uid)
       reader.drain(0.5)
       reader.close()
-      code = _reap(proc)
-    return _verdict(reader, code, timed_out, limits, plan, time.monotonic() - start)
+      code, cpu_s = _reap(proc)
+    return _verdict(reader, code, timed_out, limits, plan, time.monotonic() - start, cpu_s)
 
   def _kill_uid(self, plan: Plan, uid: int):
     """Kills every process of `uid` (descendants that left the group): kill(-1) from a
@@ -621,16 +623,27 @@ def _exited(pid: int) -> bool:
   return info is not None
 
 
-def _reap(proc) -> Optional[int]:
-  """The exit status, or None if the killed process is not gone within the grace period
-  (left to subprocess's own reaping of abandoned children)."""
+def _reap(proc) -> tuple[Optional[int], Optional[float]]:
+  """(exit status, CPU seconds of the process and the descendants it reaped), or (None, None)
+  if the killed process is not gone within the grace period (left to subprocess's own
+  reaping of abandoned children). The CPU time tells a CPU-limit kill apart even where the
+  wrapper garbles the signal (util-linux `unshare --fork` exits 1 with "sigprocmask unblock
+  failed" when its child dies of SIGXCPU/SIGKILL)."""
   for pipe in (proc.stdout, proc.stderr):
     pipe.close()
-  try:
-    return proc.wait(_KILL_GRACE_S)
-  except subprocess.TimeoutExpired:
-    log.warning("sandbox: pid %d not reaped %gs after SIGKILL", proc.pid, _KILL_GRACE_S)
-    return None
+  deadline = time.monotonic() + _KILL_GRACE_S
+  while True:
+    try:
+      pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped elsewhere
+      return proc.returncode, None
+    if pid:
+      proc.returncode = os.waitstatus_to_exitcode(status)
+      return proc.returncode, usage.ru_utime + usage.ru_stime
+    if time.monotonic() > deadline:
+      log.warning("sandbox: pid %d not reaped %gs after SIGKILL", proc.pid, _KILL_GRACE_S)
+      return None, None
+    time.sleep(0.01)
 
 
 def _kill_group(pgid: int):
@@ -650,7 +663,8 @@ def _signal_of(code: Optional[int], plan: Plan) -> Optional[int]:
   return code - 128 if wrapped and 128 < code < 128 + 65 else None
 
 
-def _verdict(reader: _Reader, code, timed_out, limits: Limits, plan: Plan, wall) -> Result:
+def _verdict(reader: _Reader, code, timed_out, limits: Limits, plan: Plan, wall,
+             cpu_s: Optional[float] = None) -> Result:
   out = bytes(reader.out[:limits.stdout_bytes]).decode("utf-8", "replace")
   err = reader.stderr_text()
   record = dict(stdout=out, stderr=err, exit_code=code, wall_s=wall)
@@ -665,7 +679,8 @@ def _verdict(reader: _Reader, code, timed_out, limits: Limits, plan: Plan, wall)
   if code is None:
     return Result(Status.SANDBOX_ERROR, detail="the program could not be reaped", **record)
   sig = _signal_of(code, plan)
-  if sig == signal.SIGXCPU:
+  out_of_cpu = code != 0 and cpu_s is not None and cpu_s >= limits.cpu_seconds
+  if sig == signal.SIGXCPU or out_of_cpu:
     return Result(Status.TIMEOUT, detail=f"CPU limit {limits.cpu_seconds}s", **record)
   if code == 0:
     return Result(Status.OK, **record)
