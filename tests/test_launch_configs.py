@@ -11,6 +11,9 @@ from marft_jax.configs import from_config_dict
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 # config file name -> (module defining its top-level config dataclass, the dataclass)
 TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
+TYPED.update({name: ("marft_jax.train.config", "TrainConfig") for name in (
+    "train.py", "marft_t.py", "grpo.py", "ppo.py", "math_2agents.py", "math_3agents.py",
+    "math_4agents.py", "code_2agents.py")})
 
 
 def _load(path):
@@ -45,3 +48,30 @@ def test_generate_config_file_holds_the_dataclass_defaults():
   typed = from_config_dict(GenerateConfig, _load(os.path.join(CONFIG_DIR, "generate.py")))
   assert typed == GenerateConfig()
   assert typed.sampling.top_p == 0.95
+
+
+def test_train_config_file_is_the_embedded_default():
+  from marft_jax.train.config import TrainConfig, preset
+  typed = from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
+  assert typed == preset("marft_a") == TrainConfig()
+
+
+@pytest.mark.parametrize("name,algorithm,roles,task", [
+    ("marft_t.py", "marft_t", 2, "arithmetic"), ("grpo.py", "grpo", 2, "arithmetic"),
+    ("ppo.py", "ppo", 1, "arithmetic"), ("math_3agents.py", "marft_a", 3, "math_jsonl"),
+    ("math_4agents.py", "marft_a", 4, "math_jsonl"), ("code_2agents.py", "marft_a", 2, "code")])
+def test_train_configs_say_what_their_names_say(name, algorithm, roles, task):
+  from marft_jax.train.config import TrainConfig
+  typed = from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, name)))
+  assert (typed.algorithm, typed.team.num_roles, typed.task.name) == (algorithm, roles, task)
+
+
+def test_a_misspelt_train_key_fails_naming_it():
+  """`lock_config`: the launch flag refuses an unknown key before anything loads."""
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", "launch.train", "--config.rollout.num_env=4"],
+                       capture_output=True, text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."),
+                       timeout=120)
+  assert out.returncode == 2 and "num_env" in out.stderr and "num_envs" in out.stderr, out
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -1,0 +1,9 @@
+"""MARFT-T: token-level PPO (every token an action, Bellman backups across token, agent
+and env-step boundaries), reasoner → actor on generated arithmetic."""
+
+from marft_jax.configs import to_config_dict
+from marft_jax.train.config import preset
+
+
+def get_config():
+  return to_config_dict(preset("marft_t"))

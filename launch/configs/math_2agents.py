@@ -1,0 +1,9 @@
+"""MARFT-A, reasoner → actor, on the bundled GSM8K-style problems (point task.path at
+your own JSONL file: `--config.task.path=/data/gsm8k_train.jsonl`)."""
+
+from marft_jax.configs import to_config_dict
+from marft_jax.train.config import TaskSection, preset
+
+
+def get_config():
+  return to_config_dict(preset("marft_a", task=TaskSection(name="math_jsonl")))

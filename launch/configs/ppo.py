@@ -1,0 +1,8 @@
+"""Single-agent PPO (the baseline): one solver, action level, on generated arithmetic."""
+
+from marft_jax.configs import to_config_dict
+from marft_jax.train.config import preset
+
+
+def get_config():
+  return to_config_dict(preset("ppo"))
