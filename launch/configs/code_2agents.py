@@ -9,7 +9,6 @@ def get_config():
   return to_config_dict(preset(
       "marft_a",
       task=TaskSection(name="code"),
-      team=TeamSection(max_new_tokens=128,
-      last_max_new_tokens=256),
+      team=TeamSection(max_new_tokens=128, last_max_new_tokens=256),
       rollout=RolloutSection(max_context=2048),
   ))
