@@ -27,12 +27,13 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from bench.common import emit, torch_model
+
 from marft_jax import envs, lora as lora_lib
 from marft_jax.envs import arithmetic
 from marft_jax.envs.math_env import MathEnv
 from marft_jax.envs.problems import ProblemSet
-from marft_jax.models import layout, sampler, tiny, transformer
-from marft_jax.models.config import tiny_config
+from marft_jax.models import layout, sampler, tiny
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import RolloutConfig, rollout
 
@@ -41,15 +42,9 @@ _TORCH = flags.DEFINE_bool("torch", True, "also time the torch + PEFT reference"
 _EPISODES = flags.DEFINE_integer("episodes", 16, "math episodes (the batch)")
 
 
-def emit(name, value):
-  print(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}", flush=True)
-
-
 def load(tiny_run: bool):
   if tiny_run:
-    tokenizer = tiny.tiny_tokenizer()
-    config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-    return transformer.init_params(config, jax.random.key(0)), config, tokenizer
+    return tiny.tiny_model(max_position_embeddings=1024)
   from marft_jax.models.smollm2 import load_smollm2
   return load_smollm2()
 
@@ -88,15 +83,9 @@ def replay_sampler(result, params, config, adapters, mode, num_new):
 def torch_reference(params, config, tokenizer, result, mode, team):
   """Agent after agent with transformers + PEFT, each prompt encoded afresh (left-padded)."""
   import torch
-  import transformers
   from peft import LoraConfig as PeftLoraConfig, get_peft_model
-  from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_dict(config)))
-  model.load_state_dict({k: torch.from_numpy(v) for k, v in hf_tensors(params, config).items()},
-                        strict=False)
-  model.tie_weights()
   peft_config = PeftLoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
-  model = get_peft_model(model.eval(), peft_config, adapter_name=team[0].role)
+  model = get_peft_model(torch_model(params, config), peft_config, adapter_name=team[0].role)
   model.add_adapter(team[1].role, peft_config)
   pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
   total, start = 0, time.perf_counter()

@@ -16,6 +16,10 @@ EXPECTED = {
                      "machine_matmul_2048_gflop_s", "compile_s"],
     "bench.lora": ["multi_adapter_cost_ratio_2_agents", "multi_adapter_cost_ratio_4_agents",
                    "ratio_routed4_vs_single_median"],
+    "bench.rollout": [f"{prefix}{name}" for prefix in ("", "shared_stream_") for name in (
+        "rollout_tok_s", "rollout_fraction_of_sampler", "rollout_ratio_vs_torch")],
+    "bench.update": ["update_fraction_of_matmul_peak", "update_ratio_vs_torch",
+                     "machine_matmul_2048_gflop_s"],
 }
 
 
