@@ -20,6 +20,7 @@ from marft_jax.models.config import tiny_config
 from marft_jax.models.targets import linear_shapes
 from marft_jax.train.critic import (CriticConfig, action_frame_ids, critic_hidden_states,
                                     init_critic, values, values_from_hidden)
+from tests.lora.conftest import random_params  # weights and norms off their init values
 
 CONFIG = tiny_config()
 LORA_CONFIG = lora.LoraConfig(rank=4, targets="q_proj|v_proj")  # as `random_adapters`
@@ -32,18 +33,6 @@ AGENT_IDS = np.asarray([[-1, -1, 0, 0, 0, -1, -1, 1, 1, 1],
 ACTION_IDS = np.asarray([[-1, 0, 0, 0, -1, -1, 1, 1, 1, -1],
                          [-1, -1, 1, 1, -1, 0, 0, 0, 0, -1]], np.int32)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, T)), jnp.int32)
-
-
-def random_params(config=CONFIG, seed=0):
-  """Weights normal(0, 0.1), norms 1 + normal(0, 0.1), in the tree of `init_params`."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(lambda: transformer.init_params(config, jax.random.key(0)))
-
-  def draw(path, s):
-    norm = "norm" in jax.tree_util.keystr(path)
-    return jnp.asarray((1.0 if norm else 0.0) + 0.1 * rng.normal(size=s.shape), s.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def random_adapters(num_adapters, rank=4, seed=1):
