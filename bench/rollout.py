@@ -74,7 +74,9 @@ def replay_sampler(result, params, config, adapters, mode, num_new):
         params, padded, config, rng=jax.random.key(turn), max_new_tokens=np.maximum(counts, 1),
         prompt_lens=[len(p) for p in prompts], lora=adapters, adapter_ids=[turn % 2] * len(prompts),
         temperature=1.0, cache=cache, max_new_tokens_bucket=num_new,
-        cache_size=None if cache is not None else 2 * 1024)
+        # As the rollout sizes them: a per-agent turn's cache fits its own prompt and reply
+        # (the sampler's default); a shared stream's holds the whole stream.
+        cache_size=2 * 1024 if mode == "shared_stream" and cache is None else None)
     jax.block_until_ready(out.tokens)
     cache = out.cache if mode == "shared_stream" else None
   return time.perf_counter() - start
