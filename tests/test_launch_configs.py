@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from marft_jax.configs import from_config_dict
+from marft_jax.configs import from_config_dict, to_config_dict
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 # config file name -> (module defining its top-level config dataclass, the dataclass)
@@ -30,8 +30,24 @@ def test_shipped_config_converts(path):
   assert name in TYPED, f"{name}: add it to TYPED so that its conversion is tested"
   module_name, cls_name = TYPED[name]
   cls = getattr(importlib.import_module(module_name), cls_name)
-  typed = from_config_dict(cls, _load(path))
+  loaded = _load(path)
+  typed = from_config_dict(cls, loaded)  # validates: the dataclasses check every field
   assert isinstance(typed, cls)
+  assert to_config_dict(typed).to_dict() == loaded.to_dict()  # round trip: nothing lost
+
+
+@pytest.mark.parametrize("path", sorted(
+    p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not p.endswith("__init__.py")))
+def test_shipped_config_refuses_a_misspelt_key_naming_it(path):
+  """What the launch flag does with `lock_config=True`: no new keys, at any depth."""
+  config = _load(path)
+  config.lock()
+  with pytest.raises(AttributeError, match="seeed"):
+    config.seeed = 1
+  section = next(k for k, v in config.items() if hasattr(v, "lock"))  # e.g. rollout, sampling
+  first = next(iter(getattr(config, section).keys()))
+  with pytest.raises(AttributeError, match=first + "x"):
+    setattr(getattr(config, section), first + "x", 1)
 
 
 def test_generate_config_rejects_bad_values():
@@ -58,7 +74,8 @@ def test_train_config_file_is_the_embedded_default():
 
 @pytest.mark.parametrize("name,algorithm,roles,task", [
     ("marft_t.py", "marft_t", 2, "arithmetic"), ("grpo.py", "grpo", 2, "arithmetic"),
-    ("ppo.py", "ppo", 1, "arithmetic"), ("math_3agents.py", "marft_a", 3, "math_jsonl"),
+    ("ppo.py", "ppo", 1, "arithmetic"), ("math_2agents.py", "marft_a", 2, "math_jsonl"),
+    ("math_3agents.py", "marft_a", 3, "math_jsonl"),
     ("math_4agents.py", "marft_a", 4, "math_jsonl"), ("code_2agents.py", "marft_a", 2, "code")])
 def test_train_configs_say_what_their_names_say(name, algorithm, roles, task):
   from marft_jax.train.config import TrainConfig

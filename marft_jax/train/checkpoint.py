@@ -112,10 +112,13 @@ class Checkpointer:
       checkpoint fails at once, not after an interval).
     async_save: write in a background thread (default off: the LoRA + critic + optimizer state
       is small, and a synchronous save keeps retention, exports and errors in order).
+    read_only: only read the workdir's checkpoints, e.g. to evaluate a run that may still be
+      writing there: nothing is created, no half-written step or export is cleaned up, nothing
+      is pruned, and `save` raises.
   """
 
   def __init__(self, workdir: StrPath, max_to_keep: int = 3, keep_every: Optional[int] = None,
-               save_interval_steps: int = 1, async_save: bool = False):
+               save_interval_steps: int = 1, async_save: bool = False, read_only: bool = False):
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 (got {max_to_keep}): a run needs one "
                        "checkpoint to resume from")
@@ -123,12 +126,14 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, "checkpoints")
     self.exports_dir = os.path.join(self.workdir, "exports")
     self.async_save = async_save
+    self.read_only = read_only
     self._closed = False
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if keep_every is not None:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps, create=True, cleanup_tmp_directories=True,
+        save_interval_steps=save_interval_steps, create=not read_only,
+        cleanup_tmp_directories=not read_only,
         enable_async_checkpointing=async_save,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
     # Handlers registered up front, so a fresh process can read a step's metadata (for the
@@ -141,7 +146,8 @@ class Checkpointer:
       registry.add(item, restore_args, handler)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           handler_registry=registry)
-    self._remove_export_leftovers()
+    if not read_only:
+      self._remove_export_leftovers()
 
   # --- steps ---
 
@@ -169,6 +175,8 @@ class Checkpointer:
       TypeError: `meta` is not JSON-serialisable (names the step).
     """
     step = _check_step(step)
+    if self.read_only:
+      raise ValueError(f"{self.directory}: opened read_only; not saving step {step}")
     if step in self._manager.all_steps():
       logging.info("%s: step %d is already checkpointed; not saving it again", self.directory,
                    step)
@@ -190,7 +198,8 @@ class Checkpointer:
     """Blocks until a background save is on disk; raises its error if it failed."""
     self._manager.wait_until_finished()
     self._manager.check_for_errors()
-    self._prune_exports()
+    if not self.read_only:
+      self._prune_exports()
 
   def close(self) -> None:
     """Waits for outstanding saves, then releases Orbax's threads (a second call is a no-op)."""

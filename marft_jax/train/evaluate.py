@@ -9,26 +9,35 @@ at your test file) with every agent decoding greedily, and returns
   accuracy/<role>             the fraction of episodes whose graded <role> answered right
   answer_format_rate/<role>   the fraction whose answer had a final-answer form (boxed, ####,
                               "the answer is"; math tasks)
-  reply_tokens/<role>         the mean length of <role>'s replies
+  reply_tokens/<role>         the mean length of <role>'s replies (stop token included)
   episodes, dropped           how many were played, and how many could not be scored
 
-`policy=None` evaluates the untuned team (every agent the base model).
+Every rate is over all episodes played: a dropped episode counts as wrong.
+`policy=None` evaluates the untuned team (every agent the base model, adapters off).
+`restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import jax
 import numpy as np
 
 from marft_jax import envs as envs_lib
+from marft_jax.configs import to_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import RolloutConfig, rollout
+from marft_jax.train.checkpoint import Checkpointer
 from marft_jax.train.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
+# Config keys that may differ between the run that wrote a checkpoint and its evaluation:
+# how long it trained and checkpointed, and what to evaluate on (task.path: a test file).
+MAY_DIFFER = ("iterations", "checkpoint_every", "max_to_keep", "eval_every", "eval_episodes",
+              "task.eval_problems", "task.path", "rollout.num_envs")
 
 
 def greedy_team(config: TrainConfig):
@@ -42,10 +51,12 @@ def greedy_team(config: TrainConfig):
   return team, structure
 
 
-def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
-             num_problems: Optional[int] = None, batch_size: int = 32,
-             progress: bool = False) -> dict:
-  """Scores the team on `num_problems` (default `config.task.eval_problems`) held-out tasks."""
+def play(config: TrainConfig, model, policy: Optional[Any] = None,
+         num_problems: Optional[int] = None, batch_size: int = 32,
+         progress: bool = False) -> list:
+  """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
+  played greedily by the config's team with `policy` (None: adapters off)."""
+  # TODO(loop.py owner): `_rollout_model` is private to loop.py; make it public and use it here.
   from marft_jax.train.loop import _rollout_model, build_envs
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
@@ -76,7 +87,15 @@ def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
     envs.close()
     if bar is not None:
       bar.close()
-  return summarize(episodes, team)
+  return episodes
+
+
+def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
+             num_problems: Optional[int] = None, batch_size: int = 32,
+             progress: bool = False) -> dict:
+  """The metrics of the module docstring on `num_problems` held-out tasks (see `play`)."""
+  episodes = play(config, model, policy, num_problems, batch_size, progress)
+  return summarize(episodes, greedy_team(config)[0])
 
 
 def summarize(episodes, team) -> dict:
@@ -86,8 +105,8 @@ def summarize(episodes, team) -> dict:
   n = max(len(episodes), 1)
   out = {"episodes": len(episodes), "dropped": len(episodes) - len(scored)}
   out["accuracy"] = sum(float(np.mean(e.rewards[-1])) for e in scored) / n
+  final = [e.infos[-1] for e in scored]
   for role in graded:
-    final = [e.infos[-1] for e in scored]
     out[f"accuracy/{role}"] = sum(float(bool(i.get("correct", {}).get(role))) for i in final) / n
     if any("answer_format" in i for i in final):
       out[f"answer_format_rate/{role}"] = sum(
@@ -96,3 +115,29 @@ def summarize(episodes, team) -> dict:
     lengths = [t.num_tokens for e in scored for t in e.turns if t.role == profile.role]
     out[f"reply_tokens/{profile.role}"] = float(np.mean(lengths)) if lengths else 0.0
   return out
+
+
+def restore_policy(config: TrainConfig, model, workdir: str):
+  """(the policy adapters of `workdir`'s latest checkpoint, its step).
+
+  The checkpoint's saved config must equal `config` but for the keys of `MAY_DIFFER`; any
+  other difference is an error naming the keys.
+  """
+  # TODO(loop.py owner): train() builds this same template inline; a shared
+  # `loop.state_template(config, model)` (and a public `_optimizers`) would keep them in step.
+  from marft_jax.train.loop import _optimizers, build_team, init_state
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise FileNotFoundError(f"{workdir}: no checkpoints folder to evaluate (train first, or "
+                            "evaluate the untuned model)")
+  team, structure = build_team(config)
+  template = init_state(config, model, len(team) + (structure is not None), *_optimizers(config))
+  # read_only: the run may still be training and writing there
+  with Checkpointer(workdir, read_only=True) as checkpointer:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{workdir}: no checkpoint to evaluate (train first, or "
+                              "evaluate the untuned model)")
+    state, _ = checkpointer.restore(template, step=step,
+                                    config=to_config_dict(config).to_dict(),
+                                    may_differ=MAY_DIFFER)
+  return state.policy, step

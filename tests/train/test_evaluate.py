@@ -1,89 +1,192 @@
-"""Held-out evaluation against counts made by hand from the episodes' own transcripts."""
+"""Held-out evaluation, checked against counts made independently of the graders.
+
+The base model here is built by hand so that its greedy replies are known: attention and MLP
+outputs are zero, so the last hidden state is the current token's embedding and the next token
+depends on the current token only (a script: "1" after any unscripted token, then the stop
+token). A hand-built LoRA on the last MLP's down projection switches one agent's answer to
+"0". On the echo task with numbers from {0, 1}, accuracy must then be the share of episodes
+whose task shows the number the script answers, counted from the task text.
+"""
 
 import dataclasses
-import re
+import json
+import os
+import subprocess
+import sys
 
 import jax
+import numpy as np
 import pytest
 
+from marft_jax import lora as lora_lib
+from marft_jax.configs import to_config_dict
 from marft_jax.models import tiny
-from marft_jax.rollout import rollout, RolloutConfig
 from marft_jax.train import config as config_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import loop
+from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EOS = "<|im_end|>"
+PUSH = 63  # the hidden dimension the hand-built adapter writes; lm_head reads it as "0"
+ANSWER_1 = {None: "1", "1": EOS, "0": EOS}  # the echo script: reply "1" (and "0" -> stop)
+BOXED_1 = {None: "\\", "\\": "b", "b": "o", "o": "x", "x": "ed", "ed": "{", "{": "1", "1": "}",
+           "}": EOS}  # reply "\boxed{1}"
+
+
+def scripted_model(script) -> loop.Model:
+  """The base model of the module docstring: after token t its greedy reply is script[t]
+  (script[None] after any token the script does not name)."""
+  params, config, tokenizer = tiny.tiny_model(tie_word_embeddings=False,
+                                              max_position_embeddings=1024)
+  token_id = lambda t: tokenizer.eos_token_id if t == EOS else tokenizer.convert_tokens_to_ids(t)
+  V, D = config.vocab_size, config.hidden_size
+  embed, lm_head = np.zeros((V, D), np.float32), np.zeros((D, V), np.float32)
+  embed[:, 0] = 1.0  # every unscripted token: class 0
+  for cls, (token, nxt) in enumerate(script.items()):
+    if token is not None:
+      embed[token_id(token)] = np.eye(D)[cls]
+    lm_head[cls, token_id(nxt)] = 10.0
+  lm_head[PUSH, token_id("0")] = 10.0
+  layers = jax.tree.map(np.zeros_like, params["layers"])
+  for norm in ("input_norm", "post_attention_norm"):
+    layers[norm] = np.ones_like(layers[norm])
+  # the last layer's MLP input is silu(8) * 8 ≈ 64 on unit 0 at class-0 tokens, 0 elsewhere
+  layers["gate_proj"]["kernel"][-1, 0, 0] = layers["up_proj"]["kernel"][-1, 0, 0] = 1.0
+  params = {"embed": embed, "lm_head": lm_head, "final_norm": np.ones((D,), np.float32),
+            "layers": layers}
+  return loop.Model(jax.tree.map(jax.numpy.asarray, params), config, tokenizer)
+
+
+def answer_zero_adapters(config, model, adapter):
+  """The run's adapters, all off (B = 0) but `adapter`, which replies "0" where the base says
+  "1": its down_proj LoRA adds ≈100 on PUSH at class-0 tokens, outweighing unit 0."""
+  policy = lora_lib.init_adapters(
+      lora_lib.LoraConfig(rank=config.lora.rank, alpha=config.lora.alpha,
+                          targets=config.lora.targets), model.config, jax.random.key(0),
+      config.num_adapters)
+  layers = jax.tree.map(np.array, policy.layers)
+  a, b = layers["down_proj"]["a"], layers["down_proj"]["b"]
+  a[-1, adapter] = 0.0
+  a[-1, adapter, 0, 0] = 1.0
+  b[-1, adapter, 0, PUSH] = 100.0 / (policy.scale * 64.0)
+  return policy.replace(layers=jax.tree.map(jax.numpy.asarray, layers))
+
+
+def _config(source="smollm2", **task):
+  base = config_lib.preset("marft_a")
+  return dataclasses.replace(
+      base, model=config_lib.ModelSection(source=source),
+      task=config_lib.TaskSection(**{"name": "echo", "echo_high": 2, "eval_problems": 10,
+                                     **task}),
+      team=config_lib.TeamSection(max_new_tokens=4, last_max_new_tokens=4),
+      rollout=dataclasses.replace(base.rollout, max_context=256))
+
+
+def _shown(episodes):
+  return [int(e.task.split(":")[-1]) for e in episodes]
+
+
+def _replies(episodes):
+  return {(t.role, t.reply) for e in episodes for t in e.turns}
+
+
+def test_accuracy_is_the_share_of_tasks_showing_the_scripted_answer():
+  model, config = scripted_model(ANSWER_1), _config()
+  team, _ = evaluate_lib.greedy_team(config)
+  assert all(p.sampling.temperature == 0.0 for p in team)
+  untuned = evaluate_lib.play(config, model, num_problems=12, batch_size=5)
+  shown = _shown(untuned)
+  assert len(untuned) == 12 and 0 < shown.count(1) < 12, shown  # both answers are asked for
+  assert _replies(untuned) == {("helper0", "1"), ("repeater", "1")}
+  summary = evaluate_lib.summarize(untuned, team)
+  assert summary["accuracy"] == summary["accuracy/repeater"] == shown.count(1) / 12
+  assert summary["reply_tokens/repeater"] == summary["reply_tokens/helper0"] == 2.0  # + stop
+  assert summary["episodes"] == 12 and summary["dropped"] == 0
+
+  policy = answer_zero_adapters(config, model, adapter=1)  # the repeater's adapter only
+  tuned = evaluate_lib.play(config, model, policy, num_problems=12, batch_size=5)
+  assert [e.task for e in tuned] == [e.task for e in untuned]  # the same held-out tasks
+  assert _replies(tuned) == {("helper0", "1"), ("repeater", "0")}
+  metrics = evaluate_lib.summarize(tuned, team)
+  assert metrics["accuracy"] == metrics["accuracy/repeater"] == shown.count(0) / 12
+
+
+def test_arithmetic_is_evaluated_on_the_test_split_with_the_answer_format():
+  model = scripted_model(BOXED_1)
+  config = dataclasses.replace(_config(name="arithmetic", level=1), team=config_lib.TeamSection(
+      max_new_tokens=12, last_max_new_tokens=12))
+  episodes = evaluate_lib.play(config, model, num_problems=4, batch_size=4)
+  assert _replies(episodes) == {("reasoner", "\\boxed{1}"), ("actor", "\\boxed{1}")}
+  infos = [e.infos[-1] for e in episodes]
+  assert all("-test-" in i["problem_id"] for i in infos), [i["problem_id"] for i in infos]
+  summary = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
+  assert summary["answer_format_rate/actor"] == 1.0
+  assert summary["accuracy/actor"] == sum(i["gold"] == "1" for i in infos) / 4
 
 
 @pytest.fixture(scope="module")
-def model():
-  return loop.Model(*tiny.tiny_model(max_position_embeddings=1024))
+def run(tmp_path_factory):
+  """A workdir holding a checkpoint (as the trainer writes one) of the answer-"0" repeater,
+  the scripted base saved as a Hugging Face folder, and their config."""
+  root = tmp_path_factory.mktemp("eval")
+  folder = str(root / "model")
+  os.makedirs(folder)
+  model = scripted_model(ANSWER_1)
+  from safetensors.numpy import save_file
+  from marft_jax.models.hf_checkpoint import hf_config_dict, hf_tensors
+  save_file(hf_tensors(model.params, model.config), os.path.join(folder, "model.safetensors"),
+            metadata={"format": "pt"})
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(hf_config_dict(model.config), f)
+  model.tokenizer.save_pretrained(folder)
+  config = _config(source=folder)
+  model = loop.load(config)
+  policy = answer_zero_adapters(config, model, adapter=1)
+  state = loop.init_state(config, model, 2, *loop._optimizers(config)).replace(policy=policy)
+  workdir = str(root / "run")
+  with Checkpointer(workdir) as checkpointer:
+    checkpointer.save(3, state, {"iteration": 3, "config": to_config_dict(config).to_dict()},
+                      force=True)
+  return workdir, config, model, policy
 
 
-def _config(**changes):
-  base = config_lib.preset("marft_a")
-  return dataclasses.replace(
-      base, task=config_lib.TaskSection(name="echo", echo_high=3, eval_problems=10),
-      team=config_lib.TeamSection(max_new_tokens=4, last_max_new_tokens=4),
-      rollout=dataclasses.replace(base.rollout, max_context=256), **changes)
+def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key(run):
+  workdir, config, model, policy = run
+  restored, step = evaluate_lib.restore_policy(
+      dataclasses.replace(config, iterations=50, task=dataclasses.replace(
+          config.task, eval_problems=3, path="/elsewhere/test.jsonl")), model, workdir)
+  assert step == 3
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(policy)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(CheckpointMismatchError, match=r"seed: saved 0, now 5"):
+    evaluate_lib.restore_policy(dataclasses.replace(config, seed=5), model, workdir)
+  with pytest.raises(FileNotFoundError, match="no checkpoints"):
+    evaluate_lib.restore_policy(config, model, os.path.join(workdir, "nothing"))
+  assert not os.path.exists(os.path.join(workdir, "nothing"))  # read only: nothing created
 
 
-def test_summary_matches_a_hand_count_of_the_replies(model):
-  config = _config()
-  team, structure = evaluate_lib.greedy_team(config)
-  envs = loop.build_envs(dataclasses.replace(config, rollout=dataclasses.replace(
-      config.rollout, num_envs=6)), team, seed=3)
-  params, model_config = loop._rollout_model(model, config)
-  episodes = rollout(envs, team, structure, params, model_config, model.tokenizer,
-                     jax.random.key(0), config=RolloutConfig(max_context=256)).episodes
-  # Rig the grade by hand: the env's number is in its task text; the repeater's first number
-  # must equal it.
-  right = []
-  for e in episodes:
-    shown = int(e.task.split(":")[-1])
-    reply = [t.reply for t in e.turns if t.role == "repeater"][0]
-    found = re.search(r"-?\d+", reply)
-    right.append(found is not None and int(found.group()) == shown)
-  summary = evaluate_lib.summarize(episodes, team)
-  assert summary["episodes"] == 6 and summary["dropped"] == 0
-  assert summary["accuracy"] == pytest.approx(sum(right) / 6)
-  assert summary["accuracy/repeater"] == pytest.approx(sum(right) / 6)
-  lengths = [t.num_tokens for e in episodes for t in e.turns if t.role == "helper0"]
-  assert summary["reply_tokens/helper0"] == pytest.approx(sum(lengths) / len(lengths))
+def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
+  workdir, config, model, policy = run
+  flags = [f"--workdir={workdir}", "--problems=6", f"--config.model.source={config.model.source}",
+           "--config.task.name=echo", "--config.task.echo_high=2",
+           "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
+           "--config.rollout.max_context=256"]
+  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(workdir, "eval.json")) as f:
+    written = json.load(f)
+  with open(os.path.join(workdir, "eval_transcripts.jsonl")) as f:
+    tasks = [json.loads(line)["task"] for line in f]
+  zeros = sum(int(t.split(":")[-1]) == 0 for t in tasks)
+  assert len(tasks) == 6 and 0 < zeros < 6, tasks and written["checkpoint_step"] == 3
+  assert written["accuracy"] == written["accuracy/repeater"] == zeros / 6
+  assert f"accuracy={zeros / 6:.4g}" in out.stdout.splitlines()
+  # the library on the same problems agrees
+  expected = evaluate_lib.evaluate(config, model, policy, num_problems=6)
+  assert {k: v for k, v in written.items() if k != "checkpoint_step"} == expected
 
-
-def test_evaluation_is_greedy_and_deterministic(model):
-  config = _config()
-  team, _ = evaluate_lib.greedy_team(config)
-  assert all(p.sampling.temperature == 0.0 for p in team)
-  first = evaluate_lib.evaluate(config, model, num_problems=7, batch_size=4)
-  again = evaluate_lib.evaluate(config, model, num_problems=7, batch_size=4)
-  assert first == again and first["episodes"] == 7
-
-
-def test_launch_eval_restores_the_trained_adapters(model, tmp_path):
-  """launch.eval's restore gives the run's adapters after its update (not the initial ones),
-  evaluates with them, and refuses a checkpoint of a differently configured run by key."""
-  import numpy as np
-  from launch import eval as eval_launch
-  config = _config(iterations=1, checkpoint_every=1,
-                   optimizer=config_lib.OptimizerSection(lr=5e-2))
-  loop.train(config, str(tmp_path), model=model, progress=False)
-  policy, step = eval_launch.restore_policy(config, model, str(tmp_path))
-  assert step == 1
-  team, _ = loop.build_team(config)
-  start = loop.init_state(config, model, len(team), *loop._optimizers(config)).policy
-  assert any(not np.array_equal(np.asarray(a), np.asarray(b))
-             for a, b in zip(jax.tree.leaves(policy), jax.tree.leaves(start)))
-  tuned = evaluate_lib.evaluate(config, model, policy, num_problems=8, batch_size=8)
-  assert tuned["episodes"] == 8 and 0.0 <= tuned["accuracy"] <= 1.0
-  with pytest.raises(Exception, match="seed"):
-    eval_launch.restore_policy(dataclasses.replace(config, seed=5), model, str(tmp_path))
-
-
-def test_launch_eval_help_lists_its_flags():
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  out = subprocess.run([sys.executable, "-m", "launch.eval", "--help"], capture_output=True,
-                       text=True, cwd=root, timeout=120)
-  assert out.returncode == 0 and "--untuned" in out.stdout and "eval_problems" in out.stdout
+  missing = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert missing.returncode == 1 and "no checkpoints" in missing.stderr, missing.stderr
