@@ -132,8 +132,8 @@ class Checkpointer:
     if keep_every is not None:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps, create=not read_only,
-        cleanup_tmp_directories=not read_only,
+        save_interval_steps=save_interval_steps, create=not read_only, read_only=read_only,
+        cleanup_tmp_directories=not read_only,  # (an asynchronous deletion at creation)
         enable_async_checkpointing=async_save,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
     # Handlers registered up front, so a fresh process can read a step's metadata (for the

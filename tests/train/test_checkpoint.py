@@ -156,6 +156,23 @@ def test_unfinished_step_is_ignored_and_cleaned(tmp_path):
   chex.assert_trees_all_equal(restored, state)
 
 
+def test_read_only_leaves_a_live_runs_folder_alone(tmp_path):
+  """An evaluator reading a run that is still training must not delete its in-flight save."""
+  state = make_state()
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, state, meta(1))
+  in_flight = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
+  (in_flight / "state").mkdir(parents=True)
+  with Checkpointer(tmp_path, read_only=True) as ckpt:
+    assert ckpt.latest_step() == 1
+    restored, _ = ckpt.restore(make_state(seed=1), config=CONFIG)
+    with pytest.raises(ValueError, match="read_only"):
+      ckpt.save(2, state, meta(2))
+    time.sleep(1)  # Orbax's clean-up of unfinished steps (when on) runs in the background
+  assert in_flight.exists()
+  chex.assert_trees_all_equal(restored, state)
+
+
 def _run_script(tmp_path, source, *args, **popen_kwargs):
   script = tmp_path / "script.py"
   script.write_text(textwrap.dedent(source))
