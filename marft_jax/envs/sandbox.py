@@ -9,10 +9,14 @@ arguments; `Sandbox.run_many` runs a batch in parallel within a time budget. Eac
 caller's job (`code_env.py`).
 
 Every run, in every mode:
-- a fresh session and process group (`start_new_session=True`), killed as a group with
-  SIGKILL at the wall-clock deadline, when the output cap is hit, and after a normal exit;
-- rlimits set in the child before exec: address space, CPU seconds, processes, file size,
-  open files, core size 0;
+- a fresh session and process group (`start_new_session=True`), killed with SIGKILL at the
+  wall-clock deadline, when the output cap is hit, and after a normal exit (in a PID
+  namespace its init first, so that every process is reaped by its own parent at once);
+- rlimits set by the sandboxed interpreter itself before the program's first line (`_BOOT`):
+  address space, CPU seconds, processes, file size, open files, core size 0. So the
+  trainer (multithreaded: JAX) never forks with a `preexec_fn`, and the bwrap/unshare
+  wrapper runs unlimited. RLIMIT_NPROC counts the processes of the program's uid: with an
+  own uid (root) or in a user namespace (no root) those are the program's alone;
 - a throwaway working directory, removed afterwards; an environment holding only PATH, HOME
   and TMPDIR (both the work directory) and LANG; the interpreter in isolated mode without
   `site` (`-I -S -B`: no PYTHONPATH, no site-packages, no user directory, no .pyc writes);
@@ -24,21 +28,23 @@ Every run, in every mode:
 
 Modes, picked once by probing what works here (strongest first; `Sandbox.guarantees` says
 which one was chosen and what holds):
-- "bwrap" (hardened, when Debian's `bubblewrap` is installed): `bwrap --unshare-all
-  --die-with-parent` with /usr (and the interpreter's prefix) bound read-only, a new /proc
-  and /dev, and the work directory as the only writable path. No network (a new, empty
-  network namespace), nothing of the host's files but the bound ones, and a PID namespace
-  whose death kills every process the program started.
+- "bwrap" (hardened, when Debian's `bubblewrap` is installed): bwrap with new IPC, PID,
+  network and UTS namespaces (and a user namespace unless root switches the uid), /usr and
+  the interpreter's prefix bound read-only, a new /proc and /dev, and the work directory as
+  the only writable path. No network (a new, empty network namespace), nothing of the
+  host's files but the bound ones, and a PID namespace whose end kills every process the
+  program started.
 - "plain": when `unshare` (util-linux) can make namespaces here (as root, or with
   unprivileged user namespaces), the program runs in new network and PID namespaces: no
-  network, and killing the group kills every descendant. Files are not hidden: the program
-  reads what its uid may read.
+  network, and every descendant dies with the run. Files are not hidden: the program reads
+  what its uid may read. Without `unshare`, no namespaces: only the process group is killed.
 Run as root, both modes also switch the program to an unprivileged uid of its own
 (`uid_base + slot`, checked to belong to no account): RLIMIT_NPROC does not apply to root,
 so without this a fork bomb is bounded only by time; with it, file permissions refuse writes
-to the trainer's files, and after a run every leftover process of that uid is killed. The
-interpreter must be executable by that uid: `sys.executable` is tried first, then the
-system's `python3` (e.g. when the trainer's Python lives under a private /root).
+to the trainer's files (bwrap: the read-only mounts do too), and without a PID namespace
+every leftover process of that uid is killed after a run. The interpreter's standard library
+must be readable by that uid: `sys.executable` is tried first, then the system's `python3`
+(e.g. when the trainer's Python lives under a private /root, outside bwrap).
 
 What no mode bounds: memory summed over a program's processes (each has the address-space
 limit; at most `processes` of them), and disk writes inside the work directory beyond
@@ -59,7 +65,6 @@ import math
 import os
 import pwd
 import queue
-import resource
 import selectors
 import shutil
 import signal
@@ -156,11 +161,56 @@ class Result:
   detail: str = ""
 
 
-# The program's first code: the audit guard, the start mark on stderr, then the program,
-# run as __main__ ("run") or imported and called ("call", the result as JSON on the real
-# stdout while the program's own prints go to stderr).
+# The program's first code, trusted, run by the sandboxed interpreter itself (so the trainer
+# never forks with a preexec_fn, which is unsafe in a multithreaded process such as JAX's, and
+# the limits and the uid switch hold only for the program, not for the bwrap/unshare wrapper):
+# 1. the rlimits (argv[1] is the JSON that `_command` writes), lowered to this process's
+#    hard limits where those are lower;
+# 2. the switch to the program's own uid (as root), then a check that the interpreter's
+#    standard library is readable by it (else the plan does not work: no start mark);
+# 3. as PID 1 of a new PID namespace (`unshare --pid --fork`, `bwrap --as-pid-1`), an init:
+#    the kernel drops default-action signals sent to a PID 1, so the CPU limit's SIGXCPU
+#    would be lost and only the hard limit's SIGKILL would end the program, which util-linux
+#    2.38 `unshare` then reports as exit 1 ("sigprocmask unblock failed": it cannot re-raise
+#    SIGKILL on itself). The init forks the program, reaps every orphan, and exits with the
+#    program's status, 128 + n for signal n; its exit ends the namespace. SIGTERM, the
+#    sandbox's stop request (`_kill_namespace`), makes it exit (a PID 1 ignores it unless
+#    it has a handler). Being reaped by its parent, it hands the program's CPU time up to
+#    the wrapper's wait4 (bwrap's own init is not reaped by the outer bwrap: that time
+#    would be lost);
+# 4. a 4 MiB allocation: limits too tight for any program are the sandbox's failure;
+# 5. the audit guard, the start mark on stderr (what came before it was the sandbox's), then
+#    the program, run as __main__ ("run") or imported and called ("call", the result as JSON
+#    on the real stdout while the program's own prints go to stderr).
 _BOOT = r"""
-import os, sys
+import json, os, resource, sys
+_cfg = json.loads(sys.argv[1])
+for _name, _soft, _hard in _cfg["rlimits"]:
+  _which = getattr(resource, _name)
+  _ceiling = resource.getrlimit(_which)[1]
+  if _ceiling != resource.RLIM_INFINITY:
+    _soft, _hard = min(_soft, _ceiling), min(_hard, _ceiling)
+  resource.setrlimit(_which, (_soft, _hard))
+if _cfg["uid"] is not None:
+  os.setgroups([])
+  os.setgid(_cfg["uid"])
+  os.setuid(_cfg["uid"])
+  if not os.access(os.path.dirname(os.__file__), os.R_OK | os.X_OK):
+    sys.exit(f"{sys.executable}: standard library not readable by uid {_cfg['uid']}")
+if _cfg["init"] and os.getpid() == 1:
+  import signal
+  signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+  _child = os.fork()
+  if not _child:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  else:
+    while True:
+      _pid, _status = os.wait()
+      if _pid == _child:
+        _code = os.waitstatus_to_exitcode(_status)
+        os._exit(_code if _code >= 0 else 128 - _code)
+_room = bytearray(4 << 20)  # limits that leave no room to work fail here, before the mark
+del _room
 _root = os.getcwd()
 _WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _BANNED = frozenset(["subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
@@ -195,27 +245,26 @@ def _guard(event, args):
     for i in _PATHS[event]:
       if not _inside(args[i]):
         raise PermissionError(f"{event}({args[i]!r}): outside the sandbox directory")
-if sys.argv[1] == "guard":
+if _cfg["guard"]:
   sys.addaudithook(_guard)
 sys.stderr.buffer.write(__MARK__); sys.stderr.flush()
 with open("main.py", encoding="utf-8") as _f:
   _code = compile(_f.read(), "main.py", "exec")
-if sys.argv[2] == "run":
+if _cfg["function"] is None:
   sys.argv = ["main.py"]
   exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
 else:
-  import json
   _args = json.loads(sys.stdin.read())
   sys.stdout.flush()
   _out = os.dup(1)
   os.dup2(2, 1)
   _g = {"__name__": "solution", "__builtins__": __builtins__}
   exec(_code, _g)
-  _fn = _g.get(sys.argv[3])
+  _fn = _g.get(_cfg["function"])
   if _fn is None and isinstance(_g.get("Solution"), type):
-    _fn = getattr(_g["Solution"](), sys.argv[3], None)
+    _fn = getattr(_g["Solution"](), _cfg["function"], None)
   if not callable(_fn):
-    raise NameError(f"the program defines no function {sys.argv[3]!r}")
+    raise NameError(f"the program defines no function {_cfg['function']!r}")
   _value = _fn(*_args)
   sys.stdout.flush()
   with os.fdopen(_out, "w", encoding="utf-8") as _f:
@@ -233,26 +282,24 @@ class Plan:
   namespaces: bool  # new network and PID namespaces (always true for bwrap)
 
 
-def _set_rlimits(limits: Limits, nproc: int):
-  """Returns the preexec_fn: it runs in the child after fork, before exec (and after the
-  uid switch that Popen does itself), so only plain system calls."""
+def _has_init(plan: Plan) -> bool:
+  """Whether the boot code becomes the init of a PID namespace (see `_BOOT`)."""
+  return plan.namespaces
+
+
+def _rlimits(limits: Limits, plan: Plan) -> list:
+  """(name, soft, hard) for the boot code. RLIMIT_NPROC counts the program, the processes
+  it may add, the init, and, without root, `unshare` (it joins the user namespace it makes,
+  and there the limit counts that namespace's processes). The CPU hard limit is a second
+  above the soft one: SIGXCPU at the soft limit ends the program (a TIMEOUT), SIGKILL at the
+  hard one if it ignores that."""
+  joins = plan.mode == "plain" and plan.namespaces and os.geteuid() != 0
+  nproc = limits.processes + 1 + int(_has_init(plan)) + int(joins)
   cpu = limits.cpu_seconds
-  values = [(resource.RLIMIT_AS, limits.memory_mb << 20), (resource.RLIMIT_CPU, cpu),
-            (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_FSIZE, limits.file_mb << 20),
-            (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)]
-
-  pairs = []
-  for which, soft in values:
-    hard = soft + 1 if which == resource.RLIMIT_CPU else soft
-    ceiling = resource.getrlimit(which)[1]  # an unprivileged child cannot raise it
-    if ceiling != resource.RLIM_INFINITY:
-      soft, hard = min(soft, ceiling), min(hard, ceiling)
-    pairs.append((which, (soft, hard)))
-
-  def preexec():
-    for which, pair in pairs:
-      resource.setrlimit(which, pair)
-  return preexec
+  return [("RLIMIT_AS", limits.memory_mb << 20, limits.memory_mb << 20),
+          ("RLIMIT_CPU", cpu, cpu + 1), ("RLIMIT_NPROC", nproc, nproc),
+          ("RLIMIT_FSIZE", limits.file_mb << 20, limits.file_mb << 20),
+          ("RLIMIT_NOFILE", limits.open_files, limits.open_files), ("RLIMIT_CORE", 0, 0)]
 
 
 def _bwrap_binds(python: str) -> list[str]:
@@ -265,37 +312,40 @@ def _bwrap_binds(python: str) -> list[str]:
       args += ["--ro-bind", top, top]
   prefix = os.path.dirname(os.path.dirname(python))
   if prefix != "/usr" and not prefix.startswith("/usr/"):
+    # bwrap would make the prefix's missing parents (e.g. /root) 0700, closed to the uid
+    parents = []
+    parent = os.path.dirname(prefix)
+    while parent != os.path.dirname(parent):
+      parents.insert(0, parent)
+      parent = os.path.dirname(parent)
+    for parent in parents:
+      args += ["--perms", "0755", "--dir", parent]
     args += ["--ro-bind", prefix, prefix]
   return args
 
 
-def _command(plan: Plan, uid: int, workdir: str, guard: bool, job: Job) -> tuple:
-  """Returns (argv, Popen's uid-switch arguments)."""
-  mode = "run" if job.function is None else "call"
-  inner = [plan.python, "-I", "-S", "-B", "-c", _BOOT, "guard" if guard else "noguard", mode]
-  inner += [job.function] if job.function is not None else []
-  root = os.geteuid() == 0
-  user = dict(user=uid, group=uid, extra_groups=[]) if plan.drop_uid else {}
+def _command(plan: Plan, uid: int, workdir: str, guard: bool, job: Job,
+             limits: Limits) -> list[str]:
+  """The argv of one run: the wrapper (bwrap, unshare or none), then the interpreter with
+  the boot code and its configuration."""
+  config = dict(rlimits=_rlimits(limits, plan), uid=uid if plan.drop_uid else None,
+                init=_has_init(plan), guard=guard, function=job.function)
+  inner = [plan.python, "-I", "-S", "-B", "-c", _BOOT, json.dumps(config)]
   if plan.mode == "bwrap":
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+    # Namespaces named one by one: bwrap run by root must not add a user namespace when the
+    # boot code switches uid (it needs root's capabilities for that); in every other case a
+    # user namespace keeps the program from holding capabilities of the host.
+    unshare = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+               "--unshare-cgroup-try"] + ([] if plan.drop_uid else ["--unshare-user"])
+    return ["bwrap", *unshare, "--as-pid-1", "--die-with-parent", "--new-session",
             *_bwrap_binds(plan.python), "--proc", "/proc", "--dev", "/dev",
             "--bind", workdir, _WORKDIR_IN_BWRAP, "--remount-ro", "/",
             "--chdir", _WORKDIR_IN_BWRAP, "--", *inner]
-    return argv, user
   if plan.namespaces:
-    argv = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
-    if plan.drop_uid:  # unshare needs root to make the namespaces; it switches uid itself
-      argv += ["--setuid", str(uid), "--setgid", str(uid)]
-    elif not root:
-      argv += ["--map-root-user"]
-    return argv + ["--", *inner], {}
-  return inner, user
-
-
-def _nproc(plan: Plan, limits: Limits) -> int:
-  """RLIMIT_NPROC: the program's allowance plus the wrapper processes of its uid."""
-  wrappers = 2 if (plan.mode == "bwrap" and plan.drop_uid) else 0  # outer bwrap, its init
-  return limits.processes + 1 + wrappers
+    # Without root, a user namespace (mapped to the caller) lets unshare make the others.
+    user = [] if os.geteuid() == 0 else ["--map-root-user"]
+    return ["unshare", "--net", "--pid", "--fork", "--kill-child", *user, "--", *inner]
+  return inner
 
 
 class _Reader:
@@ -303,6 +353,7 @@ class _Reader:
   neither a silent program nor a flood can block or fill the caller."""
 
   def __init__(self, proc, limits: Limits):
+    self._pipes = (proc.stdout, proc.stderr)
     self.limits, self.out, self.err = limits, bytearray(), bytearray()
     self.started, self.overflow = False, False
     self._out_fd, self._head = proc.stdout.fileno(), bytearray()
@@ -361,18 +412,20 @@ class _Reader:
 
   def close(self):
     self._sel.close()
+    for pipe in self._pipes:
+      pipe.close()
 
 
 class Sandbox:
   """Runs programs under `limits`, at most `max_parallel` at a time.
 
-  mode: "auto" (plain for now: see `_candidates`), "bwrap" (experimental; a ValueError where
-    bwrap is missing), or "plain". python: the interpreter (None: `sys.executable`, then the system's
-    `python3`). uid_base: as root, runs use unused uids from here on (no account has them;
-    a lock file under the temp dir keeps other sandboxes off them; every process of such a
-    uid is killed after a run). guard: the audit hook (tests turn it off to check what the
-    kernel alone enforces). The mode is probed on first use; thread-safe; `close()` frees
-    the worker threads and uids.
+  mode: "auto" (bwrap where it works, else plain), "bwrap" (a ValueError where bwrap is
+    missing), or "plain". python: the interpreter (None: `sys.executable`, then the
+    system's `python3`). uid_base: as root, runs use unused uids from here on (no account
+    has them; a lock file under the temp dir keeps other sandboxes off them; without a PID
+    namespace, every process of such a uid is killed after a run). guard: the audit hook
+    (tests turn it off to check what the kernel alone enforces). The mode is probed on
+    first use; thread-safe; `close()` frees the worker threads and uids.
   """
 
   def __init__(self, limits: Limits = Limits(), *, mode: str = "auto", max_parallel: int = 2,
@@ -445,8 +498,9 @@ class Sandbox:
     if plan.namespaces:
       out.append("PID namespace: every descendant dies with the program")
     if plan.drop_uid:
-      out.append("own unprivileged uid: process count enforced, leftovers killed, the "
-                 "trainer's files protected by their permissions")
+      out.append("own unprivileged uid: process count enforced, the trainer's files "
+                 "protected by their permissions" + (
+                     "" if plan.namespaces else ", the uid's leftover processes killed"))
     elif os.geteuid() == 0:
       out.append("runs as root: RLIMIT_NPROC is NOT enforced (a fork bomb is bounded by time)")
     return tuple(out)
@@ -493,9 +547,7 @@ class Sandbox:
     have_bwrap = shutil.which("bwrap") is not None
     if self.mode == "bwrap" and not have_bwrap:
       raise ValueError("Sandbox mode='bwrap': no bwrap on PATH (apt-get install bubblewrap)")
-    # bwrap only when asked for: run after run under one uid it still fails here (a PID
-    # namespace's processes outlive the run and exhaust RLIMIT_NPROC; see issue 10's note).
-    layers = [("bwrap", True)] if have_bwrap and self.mode == "bwrap" else []
+    layers = [("bwrap", True)] if have_bwrap and self.mode != "plain" else []
     if self.mode != "bwrap":
       layers += [("plain", True)] if shutil.which("unshare") else []
       layers += [("plain", False)]
@@ -561,25 +613,24 @@ class Sandbox:
       _remove(workdir)
 
   def _spawn(self, plan, uid, workdir, job, limits, stdin: bytes) -> Result:
-    argv, user = _command(plan, uid, workdir, self.guard, job)
+    argv = _command(plan, uid, workdir, self.guard, job, limits)
     home = _WORKDIR_IN_BWRAP if plan.mode == "bwrap" else workdir
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
     start = time.monotonic()
     with tempfile.TemporaryFile() as stdin_file:  # a file, so no pipe to feed or deadlock
       stdin_file.write(stdin)
       stdin_file.seek(0)
-      try:
+      try:  # no preexec_fn and no uid switch here: the boot code does both (see _BOOT)
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=stdin_file,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True,
-                                preexec_fn=_set_rlimits(limits, _nproc(plan, limits)), **user)
+                                start_new_session=True, close_fds=True)
       except (OSError, subprocess.SubprocessError) as e:
         return Result(Status.SANDBOX_ERROR, detail=f"could not start {argv[0]}: {e}")
     return self._supervise(proc, plan, uid, limits, start)
 
   def _supervise(self, proc, plan, uid, limits, start) -> Result:
-    """Reads until exit, the deadline or the output cap; then kills the group (and, with an
-    own uid, every leftover of that uid) and reaps."""
+    """Reads until exit, the deadline or the output cap; then kills the namespace and the
+    group (and, with an own uid but no namespace, every leftover of that uid) and reaps."""
     reader, timed_out, exited = _Reader(proc, limits), False, False
     deadline = start + limits.wall_s
     try:
@@ -593,24 +644,65 @@ class Sandbox:
           exited = True
           break
     finally:
+      if plan.namespaces and not exited:
+        _kill_namespace(proc.pid)
       _kill_group(proc.pid)
-      if plan.drop_uid and (not exited or not plan.namespaces):
-        self._kill_uid(plan, uid)
+      code, cpu_s = _reap(proc)
+      if plan.drop_uid and (not plan.namespaces or code is None):
+        # Descendants that left the group (they may hold the pipes open), or a stuck
+        # wrapper whose namespace may not be empty. After the reap: the sweep waits until
+        # no process of the uid is left, and our zombie child would be one.
+        self._kill_uid(uid)
       reader.drain(0.5)
       reader.close()
-      code, cpu_s = _reap(proc)
     return _verdict(reader, code, timed_out, limits, plan, time.monotonic() - start, cpu_s)
 
-  def _kill_uid(self, plan: Plan, uid: int):
-    """Kills every process of `uid` (descendants that left the group): kill(-1) from a
-    process of that uid reaches exactly those."""
+  def _kill_uid(self, uid: int):
+    """Kills every process of `uid` (descendants that left the group, a namespace still being
+    torn down) and waits until none is left, zombies included, so that the next run of this
+    uid starts with its whole RLIMIT_NPROC allowance. kill(-1) from a process of that uid
+    reaches exactly those; the helper starts as root (the plan's interpreter may not be
+    executable by the uid outside bwrap) and switches uid itself."""
     try:
-      subprocess.run([plan.python, "-I", "-S", "-c", "import os; os.kill(-1, 9)"],
-                     user=uid, group=uid, extra_groups=[], env={}, timeout=_KILL_GRACE_S,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, check=False)
+      done = subprocess.run([sys.executable, "-I", "-S", "-c", _KILL_ALL, str(uid)], env={},
+                            timeout=_KILL_GRACE_S, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+      if done.returncode != 0:
+        log.warning("sandbox: leftover processes of uid %d: %s", uid,
+                    done.stderr.decode("utf-8", "replace")[-300:])
     except (OSError, subprocess.SubprocessError) as e:
       log.warning("sandbox: could not kill leftover processes of uid %d: %s", uid, e)
+
+
+# SIGKILL to every process of the uid until /proc shows none of it, zombies included (they
+# count against RLIMIT_NPROC until reaped: by the host's init, for orphans, which can lag).
+# kill(-1) cannot say when none is left: it succeeds while any other process exists.
+_KILL_ALL = r"""
+import os, sys, time
+uid = int(sys.argv[1])
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+def any_left():
+  for pid in os.listdir("/proc"):
+    if not pid.isdigit() or int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        real = next(line for line in f if line.startswith("Uid:")).split()[1]
+    except (OSError, StopIteration):
+      continue  # exited meanwhile
+    if int(real) == uid:
+      return True
+  return False
+until = time.monotonic() + 2.0
+while time.monotonic() < until:
+  os.kill(-1, 9)
+  if not any_left():
+    sys.exit(0)
+  time.sleep(0.005)
+sys.exit("processes still there after 2 s of SIGKILL")
+"""
 
 
 def _exited(pid: int) -> bool:
@@ -624,13 +716,9 @@ def _exited(pid: int) -> bool:
 
 
 def _reap(proc) -> tuple[Optional[int], Optional[float]]:
-  """(exit status, CPU seconds of the process and the descendants it reaped), or (None, None)
-  if the killed process is not gone within the grace period (left to subprocess's own
-  reaping of abandoned children). The CPU time tells a CPU-limit kill apart even where the
-  wrapper garbles the signal (util-linux `unshare --fork` exits 1 with "sigprocmask unblock
-  failed" when its child dies of SIGXCPU/SIGKILL)."""
-  for pipe in (proc.stdout, proc.stderr):
-    pipe.close()
+  """(exit status, CPU seconds of the process and the descendants it reaped: the wrapper's
+  count includes the program's), or (None, None) if the killed process is not gone within the
+  grace period (left to subprocess's own reaping of abandoned children)."""
   deadline = time.monotonic() + _KILL_GRACE_S
   while True:
     try:
@@ -646,6 +734,55 @@ def _reap(proc) -> tuple[Optional[int], Optional[float]]:
     time.sleep(0.01)
 
 
+def _kill_namespace(wrapper: int):
+  """Stops the init of the run's PID namespace (the wrapper's child), then waits for the
+  wrapper to exit. The init's end kills every process of the namespace, each reaped by its
+  own parent up to the wrapper, which the caller reaps. Killing the wrapper first would
+  orphan the init to the host's init, whose reaping can lag (about a second on a Firecracker
+  VM), while the uid's processes still count against RLIMIT_NPROC and the next run of that
+  uid cannot start. SIGTERM first: the boot code's init exits on it with a status the
+  wrapper passes on, whereas a SIGKILLed child makes util-linux `unshare` print an error."""
+  for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, _KILL_GRACE_S)):
+    if not _signal_children(wrapper, sig):
+      return  # none (the wrapper is gone or has not forked yet): the group kill follows
+    until = time.monotonic() + wait_s
+    while time.monotonic() < until:
+      if _exited(wrapper):
+        return
+      time.sleep(0.002)
+
+
+def _signal_children(parent: int, sig: int) -> bool:
+  """Sends `sig` to the children of `parent`; whether there were any."""
+  try:
+    with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as f:
+      children = [int(pid) for pid in f.read().split()]
+  except OSError:
+    return False  # the parent is gone, or no such file (CONFIG_PROC_CHILDREN)
+  for pid in children:
+    try:  # a pidfd, so that a pid reused since the listing is never signalled
+      fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+      continue  # gone, or no pidfds here (Python < 3.9, Linux < 5.3)
+    try:
+      if _parent_of(pid) == parent:
+        signal.pidfd_send_signal(fd, sig)
+    except OSError:
+      pass  # exited meanwhile
+    finally:
+      os.close(fd)
+  return bool(children)
+
+
+def _parent_of(pid: int) -> Optional[int]:
+  """The parent pid from /proc/<pid>/stat (its fourth field, after the command name)."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+      return int(f.read().rsplit(")", 1)[1].split()[1])
+  except (OSError, IndexError, ValueError):
+    return None
+
+
 def _kill_group(pgid: int):
   try:
     os.killpg(pgid, signal.SIGKILL)
@@ -654,7 +791,8 @@ def _kill_group(pgid: int):
 
 
 def _signal_of(code: Optional[int], plan: Plan) -> Optional[int]:
-  """The signal that ended the program; wrappers (bwrap, unshare) report it as 128 + n."""
+  """The signal that ended the program; in a PID namespace the boot code's init reports it
+  as exit status 128 + n."""
   if code is None:
     return None
   if code < 0:
@@ -679,8 +817,10 @@ def _verdict(reader: _Reader, code, timed_out, limits: Limits, plan: Plan, wall,
   if code is None:
     return Result(Status.SANDBOX_ERROR, detail="the program could not be reaped", **record)
   sig = _signal_of(code, plan)
-  out_of_cpu = code != 0 and cpu_s is not None and cpu_s >= limits.cpu_seconds
-  if sig == signal.SIGXCPU or out_of_cpu:
+  # SIGXCPU at the soft CPU limit; SIGKILL at the hard one, a second later, if the program
+  # ignored SIGXCPU: told apart from another SIGKILL by the CPU time it had used.
+  hard_cpu_kill = sig == signal.SIGKILL and cpu_s is not None and cpu_s >= limits.cpu_seconds
+  if sig == signal.SIGXCPU or hard_cpu_kill:
     return Result(Status.TIMEOUT, detail=f"CPU limit {limits.cpu_seconds}s", **record)
   if code == 0:
     return Result(Status.OK, **record)

@@ -2,8 +2,9 @@
 
 Every bundled problem is solved by a reference program written here (so a broken fixture
 fails), and the hostile programs of issue 10 (an infinite loop, a fork bomb, a 10 GB
-allocation, a network call, a write outside the work directory) each score 0 with the test
-process intact, counted under their own metric.
+allocation, a network call, a write outside the work directory) each score 0 in every
+sandbox mode here, counted under their own metric, with the test process (the trainer)
+intact: its files unwritten, none of the program's processes left, the next step graded.
 """
 
 import json
@@ -14,6 +15,7 @@ import pytest
 from marft_jax.envs.code_env import (CodeEnv, CodeProblem, CodeTest, SandboxFailure, bundled_path,
                                      extract_code, load_problems, stdout_matches, values_match)
 from marft_jax.envs.sandbox import Limits, Sandbox
+from tests.envs.test_sandbox import MODES, assert_no_leftovers, sandbox_or_skip
 
 SOLUTIONS = {
     "sum_numbers": "n = int(input())\nprint(sum(map(int, input().split())) if n else 0)",
@@ -44,9 +46,19 @@ SUM = CodeProblem("sum", "Sum the numbers.", tuple(
     CodeTest(stdin=f"2\n{a} {b}\n", output=f"{a + b}\n") for a, b in [(1, 2), (3, 4), (5, 6)]))
 
 
+LIMITS = Limits(wall_s=1.0, memory_mb=256, processes=4, file_mb=1)
+
+
 @pytest.fixture(scope="module")
 def sandbox():
-  box = Sandbox(Limits(wall_s=1.0, memory_mb=256, processes=4, file_mb=1), max_parallel=2)
+  box = Sandbox(LIMITS, max_parallel=2)  # auto: the strongest mode here
+  yield box
+  box.close()
+
+
+@pytest.fixture(scope="module", params=MODES)
+def each_mode(request):
+  box = sandbox_or_skip(request.param, LIMITS, max_parallel=2)
   yield box
   box.close()
 
@@ -177,27 +189,40 @@ HOSTILE = {
 }
 
 
+def _graded_after(env):
+  """The env still grades: the right program on the next episode scores 1."""
+  env.reset(0)
+  right = "input()\nprint(sum(map(int, input().split())))"
+  return env.step({"coder": _reply(right)}).rewards["coder"]
+
+
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_programs_score_zero_within_bounds(sandbox, name):
+def test_hostile_programs_score_zero_within_bounds(each_mode, name):
   source, expected = HOSTILE[name]
-  env = _env(sandbox, max_tests=2)
+  env = _env(each_mode, max_tests=2)
   env.reset(0)
   start = time.monotonic()
-  step = env.step({"coder": _reply(source + "\nprint(3)")})
+  step = env.step({"coder": _reply(source + "\nprint(3)")})  # print(3) passes test 1
   assert time.monotonic() - start < 5.0
   assert step.rewards["coder"] == 0.0
   assert step.info["verdicts"]["coder"] == [expected] * 2, step.info["notes"]
   assert step.info["metrics"][f"code_{expected}"] == 2.0
   assert step.info["metrics"]["code_wrong"] == 0.0
+  assert_no_leftovers()
+  assert _graded_after(env) == 1.0
 
 
-def test_write_outside_scores_zero(sandbox, tmp_path):
+def test_write_outside_scores_zero(each_mode, tmp_path):
   target = tmp_path / "trainer_file.txt"
-  env = _env(sandbox)
+  target.write_text("the trainer's")
+  env = _env(each_mode)
   env.reset(0)
-  step = env.step({"coder": _reply(f"open({str(target)!r}, 'w').write('x')\nprint(3)")})
-  assert step.rewards["coder"] == 0.0 and not target.exists()
-  assert step.info["metrics"]["code_runtime_error"] == 3.0
+  for mode in ("w", "a"):
+    step = env.step({"coder": _reply(f"open({str(target)!r}, {mode!r}).write('x')\nprint(3)")})
+    assert step.rewards["coder"] == 0.0 and target.read_text() == "the trainer's"
+    assert step.info["metrics"]["code_runtime_error"] == 3.0
+    env.reset(0)
+  assert _graded_after(env) == 1.0
 
 
 def test_budget_bounds_the_step(sandbox):

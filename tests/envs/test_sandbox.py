@@ -7,13 +7,16 @@ start mark, on its command line (`_leftovers`).
 """
 
 import dataclasses
+import functools
 import glob
 import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
+import warnings
 
 import pytest
 
@@ -22,17 +25,49 @@ from marft_jax.envs.sandbox import Job, Limits, Sandbox, Status
 LIMITS = Limits(wall_s=2.0, memory_mb=256, processes=4, file_mb=1, stdout_bytes=10_000,
                 stderr_bytes=2_000)
 MODES = ["plain", "bwrap"]
+FORK_BOMB = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n"
+# Forks sleeping children until fork fails; prints how many it got.
+COUNT_CHILDREN = ("import os, time\nn = 0\nfor _ in range(50):\n  try:\n    pid = os.fork()\n"
+                  "  except OSError:\n    break\n  if pid == 0:\n    time.sleep(30)\n"
+                  "    os._exit(0)\n  n += 1\nprint(n)\n")
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_works() -> bool:
+  """Whether bwrap can make namespaces here, asked of bwrap itself (not of the sandbox, so
+  that a broken sandbox fails its tests instead of skipping them)."""
+  if shutil.which("bwrap") is None:
+    return False
+  argv = ["bwrap", "--unshare-pid", "--unshare-net", "--ro-bind", "/", "/", "true"]
+  return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
+def sandbox_or_skip(mode, limits=LIMITS, **kwargs):
+  if mode == "bwrap" and not bwrap_works():
+    pytest.skip("bubblewrap is not installed (apt-get install bubblewrap) or cannot make "
+                "namespaces here")
+  return Sandbox(limits, mode=mode, **kwargs)
+
+
+_EXTRA = []  # sandboxes made inside a test, closed after it
 
 
 def _sandbox(mode, limits=LIMITS, **kwargs):
-  if mode == "bwrap" and shutil.which("bwrap") is None:
-    pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
-  return Sandbox(limits, mode=mode, **kwargs)
+  sandbox = sandbox_or_skip(mode, limits, **kwargs)
+  _EXTRA.append(sandbox)
+  return sandbox
+
+
+@pytest.fixture(autouse=True)
+def _close_extra_sandboxes():
+  yield
+  while _EXTRA:
+    _EXTRA.pop().close()
 
 
 @pytest.fixture(scope="module", params=MODES)
 def box(request):
-  sandbox = _sandbox(request.param)
+  sandbox = sandbox_or_skip(request.param)
   yield sandbox
   sandbox.close()
 
@@ -100,7 +135,8 @@ def test_environment_holds_none_of_the_trainers_paths(box):
   result = box.run(source)
   assert result.status == Status.OK, result
   env, path, cwd, home, found, isolated, no_site = json.loads(result.stdout)
-  assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE"}
+  # PWD: bwrap sets it to the work directory; LC_CTYPE: Python may set it from LANG.
+  assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_CTYPE", "PWD"}
   assert not any("site-packages" in p for p in path)
   assert cwd == home and not found and isolated and no_site
 
@@ -111,7 +147,7 @@ def test_work_directory_is_writable_and_removed(box):
             "open('locked/x', 'w').write('x')\nos.chmod('locked', 0)\n"
             "print(open('note.txt').read())")
   result = box.run(source)
-  assert (result.status, result.stdout) == (Status.OK, "kept\n")
+  assert (result.status, result.stdout) == (Status.OK, "kept\n"), result
   after = set(glob.glob(os.path.join(tempfile.gettempdir(), "marft-sandbox-*")))
   assert after <= before
 
@@ -124,34 +160,65 @@ def test_infinite_loop_and_sleep_time_out(box, source):
   result = box.run(source, timeout_s=1.0)
   assert result.status == Status.TIMEOUT and "wall-clock" in result.detail
   assert time.monotonic() - start < 3.0
+  assert result.stderr == ""  # the program wrote none, and the stop made the wrapper write none
   assert_no_leftovers()
 
 
-def test_cpu_limit_is_a_timeout(box):
+@pytest.mark.parametrize("source, ends_after_s", [
+    ("while True:\n  pass", 1),  # SIGXCPU at 1 s
+    ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n  pass",
+     2),  # SIGKILL at the hard limit, a second later
+])
+def test_cpu_limit_is_a_timeout(box, source, ends_after_s):
   sandbox = _sandbox(box.mode, dataclasses.replace(LIMITS, wall_s=6.0, cpu_s=1))
   start = time.monotonic()
-  result = sandbox.run("while True:\n  pass")
-  assert result.status == Status.TIMEOUT and "CPU" in result.detail, result
-  assert time.monotonic() - start < 4.0
+  result = sandbox.run(source)
+  assert result.status == Status.TIMEOUT and result.detail == "CPU limit 1s", result
+  assert time.monotonic() - start >= ends_after_s  # CPU seconds never outrun wall seconds
+
+
+def test_a_signal_ends_the_program_and_is_named(box):
+  # In plain mode the program would be PID 1 of its namespace without the boot code's init,
+  # and a PID 1 ignores SIGTERM: it would sleep on into the wall-clock limit.
+  result = box.run("import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\n"
+                   "time.sleep(5)")
+  assert result.status == Status.RUNTIME_ERROR and result.detail == "killed by signal 15"
 
 
 def test_fork_bomb_is_contained(box):
-  source = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n"
   start = time.monotonic()
-  result = box.run(source, timeout_s=1.5)
+  result = box.run(FORK_BOMB, timeout_s=1.5)
   assert result.status == Status.TIMEOUT
   assert time.monotonic() - start < 4.0
   assert_no_leftovers()
 
 
+def _counts_only_the_program(plan):
+  """Whether RLIMIT_NPROC counts the program's processes alone: with an own uid (as root),
+  or in a user namespace (not root). As root without an own uid it does not apply."""
+  return plan.drop_uid or (plan.namespaces and os.geteuid() != 0)
+
+
 def test_process_count_is_limited(box):
-  source = ("import os, time\nn = 0\nfor _ in range(50):\n  try:\n    pid = os.fork()\n"
-            "  except OSError:\n    break\n  if pid == 0:\n    time.sleep(30)\n    os._exit(0)\n"
-            "  n += 1\nprint(n)\n")
-  result = box.run(source)
+  if os.geteuid() == 0 and not box.plan.drop_uid:
+    pytest.skip("RLIMIT_NPROC does not apply to root (see guarantees)")
+  result = box.run(COUNT_CHILDREN)
   assert result.status == Status.OK, result
-  assert int(result.stdout) <= LIMITS.processes
+  if _counts_only_the_program(box.plan):
+    assert int(result.stdout) == LIMITS.processes
+  else:  # the user's other processes count too
+    assert int(result.stdout) <= LIMITS.processes
   assert_no_leftovers()  # the sleeping children were killed
+
+
+def test_a_fork_bomb_leaves_the_next_run_its_whole_allowance(box):
+  if not _counts_only_the_program(box.plan):
+    pytest.skip("RLIMIT_NPROC also counts other processes of the uid, or does not apply")
+  sandbox = _sandbox(box.mode, max_parallel=1)  # as root, one uid: the bomb's
+  assert sandbox.run(FORK_BOMB, timeout_s=1.0).status == Status.TIMEOUT
+  for _ in range(3):
+    result = sandbox.run(COUNT_CHILDREN)
+    assert (result.status, result.stdout) == (Status.OK, f"{LIMITS.processes}\n"), result
 
 
 def test_descendants_that_leave_the_group_are_killed(box):
@@ -279,3 +346,23 @@ def test_sandbox_refuses_bad_arguments_by_name():
 def test_guarantees_name_the_mode(box):
   assert box.guarantees[0] == f"mode={box.plan.mode}"
   assert box.plan.mode == box.mode
+
+
+def test_auto_mode_prefers_bwrap():
+  sandbox = _sandbox("auto")
+  assert sandbox.plan.mode == ("bwrap" if bwrap_works() else "plain")
+
+
+def test_the_trainer_never_forks_with_python_code_in_the_child(box):
+  # JAX warns at every fork of its (multithreaded) process once its backend is up, through
+  # os.register_at_fork, which runs only where Python code runs in the child (a preexec_fn).
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.devices()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    subprocess.run(["true"], preexec_fn=lambda: None, check=True)  # the detector works
+    assert any("fork" in str(w.message) for w in caught)
+    caught.clear()
+    assert box.run("print(1)").status == Status.OK
+    assert box.run_many([Job("print(2)")] * 2)[1].stdout == "2\n"
+  assert [str(w.message) for w in caught] == []
