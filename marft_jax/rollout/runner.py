@@ -18,7 +18,10 @@ environment that raises (`"env_error: ..."`). The run goes on.
 
 Shapes stay few, so the sampler compiles a handful of times per run: the batch is always the
 batch of environments (× the widest graph layer in the per-agent view), the number of new
-tokens is bucketed once for the team, and a shared stream's cache has `max_context` slots.
+tokens is bucketed once for the team, and a shared stream's cache starts at its first call's
+size and grows to the next power of two when a turn would not fit (slots are not reserved up
+front: every decode step attends over all of a cache's slots, so a cache sized for
+`max_context` would make every turn pay for the longest possible episode).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from marft_jax.envs.batch import EnvBatch
 from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule
 from marft_jax.envs.profiles import AgentProfile, adapter_index, check_team
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import sampler, transformer
+from marft_jax.models import sampler
 from marft_jax.models.config import ModelConfig
 from marft_jax.rollout import context
 from marft_jax.rollout.episode import Episode, TokenSequence, Turn
@@ -344,7 +347,7 @@ class _Runner:
       prompts, cache = self._full_streams(chunks), None
       prompt_adapters = self._full_stream_adapters(chunks, agents)
     else:
-      prompts, cache = chunks, (self._fresh_cache() if self.cache is None else self.cache)
+      prompts, cache = chunks, self.cache  # None: the sampler sizes a fresh one, later grows it
     (tokens, logprobs, lengths), self.cache = self._generate(prompts, agents, cache=cache,
                                                              prompt_adapters=prompt_adapters)
     if self.config.reencode:
@@ -383,13 +386,6 @@ class _Runner:
       before = [] if self.streams[i] is None else list(self.streams[i].adapter_ids)
       out.append(before + [self.agents.adapter(agents[i])] * len(chunk))
     return out
-
-  def _fresh_cache(self):
-    """A cache for the whole episode. Each call uses its padded chunk width plus its longest
-    reply in slots, more than the real tokens `max_context` bounds: twice that is room for
-    padding (a call that would not fit grows the cache, at the price of a compile)."""
-    size = sampler.bucket(2 * self.config.max_context, sampler.MIN_PROMPT_BUCKET)
-    return transformer.init_cache(self.model_config, self.rows, size)
 
   # --- metrics --------------------------------------------------------------------------------
 

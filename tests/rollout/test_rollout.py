@@ -123,6 +123,26 @@ def test_shared_stream_continues_the_cache_exactly_as_reencoding(model):
     assert "Think about it." in text and "Answer with the number." in text
 
 
+def test_shared_stream_cache_holds_what_the_turns_use(model, monkeypatch):
+  """Every decode step attends over all of the cache's slots: the stream's cache starts at its
+  first call's size and grows as turns need, instead of reserving 2 × max_context up front."""
+  calls, generate = [], sampler.generate
+
+  def recording(params, tokens, config, **kw):
+    out = generate(params, tokens, config, **kw)
+    used = int(np.max(kw["prompt_lens"]))
+    calls.append((sampler.bucket(used, sampler.MIN_PROMPT_BUCKET) + kw["max_new_tokens_bucket"],
+                  out.cache.size))
+    return out
+
+  monkeypatch.setattr(sampler, "generate", recording)
+  result = _play(model, _team(), context_mode="shared_stream", max_context=1024)
+  assert result.metrics["dropped"] == 0 and len(calls) == 2
+  needed = sum(width for width, _ in calls)  # padded chunks + bucketed replies, all turns
+  assert calls[0][1] == calls[0][0]  # fresh: the first call's chunk and replies
+  assert calls[-1][1] <= sampler.bucket(needed, sampler.MIN_PROMPT_BUCKET) < 1024
+
+
 def test_dag_branches_see_only_their_ancestors(model):
   sampling = SamplingConfig(max_new_tokens=6)
   team = (envs.AgentProfile("a", "Root.", "r", sampling, adapter=0),
