@@ -86,13 +86,17 @@ def with_sampling(team: Sequence[AgentProfile], **changes) -> tuple[AgentProfile
 
 _BOXED = "Put the final answer, a number, in \\boxed{}."
 _MATH_ROLES = {
-    "reasoner": ("You are the Reasoner of a small math team. Solve the problem step by step, "
-                 "writing out each calculation. The Actor will state the final answer.",
-                 "Works the problem out step by step."),
-    # Short on purpose: the actor checks the reasoning and answers, so its turn stays cheap.
-    "actor": ("You are the Actor of a small math team. Read the reasoning before you, check "
-              f"its arithmetic, and reply with only the final answer. {_BOXED}",
-              "Checks the reasoning and states the final answer."),
+    # Both short and with a worked form: SmolLM2-135M follows "answer in one line, e.g. ..."
+    # but ignores "step by step" requests, rambling past its token cap (untuned reasoner →
+    # actor, level-1 arithmetic, greedy: 2 % with "step by step", 12.5 % with these; 32
+    # held-out problems; docs/results.md).
+    "reasoner": ("You are the Reasoner of a small math team. You are good at arithmetic. "
+                 "Answer in one line: the calculation and the result, e.g. 7 + 5 = 12.",
+                 "Writes the calculation and its result."),
+    # Short on purpose: the actor states the answer, so its turn stays cheap.
+    "actor": ("You are the Actor of a small math team. Reply with only the result of the "
+              "Reasoner's calculation, in \\boxed{}, e.g. \\boxed{12}.",
+              "States the final answer."),
     "verifier": ("You are the Verifier of a small math team. Check the work written before you "
                  "step by step. If it is right, restate the answer; if not, correct it. "
                  f"{_BOXED}", "Checks the answer and gives the corrected final answer."),

@@ -63,8 +63,9 @@ def build_team(config: TrainConfig):
     team = envs_lib.echo_team(t.num_roles)
   elif t.num_roles == 1:
     team = (envs_lib.AgentProfile(
-        "solver", "Solve the problem step by step. Put the final answer, a number, in "
-        "\\boxed{}.", "Solves the problem.", graded=True),)
+        # SmolLM2-135M ignores "step by step" and rambles past its cap (see math_team)
+        "solver", "You are good at arithmetic. Answer in one line: the calculation and the "
+        "result, e.g. 7 + 5 = 12.", "Solves the problem.", graded=True),)
   else:
     team = envs_lib.math_team(t.num_roles, temperature=t.temperature)
   sampling = lambda p, last: dataclasses.replace(p.sampling, top_p=t.top_p,
