@@ -48,11 +48,11 @@ def define_config_flag(file_name: str) -> flags.FlagHolder:
   global _default_config_path
   _default_config_path = os.path.join(CONFIG_DIR, file_name)
   if not os.path.isfile(_config_path(sys.argv)):
-    _fail(f"--config={_config_path(sys.argv)}: no such config file")
+    fail(f"--config={_config_path(sys.argv)}: no such config file")
   if not any(arg in _HELP_FLAGS for arg in sys.argv[1:]):
     unknown = _unknown_override(sys.argv)
     if unknown:
-      _fail(unknown)
+      fail(unknown)
   return config_flags.DEFINE_config_file(
       "config", _default_config_path,
       "Config file (see --help for its fields); override fields as --config.<key>=<value>.",
@@ -68,23 +68,24 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
     try:
       return flags.FLAGS(argv)
     except Exception as e:  # flags errors and ConfigDict's AttributeError/KeyError/TypeError
-      _fail(_unknown_override(argv) or _last_line(e))
+      fail(_unknown_override(argv) or _last_line(e))
 
   def typed_main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
-      _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+      fail(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
       config = from_config_dict(config_cls, config_flag.value)
     except (ValueError, OSError) as e:  # OSError: the config file failed to load
-      _fail(_last_line(e))
+      fail(_last_line(e))
     main(config)
 
   app.run(typed_main, flags_parser=parse)
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
+  """Prints `error: message` and exits with status 2 (a usage error, not a traceback)."""
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
 

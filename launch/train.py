@@ -8,25 +8,53 @@ The checkpoint already in --workdir always wins: the same command resumes where 
 (SIGTERM or Ctrl-C save first). Metrics go to <workdir>/metrics.jsonl and TensorBoard
 (<workdir>/tensorboard), the learning curve to <workdir>/learning_curve.png, transcripts to
 <workdir>/transcripts/, PEFT exports of every agent's adapter to <workdir>/exports/.
+
+Several devices and hosts (docs/scaling.md): `--config.mesh.data=-1` uses every device;
+`--config.mesh.fsdp` / `--config.mesh.tensor` split the base weights. For a multi-process job
+run the same command in every process with `--distributed` (a Cloud TPU slice, SLURM or Open
+MPI job is detected from its environment) or with the explicit flags:
+
+  python -m launch.train --workdir=/shared/run --config.mesh.data=-1 \
+      --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 """
 
 from __future__ import annotations
 
+import jax
 from absl import flags
 
 from launch import cli
+from marft_jax import multihost, sharding
 from marft_jax.train.config import TrainConfig
 from marft_jax.train.loop import train
 
 _CONFIG = cli.define_config_flag("train.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics, "
                                "transcripts and exports go (resumed if it holds a checkpoint)")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "join a multi-process job (jax.distributed.initialize); the flags "
+    "below default to what the cluster's environment says")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "processes in the job")
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "this process's rank")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", 0, "virtual CPU devices in this process (a rehearsal of a cluster on one "
+    "machine; 0: the platform's devices)")
 
 
 def main(config: TrainConfig) -> None:
+  if _CPU_DEVICES.value:  # before anything starts a backend
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+  if _DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value:
+    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  try:  # the mesh against the devices, before the model loads
+    sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  except ValueError as e:
+    cli.fail(f"config.{e}")
   metrics = train(config, _WORKDIR.value)
-  print(f"iterations={config.iterations} reward={metrics.get('reward', float('nan')):.4f} "
-        f"accuracy={metrics.get('accuracy', float('nan')):.4f} workdir={_WORKDIR.value}")
+  if multihost.is_primary():
+    print(f"iterations={config.iterations} reward={metrics.get('reward', float('nan')):.4f} "
+          f"accuracy={metrics.get('accuracy', float('nan')):.4f} workdir={_WORKDIR.value}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,12 @@ Model code never names mesh axes. Each parameter gets logical axis names from it
   embed   -> "fsdp"             model width D: weights are fully sharded (ZeRO-3 style)
   heads, kv_heads, mlp, vocab -> "tensor"   Megatron-style tensor parallelism
   layers, norms, LoRA rank    -> replicated
+  activations [B, T, D]       -> rows over ("data", "fsdp"), the rest replicated
+
+Model code pins its activations at the layer boundaries with `constrain(x, logical_axes)`,
+which reads the mesh that the caller set (`with jax.set_mesh(mesh):`, as `train` does) and is
+the identity outside one, so single-device code and unit tests pay nothing. Without the pin
+the partitioner may choose to gather a whole activation onto every device.
 
 A dimension that a mesh axis does not divide is left replicated rather than rejected, so the
 same rules serve every model size and mesh (e.g. SmolLM2's 3 kv heads on tensor=2).
@@ -39,6 +45,8 @@ LOGICAL_RULES: Mapping[str, Any] = {
     "time": None,
     "cache_slots": None,
     "head_dim": None,
+    "act_embed": None,  # the residual stream's width: the batch split is the one that matters
+    "act_tokens": ("data", "fsdp"),  # feature-major activations [D, B·T]: rows of B·T
 }
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
@@ -55,6 +63,60 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
                      f"{len(devices)} available")
   grid = np.array(devices[:n]).reshape(data, fsdp, tensor)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def check_mesh_sizes(data: int, fsdp: int, tensor: int) -> None:
+  """Each size is >= 1 or -1 ("fill the remaining devices"), with at most one -1; errors name
+  the config key (`mesh.data`, ...), so a bad mesh fails before any model loads."""
+  sizes = dict(data=data, fsdp=fsdp, tensor=tensor)
+  for axis, size in sizes.items():
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+      raise ValueError(f"mesh.{axis}={size!r}: use a size >= 1, or -1 to fill the devices")
+  fill = [axis for axis, size in sizes.items() if size == -1]
+  if len(fill) > 1:
+    raise ValueError(f"mesh.{fill[0]} and mesh.{fill[1]} are both -1: at most one axis can "
+                     "fill the devices")
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, num_devices: int) -> tuple[int, int, int]:
+  """The sizes with a -1 resolved against `num_devices`: `mesh_shape(-1, 2, 1, 8) == (4, 2, 1)`.
+
+  Raises ValueError naming the key when the sizes do not fit the devices."""
+  check_mesh_sizes(data, fsdp, tensor)
+  sizes = dict(data=data, fsdp=fsdp, tensor=tensor)
+  fixed = int(np.prod([size for size in sizes.values() if size != -1]))
+  fill = [axis for axis, size in sizes.items() if size == -1]
+  if fill:
+    if num_devices % fixed:
+      raise ValueError(f"mesh.{fill[0]}=-1: the other axes multiply to {fixed}, which does "
+                       f"not divide the {num_devices} devices")
+    sizes[fill[0]] = num_devices // fixed
+  total = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+  if total > num_devices:
+    raise ValueError(f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']} x "
+                     f"mesh.tensor={sizes['tensor']} needs {total} devices, {num_devices} "
+                     "available (set one axis to -1 to fill them)")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def mesh_from_config(data: int, fsdp: int, tensor: int) -> Mesh:
+  """The run's mesh over all devices of all processes (`jax.devices()`).
+
+  A single process may use the first few of its devices; a multi-process mesh must hold every
+  device, or some process would own none of the arrays it is asked to compute.
+  """
+  shape = mesh_shape(data, fsdp, tensor, jax.device_count())
+  if jax.process_count() > 1 and int(np.prod(shape)) != jax.device_count():
+    raise ValueError(f"mesh.data={shape[0]} x mesh.fsdp={shape[1]} x mesh.tensor={shape[2]} "
+                     f"covers {int(np.prod(shape))} of the {jax.device_count()} devices of "
+                     f"{jax.process_count()} processes: a multi-process mesh must cover "
+                     "them all (set one axis to -1)")
+  return make_mesh(*shape)
+
+
+def batch_shards(mesh: Mesh) -> int:
+  """Into how many row blocks a batch is split ("data" x "fsdp")."""
+  return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def param_logical_axes(params: Any) -> Any:
@@ -101,6 +163,22 @@ def param_shardings(mesh: Mesh, params: Any) -> Any:
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Rows split over ("data", "fsdp"), the other `ndim - 1` dims replicated."""
   return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def batch_shardings(mesh: Mesh, batch: Any) -> Any:
+  """`batch_sharding` for every leaf of a tree of [B, ...] arrays (scalars replicated)."""
+  return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)) if np.ndim(x) else
+                      replicated(mesh), batch)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[Optional[str]]) -> jax.Array:
+  """`x` pinned to the mesh axes of its logical axes under the current mesh (`jax.set_mesh`);
+  the identity without one or on one device. A dimension the mesh does not divide stays
+  replicated, as in `logical_to_spec`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
 
 
 def cache_logical_axes(cache: Any) -> Any:

@@ -6,7 +6,8 @@
   merge      merge_adapter / unmerge_adapter into the base kernels.
   training   gradients w.r.t. adapters only; per-agent selection of updates.
   peft_io    Hugging Face PEFT folders (save / load, one per agent).
-  sharding   adapter_shardings: factors split like their base kernels.
+  sharding   adapter_shardings: factors split like their base kernels; follow_adapters:
+             a train or optimizer state placed like the adapters it holds.
 """
 
 from marft_jax.lora.routing import (NO_ADAPTER, Adapters, adapter_ids_for_agents,
@@ -18,4 +19,4 @@ from marft_jax.lora.merge import adapter_kernel_deltas, merge_adapter, unmerge_a
 from marft_jax.lora.training import trainable_value_and_grad, where_adapters
 from marft_jax.lora.peft_io import (load_peft_adapter, load_peft_adapters, peft_key,
                                     peft_tensors, save_peft_adapter, save_peft_adapters)
-from marft_jax.lora.sharding import adapter_logical_axes, adapter_shardings
+from marft_jax.lora.sharding import adapter_logical_axes, adapter_shardings, follow_adapters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from marft_jax import sharding
@@ -31,3 +32,14 @@ def adapter_shardings(mesh: Mesh, adapters: Adapters) -> Any:
   """`NamedSharding`s for `adapters` (arrays or `ShapeDtypeStruct`s); a dimension the mesh
   axis does not divide is replicated, as for the base parameters."""
   return sharding.shardings_for(mesh, adapters, adapter_logical_axes(adapters))
+
+
+def follow_adapters(mesh: Mesh, tree: Any) -> Any:
+  """`NamedSharding`s for any tree holding `Adapters` (a train state, a critic, an optimizer
+  state): every `Adapters` in it is split like its base kernels, every other leaf replicated.
+
+  Optimizer moments are `Adapters` themselves (optax maps over the params' structure), so Adam's
+  μ and ν land on the same devices as the factors they update: the step is local."""
+  is_adapters = lambda x: isinstance(x, Adapters)
+  return jax.tree.map(lambda x: adapter_shardings(mesh, x) if is_adapters(x) else
+                      sharding.replicated(mesh), tree, is_leaf=is_adapters)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.experimental import checkify
 
+from marft_jax import sharding
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
@@ -195,6 +196,14 @@ def _merge_heads(out: jax.Array, call: _Call) -> jax.Array:
   return out.transpose(0, 2, 1, 3).reshape(B, T, H * E)
 
 
+def _pin(x: jax.Array, feature_major: bool = False) -> jax.Array:
+  """Activations keep the batch split at a layer boundary (a no-op outside a mesh): without
+  the pin the partitioner may gather a whole [B, T, D] onto every device of a mesh."""
+  if feature_major:  # [D, B·T]
+    return sharding.constrain(x, ("act_embed", "act_tokens"))
+  return sharding.constrain(x, ("batch", "time", "act_embed"))
+
+
 def decoder_layer(x: jax.Array, layer: dict, adapters: dict,
                   cached: Optional[tuple[jax.Array, jax.Array]],
                   call: _Call) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array]:
@@ -223,7 +232,7 @@ def decoder_layer(x: jax.Array, layer: dict, adapters: dict,
   x = x + dense(_merge_heads(out.reshape(B, config.num_heads, T, E), call), "o_proj")
   h = rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps, axis=axis)
   x = x + dense(jax.nn.silu(dense(h, "gate_proj")) * dense(h, "up_proj"), "down_proj")
-  return x, (k, v), out
+  return _pin(x, config.layout.feature_major), (k, v), out
 
 
 # --- running the layers: scanned or unrolled ------------------------------------------------
@@ -320,14 +329,17 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
                valid=None if cache is None else cache.valid, adapter_ids=ids,
                lora_delta=lora_delta, config=config)
 
-  x = params["embed"][tokens].astype(config.dtype)  # [B, T, D]
+  # The table's width is split over fsdp like every weight's; gathered whole for the lookup
+  # (FSDP's per-use weight gather), rows come out split like the batch, not like the width.
+  embed = sharding.constrain(params["embed"], ("vocab", None))
+  x = _pin(embed[tokens].astype(config.dtype))  # [B, T, D]
   if layout.feature_major:
     x = x.reshape(B * T, -1).T
   run = _scanned_layers if layout.scan_layers else _unrolled_layers
   x, cache_kv = run(x, params, adapter_layers, cache, call)
   if layout.feature_major:
     x = x.T.reshape(B, T, -1)
-  h = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+  h = _pin(rms_norm(x, params["final_norm"], config.rms_norm_eps))
   if cache is not None:
     valid = jax.lax.dynamic_update_slice(cache.valid, mask, (0, cache.index))
     cache = KVCache(k=cache_kv[0], v=cache_kv[1], valid=valid, index=cache.index + T)

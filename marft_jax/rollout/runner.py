@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from marft_jax import multihost
 from marft_jax.envs.batch import EnvBatch
 from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule
 from marft_jax.envs.profiles import AgentProfile, adapter_index, check_team
@@ -262,7 +263,7 @@ class _Runner:
         temperature=temperature,
         top_k=self.top_k, top_p=None if np.all(top_p >= 1) else top_p, eos_ids=self.eos,
         pad_id=self.pad, max_new_tokens_bucket=self.num_new)
-    result = (np.asarray(out.tokens), np.asarray(out.logprobs), np.asarray(out.lengths))
+    result = multihost.to_host((out.tokens, out.logprobs, out.lengths))
     self.metrics["sampler_s"] += time.perf_counter() - start
     self.metrics["generated_tokens"] += int(result[2].sum())
     self.metrics["prompt_tokens"] += int(lens.sum())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_int, check_positive, check_range
@@ -151,6 +152,21 @@ class OptimizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSection:
+  """The device mesh of the sampler, the update and the checkpoints (marft_jax.sharding):
+  batch rows split over data x fsdp, base weights over fsdp (width) and tensor (heads, MLP,
+  vocab), adapters and optimizer moments like their base kernels. One axis may be -1: all the
+  devices left. A multi-process run's mesh must cover every device of every process."""
+
+  data: int = 1  # -1: every device (pure data parallelism)
+  fsdp: int = 1  # weights fully sharded over this axis (ZeRO-3 style)
+  tensor: int = 1  # Megatron-style tensor parallelism (heads, MLP, vocab)
+
+  def __post_init__(self):
+    check_mesh_sizes(self.data, self.fsdp, self.tensor)  # against the devices: in `train`
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """One training run (see the module docstring for the algorithms)."""
 
@@ -166,6 +182,7 @@ class TrainConfig:
   optimizer: OptimizerSection = OptimizerSection()
   advantage: AdvantageConfig = AdvantageConfig()
   loss: LossConfig = LossConfig()
+  mesh: MeshSection = MeshSection()
   checkpoint_every: int = 10  # iterations; also at the end and on SIGTERM
   max_to_keep: int = 3
   eval_every: int = 0  # iterations between held-out evaluations (0: none during training)

@@ -9,6 +9,12 @@ Resume: the checkpoint already in `workdir` always wins. It holds the adapters, 
 both optimizer states and the step counter; its meta holds the iteration, the environments'
 data cursor and the config. Every PRNG key is `fold_in(seed, iteration)`, so a resumed run
 continues exactly as an uninterrupted one would. SIGTERM/SIGINT save and exit cleanly.
+
+Scale (`config.mesh`, docs/scaling.md): everything runs under one mesh. The base weights are
+split over fsdp/tensor, adapters and optimizer moments like their base kernels, the batch rows
+over data x fsdp; the same program runs in every process of a multi-process job, each process
+writing its shards of the checkpoint and process 0 the shared files (metrics, transcripts,
+exports). Every process plays every environment (host work is replicated, device work split).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from absl import logging
 
 from marft_jax import envs as envs_lib
 from marft_jax import lora as lora_lib
+from marft_jax import multihost, sharding
 from marft_jax.configs import to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
@@ -199,31 +206,45 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
           progress: bool = True, on_iteration: Optional[Callable] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one); default: `config.model.source`."""
+  mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   os.makedirs(workdir, exist_ok=True)
   model = load(config) if model is None else model
+  with jax.set_mesh(mesh):
+    return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration)
+
+
+def _place_model(model: Model, mesh) -> Model:
+  return dataclasses.replace(model, params=jax.device_put(
+      model.params, sharding.param_shardings(mesh, model.params)))
+
+
+def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   team, structure = build_team(config)
   num_agents = len(team) + (1 if structure is not None else 0)
   rollout_params, rollout_config = _rollout_model(model, config)
   envs = build_envs(config, team, seed=config.seed)
   policy_optimizer, critic_optimizer = _optimizers(config)
   state = init_state(config, model, num_agents, policy_optimizer, critic_optimizer)
+  state_shardings = lora_lib.follow_adapters(mesh, state)
+  state = jax.device_put(state, state_shardings)
   critic_config = _critic_config(config)
   critic_values, critic_hidden = _critic_fns(critic_config, model.config)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer,
                        critic_values, config.num_adapters, config.optimizer.epochs,
-                       config.optimizer.minibatches)
+                       config.optimizer.minibatches,
+                       out_shardings=(state_shardings, sharding.replicated(mesh)))
   old_values_fn = None if critic_values is None else jax.jit(critic_values)
   config_dict = to_config_dict(config).to_dict()
   start = 0
   checkpointer = Checkpointer(workdir, max_to_keep=config.max_to_keep)
   if checkpointer.latest_step() is not None:
     state, meta = checkpointer.restore(state, config=config_dict,
-                                       may_differ=("iterations", "checkpoint_every"))
+                                       may_differ=("iterations", "checkpoint_every", "mesh"))
     start = int(meta["iteration"])
     envs.load_state_dict(meta["envs"])
     logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
                     workdir, start, config.iterations)
-  writer = MetricWriter(workdir, resume_step=start)
+  writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
   rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   pad = model.tokenizer.pad_token_id
   pad = model.tokenizer.eos_token_id if pad is None else pad
@@ -234,8 +255,9 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
                                    max_context=config.rollout.max_context)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
-      old_values_fn=old_values_fn, envs=envs, num_roles=len(team),
-      num_rows=_round_up(rows, config.optimizer.minibatches))
+      old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh,
+      # Every minibatch splits evenly over the batch shards (padding rows are all masked).
+      num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
   try:
     with PreemptionFlag() as preempt, checkpointer:
       for iteration in range(start, config.iterations):
@@ -245,8 +267,9 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
                          model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
                          config=rollout_settings, policy_version=iteration)
         t1 = time.perf_counter()
-        write_transcripts(os.path.join(workdir, "transcripts",
-                                       f"iteration_{iteration:05d}.jsonl"), result.episodes)
+        if multihost.is_primary():
+          write_transcripts(os.path.join(workdir, "transcripts",
+                                         f"iteration_{iteration:05d}.jsonl"), result.episodes)
         kept = [e for e in result.episodes if e.dropped is None]
         update_metrics = {}
         if not kept:
@@ -264,10 +287,11 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
         if on_iteration is not None:
           on_iteration(iteration, metrics)
         done = iteration + 1 == config.iterations
-        if (iteration + 1) % config.checkpoint_every == 0 or done or preempt.requested:
+        stop = multihost.any_process(preempt.requested)
+        if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
           _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
                       workdir, config)
-        if preempt.requested:
+        if stop:
           logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
           break
   finally:
@@ -279,21 +303,27 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
-           old_values_fn, envs, num_roles, num_rows):
-  """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)"""
+           old_values_fn, envs, num_roles, num_rows, mesh):
+  """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)
+
+  The batch goes to the devices with its rows split over the mesh; advantages are computed on
+  the host, so the critic's values come back to it (`multihost.to_host`)."""
   batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
-  extras = prepare(model.params, state.policy, batch, model.config, config.loss,
+  placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
+  on_devices = placed(batch)
+  extras = prepare(model.params, state.policy, on_devices, model.config, config.loss,
                    None if critic_hidden is None else
                    functools.partial(critic_hidden, state.critic),
                    config.optimizer.minibatches)
-  gap = _max_gap(extras.old_logp, batch)
+  gap = _max_gap(multihost.to_host(extras.old_logp), batch)
   if old_values_fn is not None:
-    old_values = old_values_fn(state.critic, model.params, batch, extras)
-    batch = batch.replace(act_old_value=np.asarray(old_values))
+    old_values = old_values_fn(state.critic, model.params, on_devices, extras)
+    batch = batch.replace(act_old_value=multihost.to_host(old_values))
   groups = [envs.group(e.env_index) for e in kept]
   batch = compute_advantages(batch, kept, config.advantage, num_roles, groups)
   state, metrics = update(
-      state, model.params, batch, extras, jnp.asarray(active_adapters(config, iteration)),
+      state, model.params, placed(batch), extras,
+      jnp.asarray(active_adapters(config, iteration)),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
   metrics["logp/sampler_learner_max_gap"] = gap
@@ -305,11 +335,14 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
 def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, workdir, config):
   meta = {"iteration": step, "envs": envs.state_dict(), "config": config_dict,
           "policy_version": step}
-  checkpointer.save(step, state, meta, force=True)
+  checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = [p.role for p in team] if not config.team.shared_adapter else ["shared"]
   if len(names) < state.policy.num_adapters:
     names.append("orchestrator")
-  checkpointer.export_peft(step, state.policy, names[:state.policy.num_adapters],
+  adapters = multihost.to_host(state.policy)  # collective: every process takes part
+  if not multihost.is_primary():
+    return
+  checkpointer.export_peft(step, adapters, names[:state.policy.num_adapters],
                            config.model.source)
   writer.flush()
   plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),

@@ -180,8 +180,11 @@ def _finite(tree) -> jax.Array:
 
 def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                 critic_optimizer, critic_values: Optional[Callable], num_adapters: int,
-                epochs: int, minibatches: int):
+                epochs: int, minibatches: int, out_shardings: Any = None):
   """The jitted update `update(state, params, batch, extras, active, train_policy, rng)`.
+
+  `out_shardings`: (state's shardings, metrics' sharding) to keep the state where it was
+  placed on a mesh (`lora.follow_adapters`); None lets the compiler choose.
 
   Args (of the returned function):
     state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches).
@@ -241,7 +244,7 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
     out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
     return state, out
 
-  return jax.jit(update)
+  return jax.jit(update, out_shardings=out_shardings)
 
 
 def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:

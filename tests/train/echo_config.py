@@ -1,0 +1,25 @@
+"""A seconds-long launch config for tests: 2 agents on the echo task with the tiny model (its
+folder is given as --config.model.source), 8 environments, 2 iterations."""
+
+import dataclasses
+
+from marft_jax.configs import to_config_dict
+from marft_jax.train import config as config_lib
+
+
+def echo_config(**changes) -> config_lib.TrainConfig:
+  base = config_lib.preset("marft_a")
+  sections = dict(
+      task=config_lib.TaskSection(name="echo", echo_high=1),
+      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3),
+      rollout=dataclasses.replace(base.rollout, num_envs=8, max_context=256),
+      lora=config_lib.LoraSection(rank=8, alpha=16.0),
+      critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
+      optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
+      checkpoint_every=1000, iterations=2)
+  sections.update(changes)
+  return dataclasses.replace(base, **sections)
+
+
+def get_config():
+  return to_config_dict(echo_config())

@@ -1,0 +1,120 @@
+"""A 2-process job (4 virtual CPU devices each, Gloo collectives between the processes) trains
+like one process on 8 devices, and its checkpoint restores in one process onto other meshes.
+
+Reference: the same command in one process with 8 virtual devices, on the same 2 x 2 x 2 mesh.
+The sampled tokens are identical; the floats agree to ~1e-7 relative, not bitwise: Gloo sums a
+cross-process all-reduce in another order than XLA's in-process CPU collectives. All three
+processes compile at LLVM -O0 (half the compile time of the default, which dominates here).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from marft_jax import lora, sharding
+from marft_jax.models.tiny import save_tiny_model
+from marft_jax.train import checkpoint as checkpoint_lib
+from marft_jax.train import config as config_lib
+from marft_jax.train import loop
+from tests.train.echo_config import echo_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MESH = config_lib.MeshSection(data=2, fsdp=2, tensor=2)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _launch(workdir, model_dir, *flags):
+  command = [sys.executable, "-m", "launch.train",
+             f"--config={os.path.join(REPO, 'tests', 'train', 'echo_config.py')}",
+             f"--workdir={workdir}", f"--config.model.source={model_dir}",
+             "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", *flags]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",  # --cpu_devices, not the session's 8 devices
+             XLA_FLAGS="--xla_backend_optimization_level=0")
+  return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return [{k: v for k, v in row.items() if not k.startswith("time/") and not k.endswith("_s")}
+          for row in rows]
+
+
+def _restored(config, model, workdir, mesh):
+  """The latest checkpoint of `workdir`, restored onto `mesh` (the template's placement)."""
+  team, structure = loop.build_team(config)
+  policy_opt, critic_opt = loop._optimizers(config)
+  template = loop.init_state(config, model, len(team) + (structure is not None), policy_opt,
+                             critic_opt)
+  template = jax.device_put(template, lora.follow_adapters(mesh, template))
+  with checkpoint_lib.Checkpointer(workdir, read_only=True) as checkpointer:
+    return checkpointer.restore(template)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """(config, model, 2-process workdir, 1-process workdir)."""
+  root = tmp_path_factory.mktemp("multihost")
+  model_dir = save_tiny_model(root / "tiny", "qwen2")
+  two, one = str(root / "two_processes"), str(root / "one_process")
+  port = _free_port()
+  workers = [_launch(two, model_dir, "--cpu_devices=4", f"--coordinator_address=localhost:{port}",
+                     "--num_processes=2", f"--process_id={i}") for i in range(2)]
+  workers.append(_launch(one, model_dir, "--cpu_devices=8"))
+  try:
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+  finally:
+    for w in workers:
+      if w.poll() is None:
+        w.kill()
+  for w, output in zip(workers, outputs):
+    assert w.returncode == 0, output[-3000:]
+  assert ["iterations=2" in output for output in outputs] == [True, False, True]  # process 0
+  config = echo_config(model=config_lib.ModelSection(source=model_dir), mesh=MESH)
+  return config, loop.load(config), two, one
+
+
+def test_two_processes_train_like_one_process_on_eight_devices(runs):
+  config, model, two, one = runs
+  got, expected = _metrics(two), _metrics(one)  # rewards, losses, gradient norms, gaps
+  assert [sorted(row) for row in got] == [sorted(row) for row in expected]
+  for row, ref in zip(got, expected):
+    for key in ref:
+      np.testing.assert_allclose(row[key], ref[key], rtol=2e-6, atol=1e-9, err_msg=key)
+  for name in sorted(os.listdir(os.path.join(one, "transcripts"))):
+    with open(os.path.join(one, "transcripts", name)) as a, \
+        open(os.path.join(two, "transcripts", name)) as b:
+      assert a.read() == b.read()  # the same tokens sampled
+  expected = _restored(config, model, one, sharding.make_mesh(data=2, fsdp=2, tensor=2))
+  got = _restored(config, model, two, sharding.make_mesh(data=2, fsdp=2, tensor=2))
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7,
+                               err_msg=jax.tree_util.keystr(path))
+  assert os.listdir(os.path.join(two, "exports", "step_2"))  # written once, by process 0
+
+
+@pytest.mark.parametrize("shape", [dict(fsdp=4, tensor=2), dict()], ids=["fsdp4_tensor2",
+                                                                      "one_device"])
+def test_the_two_process_checkpoint_restores_onto_another_mesh(runs, shape):
+  config, model, two, _ = runs
+  reference = _restored(config, model, two, sharding.make_mesh(data=2, fsdp=2, tensor=2))
+  mesh = sharding.make_mesh(**shape)
+  restored = _restored(config, model, two, mesh)
+  layer = restored.policy.layers["q_proj"]["a"]  # [L, A, D_in, R]: D_in split over fsdp
+  assert len(layer.sharding.device_set) == mesh.size
+  assert layer.sharding.spec == (lora.adapter_shardings(mesh, restored.policy)
+                                 .layers["q_proj"]["a"].spec)
+  for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
