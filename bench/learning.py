@@ -69,11 +69,12 @@ SWEEP = dict(
     reasoner_tokens=48,  # the first turn's cap (2 agents); untuned replies average ~27
     actor_tokens=16,  # the graded turn's cap (2 agents); one agent gets the sum
     lora_rank=8,
-    iterations=24,
+    minibatches=4,  # optimizer steps per iteration; 32 rows at once took 19 GB (swapless OOM)
+    iterations=32,
     checkpoint_every=2,
     eval_problems=300,  # the final held-out evaluation
     curve_problems=64,  # the held-out evaluations along the way
-    curve_points=(12,),  # iterations at which training stops for a held-out evaluation
+    curve_points=(16,),  # iterations at which training stops for a held-out evaluation
 )
 
 
@@ -81,7 +82,8 @@ def overrides(arm: str, seed: int, sweep: dict = SWEEP) -> list[str]:
   """The `--config.*` flags of `arm`'s cells (training and evaluation alike)."""
   spec = ARMS[arm]
   flags = {"seed": seed, "task.level": sweep["level"], "rollout.num_envs": sweep["episodes"],
-           "lora.rank": sweep["lora_rank"], "iterations": sweep["iterations"],
+           "lora.rank": sweep["lora_rank"], "optimizer.minibatches": sweep["minibatches"],
+           "iterations": sweep["iterations"],
            "checkpoint_every": sweep["checkpoint_every"],
            "task.eval_problems": sweep["eval_problems"]}
   if spec.agents == 1:

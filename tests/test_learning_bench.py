@@ -44,7 +44,7 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
       f.write(json.dumps({"step": 0, "reward": 0.1 * seed}) + "\n")
     with open(os.path.join(folder, "heldout.jsonl"), "w") as f:
-      f.write(json.dumps({"iteration": 24, "accuracy": acc}) + "\n")
+      f.write(json.dumps({"iteration": 32, "accuracy": acc}) + "\n")
   _cell(results, "untuned_2agent", 0, accuracy=0.25, driver_wall_s=120.0,
         **{"answer_format_rate/actor": 0.1, "reply_tokens/reasoner": 48.0,
            "reply_tokens/actor": 16.0})
@@ -75,7 +75,7 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
   assert os.path.getsize(os.path.join(docs, learning_results.CURVES_PNG)) > 1000
   curves = learning_results.curves(results)["marft_a_2agent"]
   assert curves["reward"] == [(0, pytest.approx(0.1))]  # mean of 0, 0.1, 0.2
-  assert curves["heldout"] == [(0, 0.25), (24, pytest.approx(0.3))]  # untuned at iteration 0
+  assert curves["heldout"] == [(0, 0.25), (32, pytest.approx(0.3))]  # untuned at iteration 0
 
 
 def _parse(command):
