@@ -157,16 +157,15 @@ def _eval_json(work: str, arm: str) -> dict:
     return json.load(f)
 
 
-def _read_jsonl(path: str) -> list[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+def read_jsonl(path: str) -> list[dict]:
+  """The records of a JSONL file (none when it does not exist yet; a torn last line skipped)."""
+  from marft_jax.train.metrics import read_metrics
+  return read_metrics(path) if os.path.exists(path) else []
 
 
 def _training_seconds(metrics_path: str) -> float:
   """Wall time of the training iterations (rollout + update, compile included)."""
-  return sum(r.get("time/iteration_s", 0.0) for r in _read_jsonl(metrics_path))
+  return sum(r.get("time/iteration_s", 0.0) for r in read_jsonl(metrics_path))
 
 
 def run_cell(arm: str, seed: int, runs: str, results: str, sweep: dict = SWEEP) -> None:
@@ -183,7 +182,7 @@ def run_cell(arm: str, seed: int, runs: str, results: str, sweep: dict = SWEEP) 
   curve_path = os.path.join(out, "heldout.jsonl")
   if ARMS[arm].trained:
     for stop in sweep["curve_points"]:
-      if any(r["iteration"] >= stop for r in _read_jsonl(curve_path)):
+      if any(r["iteration"] >= stop for r in read_jsonl(curve_path)):
         continue
       _run(train_command(arm, seed, runs, stop, sweep), log)
       _run(eval_command(arm, seed, runs, sweep["curve_problems"], sweep), log)

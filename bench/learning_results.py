@@ -128,9 +128,9 @@ def curves(results: str) -> dict[str, dict[str, list]]:
     reward: dict[int, list] = {}
     heldout: dict[int, list] = {}
     for folder in sorted(glob.glob(os.path.join(results, arm, "seed*"))):
-      for r in learning._read_jsonl(os.path.join(folder, "metrics.jsonl")):
+      for r in learning.read_jsonl(os.path.join(folder, "metrics.jsonl")):
         reward.setdefault(int(r["step"]), []).append(float(r["reward"]))
-      for r in learning._read_jsonl(os.path.join(folder, "heldout.jsonl")):
+      for r in learning.read_jsonl(os.path.join(folder, "heldout.jsonl")):
         heldout.setdefault(int(r["iteration"]), []).append(float(r["accuracy"]))
     base = cells.get(untuned.get(spec.agents), {})
     if base and heldout:
