@@ -19,6 +19,7 @@ from marft_jax.models.config import tiny_config
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import loop
+from tests.train.echo_config import echo_config
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +31,8 @@ def model():
 
 
 def _echo_config(algorithm, num_envs=64, **changes):
-  """2 agents on "repeat the number shown" with numbers from [0, 1): the best reply is known
-  ("0"), and a random tiny model says it first in ~2 % of episodes."""
-  base = config_lib.preset(algorithm)
-  sections = dict(
-      task=config_lib.TaskSection(name="echo", echo_high=1),
-      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3),
-      rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
-      lora=config_lib.LoraSection(rank=8, alpha=16.0),
-      critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
-      optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
-      checkpoint_every=1000, iterations=14)
-  sections.update(changes)
-  return dataclasses.replace(base, **sections)
+  """14 iterations of the echo task (tests/train/echo_config.py) on 64 environments."""
+  return echo_config(algorithm, num_envs=num_envs, **{"iterations": 14, **changes})
 
 
 def _metrics(workdir):
