@@ -119,3 +119,45 @@ def test_every_trained_arm_has_the_same_rollout_budget():
     budgets.add((config.iterations * config.rollout.num_envs, per_episode))
   s = learning.SWEEP
   assert budgets == {(s["iterations"] * s["episodes"], s["reasoner_tokens"] + s["actor_tokens"])}
+
+
+def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
+  """Segments already on record are not rerun; a finished cell runs nothing."""
+  runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
+  ran = []
+
+  def fake_run(command, log_path):  # plays launch.train / launch.eval: files only
+    ran.append(command)
+    work = next(w for w in command if w.startswith("--workdir="))[len("--workdir="):]
+    if command[2] == "launch.train":
+      stop = int(next(w for w in command if w.startswith("--config.iterations="))
+                 .split("=")[1])
+      with open(os.path.join(work, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": stop - 1, "reward": 0.5, "time/iteration_s": 10.0}) + "\n")
+      with open(os.path.join(work, "step"), "w") as f:
+        f.write(str(stop))
+    else:
+      step = int(open(os.path.join(work, "step")).read())
+      problems = int(next((w for w in command if w.startswith("--problems=")),
+                          "=300").split("=")[1])
+      with open(os.path.join(work, "eval.json"), "w") as f:
+        json.dump({"accuracy": step / 100, "episodes": problems, "checkpoint_step": step}, f)
+
+  monkeypatch.setattr(learning, "_run", fake_run)
+  mid, end = learning.SWEEP["curve_points"][0], learning.SWEEP["iterations"]
+  out = os.path.join(results, "marft_a_2agent", "seed0")
+  os.makedirs(out)
+  with open(os.path.join(out, "heldout.jsonl"), "w") as f:  # the mid-run point is on record
+    f.write(json.dumps({"iteration": mid, "accuracy": 0.1, "problems": 64}) + "\n")
+  os.makedirs(learning.workdir(runs, "marft_a_2agent", 0))
+  learning.run_cell("marft_a_2agent", 0, runs, results)
+  assert [(c[2], c[-1]) for c in ran] == [
+      ("launch.train", "--workdir=" + learning.workdir(runs, "marft_a_2agent", 0)),
+      ("launch.eval", "--workdir=" + learning.workdir(runs, "marft_a_2agent", 0))]
+  result = json.load(open(os.path.join(out, "eval.json")))
+  assert result["accuracy"] == end / 100 and result["train_wall_s"] == 10.0
+  assert [r["iteration"] for r in learning.read_jsonl(os.path.join(out, "heldout.jsonl"))] \
+      == [mid, end]
+  ran.clear()
+  learning.run_cell("marft_a_2agent", 0, runs, results)  # finished: nothing runs
+  assert ran == []
