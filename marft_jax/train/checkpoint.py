@@ -146,7 +146,10 @@ class Checkpointer:
       registry.add(item, restore_args, handler)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           handler_registry=registry)
-    if not read_only:
+    # The export folder is process 0's alone (the loop exports there); Orbax coordinates the
+    # step folders, which every process writes its shards into.
+    self._owns_exports = not read_only and jax.process_index() == 0
+    if self._owns_exports:
       self._remove_export_leftovers()
 
   # --- steps ---
@@ -198,7 +201,7 @@ class Checkpointer:
     """Blocks until a background save is on disk; raises its error if it failed."""
     self._manager.wait_until_finished()
     self._manager.check_for_errors()
-    if not self.read_only:
+    if self._owns_exports:
       self._prune_exports()
 
   def close(self) -> None:
