@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
                      "--num_processes=2", f"--process_id={i}") for i in range(2)]
   workers.append(_launch(one, model_dir, "--cpu_devices=8"))
   try:
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=540)[0] for w in workers]  # a loaded host
   finally:
     for w in workers:
       if w.poll() is None:
