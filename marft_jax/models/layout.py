@@ -1,6 +1,6 @@
 """`Layout`: how the decoder's weights are stored and its layers run. The maths never changes.
 
-Two choices, measured on SmolLM2-135M decoding on XLA:CPU (2 cores, ms per decode step,
+Two storage choices, measured on SmolLM2-135M decoding on XLA:CPU (2 cores, ms per decode step,
 SmolLM2 shape, 192-slot cache; `bench/decode.py` has the end-to-end figures):
 
   scan_layers    True: weights stacked on a leading [L] axis, one layer compiled and run
@@ -16,6 +16,14 @@ SmolLM2 shape, 192-slot cache; `bench/decode.py` has the end-to-end figures):
                  layers feature-major (transposing only around attention) took batch 16
                  from 102-108 to 81 ms a step; batch 1 is memory-bound and does not change.
                  Transposing a token-major layer's matmul outputs instead was slower (126).
+
+  remat          True: each layer's activations are recomputed in the backward pass instead
+                 of stored (`jax.checkpoint` around the layer: only its input is kept).
+                 The update's activation memory drops from every layer's intermediates to
+                 one [B, T, D] per layer, for about one more forward of compute. No effect
+                 without a gradient (the sampler). For long rows, many rows or big models.
+                 Scanned layers only: unrolled, XLA hoisted the recomputation and saved
+                 nothing.
 
 Other ingredients of the old decode-only module were measured and dropped: a heads-first,
 keys-transposed cache and reading the cache before writing it gave nothing measurable once
@@ -43,11 +51,17 @@ class Layout:
 
   scan_layers: bool = True  # stacked [L, ...] weights under lax.scan; False: unrolled loop
   feature_major: bool = False  # activations [D, N] and kernels [out, in]
+  remat: bool = False  # recompute each layer's activations in the backward pass
 
   def __post_init__(self):
-    for key in ("scan_layers", "feature_major"):
+    for key in ("scan_layers", "feature_major", "remat"):
       if not isinstance(getattr(self, key), bool):
         raise ValueError(f"layout.{key}={getattr(self, key)!r}: must be true or false")
+    if self.remat and not self.scan_layers:
+      # Measured: XLA schedules an unrolled stack's recomputations early, and the compiled
+      # backward kept more temporaries than without remat.
+      raise ValueError("layout.remat=True needs layout.scan_layers=True (unrolled layers "
+                       "are for decoding, which takes no gradient)")
 
 
 TRAINING = Layout(scan_layers=True, feature_major=False)

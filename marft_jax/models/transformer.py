@@ -268,6 +268,8 @@ def _scanned_layers(x, params, adapter_layers, cache, call):
                   _write_after(cache_kv[1], v[None], (index, 0, 0, cache.index, 0), out))
     return (x, cache_kv), None
 
+  if call.config.layout.remat:  # prevent_cse=False: a scan body needs no CSE barrier
+    body = jax.checkpoint(body, prevent_cse=False)
   num_layers = call.config.num_layers
   cache_kv = None if cache is None else (cache.k, cache.v)
   xs = (params["layers"], adapter_layers, jnp.arange(num_layers))

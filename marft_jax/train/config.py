@@ -22,7 +22,7 @@ from typing import Optional
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.update import LossConfig
-from marft_jax.validation import check_int, check_positive, check_range
+from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
 ALGORITHMS = ("marft_a", "marft_t", "ppo", "grpo", "shared_stream_ppo")
 TASKS = ("arithmetic", "math_jsonl", "code", "echo")
@@ -38,10 +38,14 @@ class ModelSection:
   source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
   param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators
   rollout_layout: str = "auto"  # "auto" (layout.decoding()), "decoding" or "training"
+  # The update recomputes each layer's activations in its backward pass instead of storing
+  # them (models.layout.Layout.remat): far less memory, about one more forward of compute.
+  remat: bool = False
 
   def __post_init__(self):
     _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+    check_bool("remat", self.remat)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,7 +218,14 @@ def _place_model(model: Model, mesh) -> Model:
       model.params, sharding.param_shardings(mesh, model.params)))
 
 
+def _with_remat(model: Model, remat: bool) -> Model:
+  """The learner's forward recomputes each layer in the backward pass (`Layout.remat`)."""
+  layout = dataclasses.replace(model.config.layout, remat=remat)
+  return dataclasses.replace(model, config=model.config.replace(layout=layout))
+
+
 def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
+  model = _with_remat(model, config.model.remat)
   team, structure = build_team(config)
   num_agents = len(team) + (1 if structure is not None else 0)
   rollout_params, rollout_config = _rollout_model(model, config)
