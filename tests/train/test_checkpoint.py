@@ -141,12 +141,18 @@ def test_other_config_is_refused_naming_the_keys(tmp_path):
     ckpt.restore(make_state(), config=as_tuples)  # JSON turns tuples into lists: still equal
 
 
-def test_unfinished_step_is_ignored_and_cleaned(tmp_path):
+def _step_1_and_step_2_in_flight(tmp_path):
+  """(the state saved as step 1, the folder of a step 2 that Orbax has not finished)."""
   state = make_state()
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, state, meta(1))
-  partial = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
-  (partial / "state").mkdir(parents=True)
+  in_flight = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
+  (in_flight / "state").mkdir(parents=True)
+  return state, in_flight
+
+
+def test_unfinished_step_is_ignored_and_cleaned(tmp_path):
+  state, partial = _step_1_and_step_2_in_flight(tmp_path)
   (partial / "state" / "half_written").write_bytes(b"\0" * 100)
   with Checkpointer(tmp_path) as ckpt:
     assert ckpt.latest_step() == 1
@@ -158,11 +164,7 @@ def test_unfinished_step_is_ignored_and_cleaned(tmp_path):
 
 def test_read_only_leaves_a_live_runs_folder_alone(tmp_path):
   """An evaluator reading a run that is still training must not delete its in-flight save."""
-  state = make_state()
-  with Checkpointer(tmp_path) as ckpt:
-    ckpt.save(1, state, meta(1))
-  in_flight = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp"
-  (in_flight / "state").mkdir(parents=True)
+  state, in_flight = _step_1_and_step_2_in_flight(tmp_path)
   with Checkpointer(tmp_path, read_only=True) as ckpt:
     assert ckpt.latest_step() == 1
     restored, _ = ckpt.restore(make_state(seed=1), config=CONFIG)
