@@ -10,8 +10,8 @@
              (a shared stream keeps one cache per episode that grows turn by turn)
 
 A dimension that its mesh axes do not divide is replicated, as in `marft_jax.sharding`.
-Not modelled: the update's activations (one minibatch's forward and backward; rematerialise
-or lower `optimizer.minibatches` rows if they dominate), and on CPU the sampler's second copy
+Not modelled: the update's activations (one minibatch's forward and backward; set
+`model.remat` or raise `optimizer.minibatches` if they dominate), and on CPU the sampler's second copy
 of the base in the decoding layout (`layout.decoding()` is the training layout elsewhere).
 tests/test_memory.py checks every line against the arrays a tiny run actually allocates.
 """
