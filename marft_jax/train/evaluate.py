@@ -139,5 +139,6 @@ def restore_policy(config: TrainConfig, model, workdir: str):
                               "evaluate the untuned model)")
     state, _ = checkpointer.restore(template, step=step,
                                     config=to_config_dict(config).to_dict(),
-                                    may_differ=MAY_DIFFER)
+                                    may_differ=MAY_DIFFER,
+                                    defaults=to_config_dict(TrainConfig()).to_dict())
   return state.policy, step

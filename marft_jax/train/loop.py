@@ -246,7 +246,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   checkpointer = Checkpointer(workdir, max_to_keep=config.max_to_keep)
   if checkpointer.latest_step() is not None:
     state, meta = checkpointer.restore(state, config=config_dict,
-                                       may_differ=("iterations", "checkpoint_every", "mesh"))
+                                       may_differ=("iterations", "checkpoint_every", "mesh"),
+                                       defaults=to_config_dict(TrainConfig()).to_dict())
     start = int(meta["iteration"])
     envs.load_state_dict(meta["envs"])
     logging.warning("Resuming %s from its checkpoint after iteration %d of %d",

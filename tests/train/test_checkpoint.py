@@ -141,6 +141,21 @@ def test_other_config_is_refused_naming_the_keys(tmp_path):
     ckpt.restore(make_state(), config=as_tuples)  # JSON turns tuples into lists: still equal
 
 
+def test_a_config_field_added_since_the_save_resumes_at_its_default(tmp_path):
+  """A field added to the config after a checkpoint was written (absent from the saved config)
+  is accepted at its default value, and refused by name at any other."""
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, make_state(), meta(1))
+    defaults = {**CONFIG, "model": {"remat": False}}
+    ckpt.restore(make_state(), config=defaults, defaults=defaults)
+    changed = {**CONFIG, "model": {"remat": True}}
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"model.remat: saved '<missing>', now True"):
+      ckpt.restore(make_state(), config=changed, defaults=defaults)
+    with pytest.raises(CheckpointMismatchError, match=r"model.remat: saved '<missing>'"):
+      ckpt.restore(make_state(), config=defaults)  # without defaults: refused as before
+
+
 def _step_1_and_step_2_in_flight(tmp_path):
   """(the state saved as step 1, the folder of a step 2 that Orbax has not finished)."""
   state = make_state()
