@@ -8,7 +8,8 @@ per-agent view produces them), measures:
   * ours: the trainer's jitted update (`train.update.make_update`: MARFT-A policy loss, value
     loss of a shared critic head on the frozen base's hidden states, per-agent clipping and
     masked AdamW), one epoch, one minibatch, every row routed to its agent's adapter in one
-    pass; and, apart, `prepare` (π_old, no gradient), which a PPO iteration also runs;
+    pass (per-row adapter ids, as the trainer passes them for the per-agent view); and,
+    apart, `prepare` (π_old, no gradient), which a PPO iteration also runs;
   * torch + PEFT as the original MARFT trains: per agent, `set_adapter`, forward + backward of
     the same loss on that agent's rows, then AdamW on the LoRA weights.
 
@@ -38,7 +39,7 @@ from marft_jax import lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import critic as critic_lib
-from marft_jax.train.batching import TrainBatch, act_positions
+from marft_jax.train.batching import TrainBatch, act_positions, per_row_adapters
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
 
 ROWS, PROMPT, REPLY, RANK, AGENTS = 8, 160, 96, 16, 2
@@ -95,6 +96,7 @@ def ours(params, config, batch: TrainBatch, repeats: int):
   values = lambda critic, params, b, ex: critic_lib.values_from_hidden(
       critic["head"], ex.critic_hidden, b.act_agent, critic_config.mode)
   loss = LossConfig()
+  batch = per_row_adapters(batch)  # as the trainer does: each row is one agent's turn
   update = make_update(config, loss, policy_opt, critic_opt, values, AGENTS, epochs=1,
                        minibatches=1)
   extras = prepare(params, policy, batch, config, loss, hidden)

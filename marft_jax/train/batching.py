@@ -32,7 +32,8 @@ class TrainBatch:
 
   tokens: np.ndarray  # [B, T] int32
   mask: np.ndarray  # [B, T] bool: a real token (not padding)
-  adapter_ids: np.ndarray  # [B, T] int32: adapter each token was sampled/encoded with
+  # [B, T] int32: the adapter each token was sampled/encoded with; or [B] (`per_row_adapters`)
+  adapter_ids: np.ndarray
   act_mask: np.ndarray  # [B, T] bool: decision t emitted a sampled token t+1 (trained)
   act_agent: np.ndarray  # [B, T] int32: the agent of that decision, -1 elsewhere
   act_turn: np.ndarray  # [B, T] int32: its turn's index in the row, -1 elsewhere
@@ -74,6 +75,25 @@ def act_positions(act_mask: np.ndarray) -> np.ndarray:
     index = np.flatnonzero(row)
     out[r, :len(index)] = index
   return out
+
+
+def per_row_adapters(batch: TrainBatch) -> TrainBatch:
+  """The batch with per-row adapter ids [B] when every row's real tokens went through one
+  adapter (the per-agent view: a row is one agent's prompt and reply); unchanged otherwise.
+
+  Exact: a padding token's adapter changes only its own outputs, which nothing attends to or
+  trains on. Per-row ids take the LoRA router's gather path, a single adapter's cost, where
+  per-token ids sort tokens into tiles (6 % of a SmolLM2 forward + backward at 8 × 256).
+  A row with no real token gets -1.
+  """
+  ids = np.asarray(batch.adapter_ids)
+  if ids.ndim == 1:
+    return batch
+  mask = np.asarray(batch.mask, bool)
+  first = np.where(mask.any(axis=1), ids[np.arange(ids.shape[0]), mask.argmax(axis=1)], -1)
+  if not np.all((ids == first[:, None]) | ~mask):
+    return batch
+  return batch.replace(adapter_ids=first.astype(np.int32))
 
 
 def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,

@@ -42,7 +42,7 @@ from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
 from marft_jax.train.advantages import compute_advantages
-from marft_jax.train.batching import make_batch
+from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from marft_jax.train.config import TrainConfig
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves
@@ -316,7 +316,7 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
 
   The batch goes to the devices with its rows split over the mesh; advantages are computed on
   the host, so the critic's values come back to it (`multihost.to_host`)."""
-  batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
+  batch = per_row_adapters(jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows)))
   placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
   on_devices = placed(batch)
   extras = prepare(model.params, state.policy, on_devices, model.config, config.loss,

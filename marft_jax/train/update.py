@@ -249,7 +249,10 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
 
 def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
   """[A] bool: adapters that sampled at least one of the minibatch's trained tokens."""
-  act_adapter = jnp.concatenate([batch.adapter_ids[:, 1:], batch.adapter_ids[:, :1]], axis=1)
+  if batch.adapter_ids.ndim == 1:  # per-row ids (`batching.per_row_adapters`)
+    act_adapter = jnp.broadcast_to(batch.adapter_ids[:, None], batch.act_mask.shape)
+  else:
+    act_adapter = jnp.concatenate([batch.adapter_ids[:, 1:], batch.adapter_ids[:, :1]], axis=1)
   ids = jnp.where(batch.act_mask & (act_adapter >= 0), act_adapter, num_adapters)
   counts = jnp.zeros((num_adapters + 1,), jnp.int32).at[ids.reshape(-1)].add(1)
   return counts[:num_adapters] > 0

@@ -1,0 +1,89 @@
+"""`per_row_adapters`: when it may switch to per-row adapter ids, and that the update it feeds
+computes exactly what per-token ids compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from bench.update import turn_batch
+from marft_jax import lora as lora_lib
+from marft_jax.models import transformer
+from marft_jax.models.config import tiny_config
+from marft_jax.train.batching import act_positions, per_row_adapters
+from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+
+ROWS, PROMPT, REPLY = 4, 8, 8
+
+
+def _padded_batch(vocab):
+  """Rows of agents 0, 1, 0, 1; rows 1 and 3 end 3 tokens early (padding: id -1, masked)."""
+  batch = turn_batch(vocab, ROWS, PROMPT, REPLY)
+  mask = np.ones((ROWS, PROMPT + REPLY), bool)
+  mask[1::2, -3:] = False
+  ids = np.where(mask, np.asarray(batch.adapter_ids), -1).astype(np.int32)
+  act = np.asarray(batch.act_mask) & np.roll(mask, -1, axis=1) & mask
+  return batch.replace(mask=mask, adapter_ids=ids, act_mask=act, act_positions=act_positions(act))
+
+
+def test_single_adapter_rows_become_per_row_ids():
+  batch = _padded_batch(50)
+  out = per_row_adapters(batch)
+  np.testing.assert_array_equal(out.adapter_ids, [0, 1, 0, 1])
+  assert per_row_adapters(out) is out  # already per row
+
+
+def test_an_all_padding_row_gets_no_adapter():
+  batch = _padded_batch(50)
+  mask = np.asarray(batch.mask).copy()
+  mask[2] = False
+  out = per_row_adapters(batch.replace(mask=mask))
+  np.testing.assert_array_equal(out.adapter_ids, [0, 1, -1, 1])
+
+
+@pytest.mark.parametrize("where", [0, PROMPT + 2])
+def test_a_row_mixing_adapters_keeps_per_token_ids(where):
+  """A base-processed token (-1, as a shared stream's transition turn) or another agent's
+  token inside a row's real tokens keeps the whole batch per token."""
+  batch = _padded_batch(50)
+  for other in (-1, 1):
+    ids = np.asarray(batch.adapter_ids).copy()
+    ids[0, where] = other
+    out = per_row_adapters(batch.replace(adapter_ids=ids))
+    assert out.adapter_ids.shape == (ROWS, PROMPT + REPLY)
+    np.testing.assert_array_equal(out.adapter_ids, ids)
+
+
+def test_the_update_is_the_same_with_per_row_and_per_token_ids():
+  config = tiny_config()
+  params = transformer.init_params(config, jax.random.key(0))
+  policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4, alpha=8.0), config,
+                                  jax.random.key(1), 2)
+  # Nonzero B factors, different per agent: every route then changes the outputs.
+  policy = policy.replace(layers=jax.tree.map(
+      lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), policy.layers))
+  optimizer = optax.adamw(1e-2, eps=1e-5)
+  state = TrainState(policy=policy, critic=None, policy_opt=optimizer.init(policy),
+                     critic_opt=None, step=jnp.zeros((), jnp.int32))
+  per_token = jax.tree.map(jnp.asarray, _padded_batch(config.vocab_size))
+  per_row = jax.tree.map(jnp.asarray, per_row_adapters(per_token))
+  assert per_row.adapter_ids.shape == (ROWS,)
+  loss = LossConfig()
+  update = make_update(config, loss, optimizer, None, None, 2, epochs=1, minibatches=2)
+  results = []
+  for batch in (per_token, per_row):
+    extras = prepare(params, policy, batch, config, loss, minibatches=2)
+    new_state, metrics = update(state, params, batch, extras, jnp.ones((2,), bool),
+                                jnp.asarray(True), jax.random.key(3))
+    results.append((extras.old_logp, new_state.policy.layers, metrics))
+  (logp_t, layers_t, metrics_t), (logp_r, layers_r, metrics_r) = results
+  np.testing.assert_allclose(logp_r, logp_t, rtol=1e-5, atol=1e-6)
+  assert float(jnp.max(jnp.abs(logp_t))) > 0  # the comparison saw real log-probs
+  moved = jax.tree.map(lambda new, old: float(jnp.max(jnp.abs(new - old))), layers_t,
+                       policy.layers)
+  assert max(jax.tree.leaves(moved)) > 1e-4  # the update moved the adapters
+  jax.tree.map(lambda r, t: np.testing.assert_allclose(r, t, rtol=1e-5, atol=1e-6),
+               layers_r, layers_t)
+  for key in ("policy_loss", "approx_kl", "adapter0/grad_norm", "adapter1/grad_norm"):
+    np.testing.assert_allclose(metrics_r[key], metrics_t[key], rtol=1e-4, atol=1e-6)
