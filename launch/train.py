@@ -25,7 +25,7 @@ from absl import flags
 
 from launch import cli
 from marft_jax import multihost, sharding
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
 
 _CONFIG = cli.define_config_flag("train.py")
@@ -47,8 +47,9 @@ def main(config: TrainConfig) -> None:
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   if _DISTRIBUTED.value or _COORDINATOR.value or _NUM_PROCESSES.value:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  try:  # the mesh against the devices, before the model loads
-    sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  try:  # the mesh against the devices and the processes, before the model loads
+    mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   except ValueError as e:
     cli.fail(f"config.{e}")
   metrics = train(config, _WORKDIR.value)

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from marft_jax import multihost
 from marft_jax.lora.routing import NO_ADAPTER, Adapters
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
@@ -352,10 +353,17 @@ def _prompt_mask(tokens: np.ndarray, prompt_lens, prompt_mask) -> np.ndarray:
 
 
 def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed: int,
-               cache_size: Optional[int]) -> KVCache:
-  """A cache with room for `needed` more slots: a fresh one, the given one, or it grown."""
+               cache_size: Optional[int], rows=None) -> KVCache:
+  """A cache with room for `needed` more slots: a fresh one, the given one, or it grown.
+  With `rows`, a fresh cache is made on the devices with its rows split like the batch."""
   if cache is None:
-    return transformer.init_cache(config, batch, max(needed, cache_size or 0))
+    init = functools.partial(transformer.init_cache, config, batch,
+                             max(needed, cache_size or 0))
+    if rows is None:
+      return init()
+    shapes = jax.eval_shape(init)  # k/v [.., B, K, *, *] (batch 4th from last), valid [B, S]
+    shardings = jax.tree.map(lambda x: rows.sharding(x.ndim, max(x.ndim - 4, 0)), shapes)
+    return jax.jit(init, out_shardings=shardings)()
   if cache.valid.shape[0] != batch:
     raise ValueError(f"cache holds {cache.valid.shape[0]} rows; tokens have {batch}")
   index = int(cache.index)
@@ -365,9 +373,10 @@ def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed
 
 
 def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.ndarray,
-                     max_new: np.ndarray) -> None:
+                     max_new: np.ndarray, rows=None) -> None:
   """Refuses rows whose positions would pass the model's `max_position_embeddings`."""
-  before = 0 if cache is None else np.asarray(cache.next_positions())
+  read = np.asarray if rows is None else rows.get  # this process's rows of the cache
+  before = 0 if cache is None else read(cache.next_positions())
   end = before + mask.sum(axis=1) + max_new
   if np.any(end > config.max_position_embeddings):
     row = int(np.argmax(end))
@@ -386,7 +395,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              top_k: Optional[int] = None, top_p=None,
              eos_ids: Union[int, Sequence[int], None] = None, stop_ids=None,
              pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
-             on_step: Optional[Callable[[jax.Array], None]] = None) -> SampleOutput:
+             on_step: Optional[Callable[[jax.Array], None]] = None,
+             rows: Optional[multihost.ProcessRows] = None) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
   For speed pass params and config in `layout.decoding()` (`layout.convert_params`, once):
@@ -426,6 +436,13 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     on_step: static; called on the host with the number of tokens sampled so far, once per
       decode step (for progress bars). A new function object compiles again: pass the same
       one to repeated calls.
+    rows: a multi-process job's `multihost.ProcessRows`: every per-row argument (tokens,
+      lens, masks, limits, ids, temperature, top_p, stop ids) holds only this process's
+      block of the rows, B/P of them, and `cache` is a global one from an earlier call. The
+      processes agree on the padded widths and on greedy (small collectives: every process
+      must make the same calls, with the same `top_p`-or-None and `lora`-or-None choice),
+      each places its own rows, and the output is global (read your rows back with
+      `rows.get`). None: one process, or every process passes the whole batch.
   Returns:
     A `SampleOutput` with N output columns.
   Raises:
@@ -458,27 +475,35 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
                        f"have {(B, P)}")
     check_ids("prompt_adapter_ids", prompt_adapter_ids,
               1 if lora is None else lora.num_adapters, where=mask, low=NO_ADAPTER)
-  _check_positions(config, cache, mask, max_new)
+  _check_positions(config, cache, mask, max_new, rows)
 
   used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
+  greedy = bool(np.all(np.asarray(temperature) <= 0))
+  longest = int(max_new.max(initial=0))
+  if rows is not None:  # the compiled shapes and the static flags are the whole batch's
+    used, not_greedy, longest = (int(v) for v in multihost.max_over_processes(
+        np.asarray([used, not greedy, longest], np.int64)))
+    greedy = not not_greedy
   width = bucket(used, MIN_PROMPT_BUCKET)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
   mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
+  place = jnp.asarray if rows is None else rows.put  # rows: this process's block -> global
   if prompt_adapter_ids is not None:
-    prompt_adapter_ids = jnp.asarray(np.pad(
+    prompt_adapter_ids = place(np.pad(
         np.where(mask[:, :min(P, width)], prompt_adapter_ids[:, :width], NO_ADAPTER),
-        ((0, 0), (0, max(width - P, 0))), constant_values=NO_ADAPTER), jnp.int32)
-  num_new = max_new_tokens_bucket or bucket(int(max_new.max(initial=0)), MIN_NEW_TOKENS_BUCKET)
-  if num_new < max_new.max(initial=0):
-    raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={max_new.max()}")
+        ((0, 0), (0, max(width - P, 0))), constant_values=NO_ADAPTER).astype(np.int32))
+  num_new = max_new_tokens_bucket or bucket(longest, MIN_NEW_TOKENS_BUCKET)
+  if num_new < longest:
+    raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
   temperature = _per_row("temperature", temperature, B, np.float32)
-  top_p = None if top_p is None else jnp.asarray(_per_row("top_p", top_p, B, np.float32))
+  top_p = None if top_p is None else place(_per_row("top_p", top_p, B, np.float32))
+  batch = B if rows is None else B * rows.processes
   return generate_jit(
-      params, jnp.asarray(tokens), jnp.asarray(mask),
-      _fit_cache(cache, config, B, width + num_new, cache_size), lora,
-      jnp.asarray(ids, jnp.int32), rng, jnp.asarray(temperature), top_p,
-      jnp.asarray(max_new, jnp.int32),
-      jnp.asarray(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),
+      params, place(tokens), place(mask),
+      _fit_cache(cache, config, batch, width + num_new, cache_size, rows), lora,
+      place(ids.astype(np.int32)), rng, place(temperature), top_p,
+      place(max_new.astype(np.int32)),
+      place(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),
       prompt_adapter_ids, config=config,
-      num_new=num_new, top_k=top_k, greedy=bool(np.all(temperature <= 0)), pad_id=int(pad_id),
-      on_step=on_step)
+      num_new=num_new, top_k=top_k, greedy=greedy, pad_id=int(pad_id), on_step=on_step)
+

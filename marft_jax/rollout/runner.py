@@ -12,6 +12,15 @@ keeps one KV cache per environment and appends each transition to it, so agent k
 agent k's cache instead of re-encoding the episode (`reencode=True` re-encodes instead: the
 reference the cache continuation is tested against).
 
+Several processes (`rows`, a `multihost.ProcessRows`): each process plays only the block of
+environments it owns (`EnvBatch.owned`, the envs whose sampler rows live on its devices),
+builds only those rows of every sampler call and reads only those back. The processes make
+the same sampler calls in the same order (each turn is a collective): a process whose
+environments are all done, or have nothing to say this turn, still takes part with rows that
+sit out, until no process has anything left. The episodes come back per process; the metrics
+and `RolloutResult.all_episodes` (the transcript records, without token sequences) are
+gathered from every process, so they equal a single-process rollout's.
+
 A turn whose prompt plus max new tokens would pass `max_context` positions ends its episode
 cleanly (`Episode.dropped = "context_overflow"`, counted in the metrics); so does an
 environment that raises (`"env_error: ..."`). The run goes on.
@@ -74,8 +83,15 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class RolloutResult:
+  """episodes: this process's episodes (all of them on one process), in env order.
+  metrics: the whole batch's (summed or averaged over every process's episodes).
+  all_episodes: every process's episodes in env order, for transcripts; in a multi-process
+    rollout they are copies without their token sequences (`episodes` is the same list on one
+    process)."""
+
   episodes: list
   metrics: dict
+  all_episodes: list = dataclasses.field(default_factory=list)
 
 
 class _Agents:
@@ -96,7 +112,8 @@ class _Agents:
 def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
             structure: Union[AgentGraph, Orchestrator, None], params: Any, model_config: ModelConfig,
             tokenizer, rng: jax.Array, *, lora: Optional[Adapters] = None,
-            config: RolloutConfig = RolloutConfig(), policy_version: int = 0) -> RolloutResult:
+            config: RolloutConfig = RolloutConfig(), policy_version: int = 0,
+            rows: Optional[multihost.ProcessRows] = None) -> RolloutResult:
   """Plays one episode in every environment of `envs`; returns the records and metrics.
 
   Args:
@@ -109,6 +126,8 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
     lora: the stacked adapters the profiles index into (None: every agent is the base model).
     config: context mode, horizon, context limit.
     policy_version: recorded on every episode (the learner's version that sampled it).
+    rows: a multi-process job's row layout: this process plays `envs.owned` only (see the
+      module docstring). Every process must call `rollout` with the same arguments otherwise.
   """
   structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
   agents = _Agents(team, structure)
@@ -126,7 +145,7 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
     raise ValueError(f"max_context={config.max_context} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}")
   runner = _Runner(envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
-                   policy_version)
+                   policy_version, rows)
   return runner.run()
 
 
@@ -134,7 +153,7 @@ class _Runner:
   """The state of one rollout call (host side)."""
 
   def __init__(self, envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
-               policy_version):
+               policy_version, rows=None):
     self.envs, self.agents, self.structure = envs, agents, structure
     self.params, self.model_config, self.tokenizer = params, model_config, tokenizer
     self.rng, self.lora, self.config = rng, lora, config
@@ -147,7 +166,10 @@ class _Runner:
     width = 1
     if isinstance(structure, AgentGraph):
       width = max(len(layer) for layer in structure.layers())
-    self.rows = len(envs) * (width if config.context_mode == "per_agent" else 1)
+    # This process's environments are envs.owned: local index i is env `first + i`.
+    self.first, self.num_envs = envs.owned.start, len(envs.owned)
+    self.layout = rows  # None: one process
+    self.rows = self.num_envs * (width if config.context_mode == "per_agent" else 1)
     self.calls = 0
     self.metrics = {"generated_tokens": 0, "prompt_tokens": 0, "sampler_s": 0.0, "env_s": 0.0,
                     "context_overflow": 0, "env_error": 0, "turns": 0}
@@ -160,20 +182,21 @@ class _Runner:
   def run(self) -> RolloutResult:
     start = time.perf_counter()
     observations = []
-    for i in range(len(self.envs)):
-      episode = Episode(env_index=i, seed=self.envs.episode_seed(i, self.envs.episodes[i]),
+    for index in self.envs.owned:
+      episode = Episode(env_index=index,
+                        seed=self.envs.episode_seed(index, self.envs.episodes[index]),
                         task="", policy_version=self.policy_version)
       self.episodes.append(episode)
-      observations.append(self._env_call(episode, lambda i=i: self.envs.reset(i)[1]))
+      observations.append(self._env_call(episode, lambda i=index: self.envs.reset(i)[1]))
       if observations[-1] is not None:
         episode.task = observations[-1].task
-    self.streams = [None] * len(self.envs)
-    history: list[list[list[tuple[int, str]]]] = [[] for _ in range(len(self.envs))]
+    self.streams = [None] * self.num_envs
+    history: list[list[list[tuple[int, str]]]] = [[] for _ in range(self.num_envs)]
     for env_step in range(self.config.horizon):
       live = [i for i, ep in enumerate(self.episodes)
               if ep.dropped is None and observations[i] is not None
               and not (ep.dones and ep.dones[-1])]
-      if not live:
+      if not self._anywhere(bool(live)):
         break
       schedules = {i: Schedule(self.structure, self.agents.team) for i in live}
       self._play_env_step(env_step, schedules, observations, history)
@@ -187,7 +210,8 @@ class _Runner:
         for agent, text in replies:  # each role's last reply of this env step
           if agent < len(self.agents.team):
             actions[self.agents.team[agent].role] = text
-        step = self._env_call(episode, lambda i=i, a=actions: self.envs.step(i, a))
+        step = self._env_call(episode,
+                              lambda i=self.first + i, a=actions: self.envs.step(i, a))
         if step is None:
           continue
         episode.rewards.append([float(step.rewards.get(p.role, 0.0)) for p in self.agents.team])
@@ -198,7 +222,22 @@ class _Runner:
       if self.streams[i] is not None and len(self.streams[i]):
         episode.sequences.append(self.streams[i])
     self.metrics["rollout_s"] = time.perf_counter() - start
-    return RolloutResult(self.episodes, self._summary())
+    if self.layout is None:
+      return RolloutResult(self.episodes, _summary(self.episodes, self.metrics, self.agents),
+                           self.episodes)
+    # Transcript records and counters of every process (small: text and numbers; the
+    # token sequences stay with the process that trains on them).
+    light = [dataclasses.replace(e, sequences=[]) for e in self.episodes]
+    parts = multihost.gather_objects((light, self.metrics))
+    everyone = [e for episodes, _ in parts for e in episodes]
+    counters = dict(self.metrics)  # times: this process's own
+    for key in _COUNTERS:
+      counters[key] = sum(metrics[key] for _, metrics in parts)
+    return RolloutResult(self.episodes, _summary(everyone, counters, self.agents), everyone)
+
+  def _anywhere(self, flag: bool) -> bool:
+    """`flag` on any process (every process runs a turn while any has one to run)."""
+    return flag if self.layout is None else multihost.any_process(flag)
 
   def _env_call(self, episode: Episode, fn):
     """Runs an environment method; an exception drops the episode (counted) and returns None."""
@@ -219,7 +258,7 @@ class _Runner:
       for i, schedule in schedules.items():
         if self.episodes[i].dropped is None:
           jobs += [(i, agent) for agent in schedule.next_turn()]
-      if not jobs:
+      if not self._anywhere(bool(jobs)):
         return
       if self.config.context_mode == "per_agent":
         texts = self._per_agent_turn(jobs, env_step, schedules, observations, history)
@@ -232,7 +271,10 @@ class _Runner:
 
   def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None):
     """One sampler call. prompts: per row a token list (or None: the row sits out);
-    prompt_adapters: optional per row per-token adapter ids of the prompt."""
+    prompt_adapters: optional per row per-token adapter ids of the prompt.
+
+    Returns ((tokens [B, N], logprobs [B, N], lengths [B]) of this process's rows, the new
+    cache), or None (no call) when no row of any process samples."""
     rows = len(prompts)
     width = max([len(p) for p in prompts if p] + [1])
     tokens = np.full((rows, width), self.pad, np.int32)
@@ -251,6 +293,15 @@ class _Runner:
       s = self.agents.profiles[agent].sampling
       max_new[r], temperature[r], top_p[r] = s.max_new_tokens, s.temperature, s.top_p
       adapter_ids[r] = self.agents.adapter(agent)
+    use_top_p = not np.all(top_p >= 1)
+    if self.layout is None:
+      if not any(prompts):
+        return None
+    else:  # one collective: whether any process samples, and whether any row uses top-p
+      anything, use_top_p = (bool(v) for v in multihost.max_over_processes(
+          [any(bool(p) for p in prompts), use_top_p]))
+      if not anything:
+        return None
     key = jax.random.fold_in(self.rng, self.calls)
     self.calls += 1
     start = time.perf_counter()
@@ -261,9 +312,10 @@ class _Runner:
         adapter_ids=adapter_ids if self.lora is not None else None,
         prompt_adapter_ids=token_adapters if self.lora is not None else None,
         temperature=temperature,
-        top_k=self.top_k, top_p=None if np.all(top_p >= 1) else top_p, eos_ids=self.eos,
-        pad_id=self.pad, max_new_tokens_bucket=self.num_new)
-    result = multihost.to_host((out.tokens, out.logprobs, out.lengths))
+        top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self.eos,
+        pad_id=self.pad, max_new_tokens_bucket=self.num_new, rows=self.layout)
+    read = multihost.to_host if self.layout is None else self.layout.get  # only its own rows
+    result = tuple(read(x) for x in (out.tokens, out.logprobs, out.lengths))
     self.metrics["sampler_s"] += time.perf_counter() - start
     self.metrics["generated_tokens"] += int(result[2].sum())
     self.metrics["prompt_tokens"] += int(lens.sum())
@@ -287,13 +339,14 @@ class _Runner:
       if len(prompt) + profile.sampling.max_new_tokens > self.config.max_context:
         self._overflow(i)
         continue
-      row = i * (self.rows // len(self.envs)) + next_row.get(i, 0)
+      row = i * (self.rows // self.num_envs) + next_row.get(i, 0)
       next_row[i] = next_row.get(i, 0) + 1
       prompts[row], agents[row] = prompt, agent
       placed.append((j, row))
-    if not placed:
+    generated = self._generate(prompts, agents)
+    if generated is None:
       return texts
-    (tokens, logprobs, lengths), _ = self._generate(prompts, agents)
+    (tokens, logprobs, lengths), _ = generated
     for j, row in placed:
       i, agent = jobs[j]
       n = int(lengths[row])
@@ -341,16 +394,16 @@ class _Runner:
         self._overflow(i)
         continue
       chunks[i], agents[i] = chunk, agent
-    if not any(c is not None for c in chunks):
-      return texts
     prompt_adapters = None
     if self.config.reencode:  # the whole stream, each token through its first adapter
       prompts, cache = self._full_streams(chunks), None
       prompt_adapters = self._full_stream_adapters(chunks, agents)
     else:
       prompts, cache = chunks, self.cache  # None: the sampler sizes a fresh one, later grows it
-    (tokens, logprobs, lengths), self.cache = self._generate(prompts, agents, cache=cache,
-                                                             prompt_adapters=prompt_adapters)
+    generated = self._generate(prompts, agents, cache=cache, prompt_adapters=prompt_adapters)
+    if generated is None:
+      return texts
+    (tokens, logprobs, lengths), self.cache = generated
     if self.config.reencode:
       self.cache = None
     for j, (i, agent) in enumerate(jobs):
@@ -388,23 +441,28 @@ class _Runner:
       out.append(before + [self.agents.adapter(agents[i])] * len(chunk))
     return out
 
-  # --- metrics --------------------------------------------------------------------------------
 
-  def _summary(self) -> dict:
-    m = dict(self.metrics)
-    episodes = self.episodes
-    m["episodes"] = len(episodes)
-    m["dropped"] = sum(e.dropped is not None for e in episodes)
-    kept = [e for e in episodes if e.dropped is None]
-    m["reward"] = float(np.mean([e.episodic_return for e in kept])) if kept else 0.0
-    m["rollout_tok_s"] = m["generated_tokens"] / max(m["rollout_s"], 1e-9)
-    for agent, profile in enumerate(self.agents.profiles):
-      lengths = [t.num_tokens for e in episodes for t in e.turns if t.agent == agent]
-      m[f"agent/{profile.role}/reply_tokens"] = float(np.mean(lengths)) if lengths else 0.0
-    for agent, profile in enumerate(self.agents.team):
-      rewards = [r[agent] for e in kept for r in e.rewards]
-      m[f"agent/{profile.role}/reward"] = float(np.mean(rewards)) if rewards else 0.0
-    infos = [info.get("metrics", {}) for e in episodes for info in e.infos]
-    for name in sorted({k for info in infos for k in info}):
-      m[f"env/{name}"] = float(np.mean([info[name] for info in infos if name in info]))
-    return m
+# --- metrics ------------------------------------------------------------------------------------
+
+# Counts summed over the processes of a multi-process rollout (the times stay per process).
+_COUNTERS = ("generated_tokens", "prompt_tokens", "context_overflow", "env_error", "turns")
+
+
+def _summary(episodes, counters: dict, agents: _Agents) -> dict:
+  """The rollout's metrics from all its episodes (env order) and its counters."""
+  m = dict(counters)
+  m["episodes"] = len(episodes)
+  m["dropped"] = sum(e.dropped is not None for e in episodes)
+  kept = [e for e in episodes if e.dropped is None]
+  m["reward"] = float(np.mean([e.episodic_return for e in kept])) if kept else 0.0
+  m["rollout_tok_s"] = m["generated_tokens"] / max(m["rollout_s"], 1e-9)
+  for agent, profile in enumerate(agents.profiles):
+    lengths = [t.num_tokens for e in episodes for t in e.turns if t.agent == agent]
+    m[f"agent/{profile.role}/reply_tokens"] = float(np.mean(lengths)) if lengths else 0.0
+  for agent, profile in enumerate(agents.team):
+    rewards = [r[agent] for e in kept for r in e.rewards]
+    m[f"agent/{profile.role}/reward"] = float(np.mean(rewards)) if rewards else 0.0
+  infos = [info.get("metrics", {}) for e in episodes for info in e.infos]
+  for name in sorted({k for info in infos for k in info}):
+    m[f"env/{name}"] = float(np.mean([info[name] for info in infos if name in info]))
+  return m

@@ -18,12 +18,18 @@ Rewards come from the environment per env step and agent, and are credited to tu
 it out), "step_discount" gives turn i of n the reward · γ_c^(n−1−i), "per_step" gives each turn
 its own role's reward. An episode ends when the environment or the horizon ends it; the
 horizon counts as terminal (bootstrap 0).
+
+Several processes: each computes the advantages of the episodes it played, on its block of
+the batch's rows (GAE runs along one episode; a GRPO group lies within one process). Only the
+batch-wide whitening (`normalize`) needs every process: its count, sum and squared deviations
+are summed over the processes (`reduce`), so each block is whitened with the whole batch's
+mean and standard deviation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,7 @@ from marft_jax.train.batching import TrainBatch, bucket_length
 
 CREDITS = ("equal", "step_discount", "per_step")
 LEVELS = ("action", "token", "grpo")
+NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +133,8 @@ def _hops(episode: Episode, turns, last_of_step, config: AdvantageConfig):
 
 def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        config: AdvantageConfig, num_team: int,
-                       groups: Optional[Sequence[int]] = None) -> TrainBatch:
+                       groups: Optional[Sequence[int]] = None,
+                       reduce: Optional[Callable] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -134,6 +142,10 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     episodes: the batch's episodes, in `batch.row_episode` order.
     num_team: N, the number of team agents (an orchestrator is agent N).
     groups: GRPO only: each episode's group (episodes of one task share a group).
+    reduce: a multi-process job's sum over the processes of a small vector
+      (`multihost.sum_over_processes`): `batch` is then this process's block of the rows and
+      `episodes` its episodes (possibly none), and the whitening pools every block. None: the
+      batch is the whole batch.
   """
   turns = _turns(episodes, batch)
   if config.level == "grpo":
@@ -160,18 +172,7 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
         v_.append(values[row, start + j])
         pos.append((row, start + j, k))
     chains.append((r_, g_, l_, v_, pos))
-  width = bucket_length(max(len(c[0]) for c in chains if c is not None), 16)
-  arrays = np.zeros((4, len(episodes), width), np.float32)
-  valid = np.zeros((len(episodes), width), bool)
-  arrays[1:3] = 1.0  # padding: transparent identity hops
-  for e, chain in enumerate(chains):
-    if chain is None:
-      continue
-    n = len(chain[0])
-    arrays[:, e, :n] = np.asarray(chain[:4], np.float32)
-    valid[e, :n] = True
-  adv = np.asarray(jax.vmap(ppo.masked_gae, in_axes=(0, 0, 0, 0, 0, None))(
-      *map(jnp.asarray, arrays), jnp.asarray(valid), 0.0))
+  adv = _gae(chains)
   act_adv, act_ret = np.zeros_like(values), np.zeros_like(values)
   turn_adv = np.zeros(batch.turn_valid.shape, np.float32)
   turn_ret, turn_val = np.zeros_like(turn_adv), np.zeros_like(turn_adv)
@@ -186,10 +187,48 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
   if not token:  # an action's advantage applies to every token of it
     act_adv = _spread(batch, turn_adv)
   if config.normalize:
-    act_adv = np.asarray(ppo.normalize(act_adv, batch.act_mask))
-    turn_adv = np.asarray(ppo.normalize(turn_adv, batch.turn_valid))
+    act_adv = _normalize(act_adv, batch.act_mask, reduce)
+    turn_adv = _normalize(turn_adv, batch.turn_valid, reduce)
   return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
                        turn_return=turn_ret, turn_old_value=turn_val)
+
+
+def _gae(chains) -> np.ndarray:
+  """[E, W] advantages of each episode's chain (None: no chain), W its bucketed width."""
+  lengths = [len(c[0]) for c in chains if c is not None]
+  if not lengths:  # nothing to train in this block (another process may have)
+    return np.zeros((len(chains), 0), np.float32)
+  width = bucket_length(max(lengths), 16)
+  arrays = np.zeros((4, len(chains), width), np.float32)
+  valid = np.zeros((len(chains), width), bool)
+  arrays[1:3] = 1.0  # padding: transparent identity hops
+  for e, chain in enumerate(chains):
+    if chain is None:
+      continue
+    n = len(chain[0])
+    arrays[:, e, :n] = np.asarray(chain[:4], np.float32)
+    valid[e, :n] = True
+  return np.asarray(jax.vmap(ppo.masked_gae, in_axes=(0, 0, 0, 0, 0, None))(
+      *map(jnp.asarray, arrays), jnp.asarray(valid), 0.0))
+
+
+def _normalize(x: np.ndarray, mask: np.ndarray, reduce: Optional[Callable]) -> np.ndarray:
+  """`ppo.normalize` over the batch: x' = (x − μ) / (σ + eps) on the valid entries.
+
+  With `reduce` (a sum over the processes), μ and σ are the whole batch's: the count and sum,
+  then the squared deviations from μ, each summed over every process's block (in float64;
+  the single-process path's float32 reduction differs from it by rounding only)."""
+  if reduce is None:
+    return np.asarray(ppo.normalize(x, mask, eps=NORMALIZE_EPS))
+  valid = np.asarray(mask) != 0
+  xs = np.where(valid, np.asarray(x, np.float64), 0.0)
+  count, total = reduce(np.asarray([valid.sum(), xs.sum()]))
+  mean = total / max(count, 1.0)
+  (squares,) = reduce(np.asarray([np.sum(np.where(valid, (xs - mean) ** 2, 0.0))]))
+  var = squares / max(count, 1.0)
+  std = np.float32(np.sqrt(var) if var > 0 else 0.0)
+  out = (np.asarray(x, np.float32) - np.float32(mean)) / (std + np.float32(NORMALIZE_EPS))
+  return np.where(valid, out, 0.0).astype(np.float32)
 
 
 def _spread(batch: TrainBatch, per_turn: np.ndarray) -> np.ndarray:
@@ -218,6 +257,6 @@ def _grpo(batch, episodes, turns, config, num_team, groups):
   num_agents = int(max(num_team, np.max(batch.turn_agent) + 1))
   turn_adv = np.asarray(ppo.agent_group_normalize(
       turn_ret, batch.turn_valid, group_of, np.maximum(batch.turn_agent, 0),
-      int(max(groups)) + 1, num_agents))
+      int(max(groups, default=0)) + 1, num_agents))
   return batch.replace(act_advantage=_spread(batch, turn_adv), turn_advantage=turn_adv,
                        turn_return=turn_ret)

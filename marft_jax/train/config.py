@@ -238,5 +238,38 @@ def preset(algorithm: str, **changes) -> TrainConfig:
   return TrainConfig(**defaults)
 
 
+def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
+                    num_processes: int) -> None:
+  """Refuses, naming the key, a multi-process layout the rollout cannot split.
+
+  Each of P processes plays its own block of rollout.num_envs / P environments, whose sampler
+  rows are the rows its own devices hold: so the batch shards (data x fsdp) must split over
+  the processes, the environments over the batch shards, and a GRPO group (group_size
+  environments playing one task) must lie within one process. One process: no constraint.
+
+  Args:
+    mesh_shape: the resolved (data, fsdp, tensor) sizes (`sharding.mesh_shape`).
+    num_processes: `jax.process_count()`.
+  """
+  if num_processes == 1:
+    return
+  data, fsdp, _ = mesh_shape
+  shards, envs = data * fsdp, config.rollout.num_envs
+  if shards % num_processes:
+    raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} = {shards} batch shards do not "
+                     f"split over {num_processes} processes: each process plays its own "
+                     "environments on its own devices' rows (make data x fsdp a multiple of "
+                     "the processes, and keep mesh.tensor within a host)")
+  if envs % shards:
+    raise ValueError(f"rollout.num_envs={envs} is not a multiple of mesh.data x mesh.fsdp = "
+                     f"{shards}: each of the {num_processes} processes plays num_envs / "
+                     f"{num_processes} environments, whose rows split over its batch shards")
+  per_process = envs // num_processes
+  if per_process % config.rollout.group_size:
+    raise ValueError(f"rollout.group_size={config.rollout.group_size} does not divide the "
+                     f"{per_process} environments of each of {num_processes} processes "
+                     f"(rollout.num_envs={envs}): a GRPO group is played within one process")
+
+
 def critic_lora_rank(config: TrainConfig) -> Optional[int]:
   return config.critic.lora_rank or None

@@ -14,7 +14,15 @@ Scale (`config.mesh`, docs/scaling.md): everything runs under one mesh. The base
 split over fsdp/tensor, adapters and optimizer moments like their base kernels, the batch rows
 over data x fsdp; the same program runs in every process of a multi-process job, each process
 writing its shards of the checkpoint and process 0 the shared files (metrics, transcripts,
-exports). Every process plays every environment (host work is replicated, device work split).
+exports). Host work is split too (`multihost.ProcessRows`): process p of P owns the p-th block
+of rollout.num_envs / P environments, the ones whose sampler rows its devices hold. It resets
+and steps only those, builds and reads back only their rows of each sampler call, batches only
+their episodes into its block of the training batch's rows, and computes their advantages;
+what must be global is reduced across the processes with small collectives: the batch widths,
+the advantage whitening's sums, the metrics and the transcript records (gathered: process 0
+writes the one transcript file), and the data cursor of the checkpoint (each process advanced
+its own envs'; the saved cursor is the whole batch's, so it restores onto any process count).
+One process plays every environment, exactly as before.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ from marft_jax.train import optim
 from marft_jax.train.advantages import compute_advantages
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
-from marft_jax.train.config import TrainConfig
+from marft_jax.train import local_batch
+from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves
 from marft_jax.train.update import TrainState, make_update, prepare
 
@@ -92,8 +101,10 @@ def build_team(config: TrainConfig):
   return team, structure
 
 
-def build_envs(config: TrainConfig, team, seed: int, split: str = "train"):
-  """An `EnvBatch` of the task (a shared grading worker for math)."""
+def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
+               owned: Optional[range] = None):
+  """An `EnvBatch` of the task (a shared grading worker for math); `owned`: the environments
+  this process builds and steps (default all)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
   if task.name == "echo":
@@ -113,7 +124,7 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train"):
     grader = Grader()
     make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon, grader=grader)
   return envs_lib.EnvBatch(make, config.rollout.num_envs, seed=seed,
-                           group_size=config.rollout.group_size)
+                           group_size=config.rollout.group_size, owned=owned)
 
 
 def load(config: TrainConfig) -> Model:
@@ -207,6 +218,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one); default: `config.model.source`."""
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
   model = load(config) if model is None else model
   with jax.set_mesh(mesh):
@@ -229,7 +241,10 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   team, structure = build_team(config)
   num_agents = len(team) + (1 if structure is not None else 0)
   rollout_params, rollout_config = _rollout_model(model, config)
-  envs = build_envs(config, team, seed=config.seed)
+  # Several processes: each plays the environments whose sampler rows its devices hold.
+  layout = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
+  envs = build_envs(config, team, seed=config.seed,
+                    owned=None if layout is None else layout.block(config.rollout.num_envs))
   policy_optimizer, critic_optimizer = _optimizers(config)
   state = init_state(config, model, num_agents, policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
@@ -263,7 +278,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
                                    max_context=config.rollout.max_context)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
-      old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh,
+      old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
   try:
@@ -273,16 +288,16 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
         t0 = time.perf_counter()
         result = rollout(envs, team, structure, rollout_params, rollout_config,
                          model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
-                         config=rollout_settings, policy_version=iteration)
+                         config=rollout_settings, policy_version=iteration, rows=layout)
         t1 = time.perf_counter()
-        if multihost.is_primary():
+        if multihost.is_primary():  # every process's episodes, in env order
           write_transcripts(os.path.join(workdir, "transcripts",
-                                         f"iteration_{iteration:05d}.jsonl"), result.episodes)
-        kept = [e for e in result.episodes if e.dropped is None]
+                                         f"iteration_{iteration:05d}.jsonl"), result.all_episodes)
+        kept = [e for e in result.episodes if e.dropped is None]  # this process's
         update_metrics = {}
-        if not kept:
+        if all(e.dropped is not None for e in result.all_episodes):
           logging.warning("Iteration %d: every episode was dropped (%s); no update",
-                          iteration, _drop_reasons(result.episodes))
+                          iteration, _drop_reasons(result.all_episodes))
         else:
           state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
                                         pad_id=pad)
@@ -311,37 +326,59 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
-           old_values_fn, envs, num_roles, num_rows, mesh):
+           old_values_fn, envs, num_roles, num_rows, mesh, layout):
   """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)
 
   The batch goes to the devices with its rows split over the mesh; advantages are computed on
-  the host, so the critic's values come back to it (`multihost.to_host`)."""
-  batch = per_row_adapters(jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows)))
-  placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
+  the host, so the critic's values come back to it. Several processes (`layout`): `kept` are
+  this process's episodes (maybe none); it builds, places and reads back only its block of
+  the rows, and the batch-wide numbers are reduced over the processes."""
+  if layout is None:
+    batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
+    placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
+    read, reduce = multihost.to_host, None
+  else:
+    batch = local_batch.local_block(kept, pad_id, num_rows // layout.processes)
+    placed = lambda b: jax.tree.map(layout.put, b)
+    read, reduce = layout.get, multihost.sum_over_processes
+  batch = _per_row_adapters(batch, layout)
   on_devices = placed(batch)
   extras = prepare(model.params, state.policy, on_devices, model.config, config.loss,
                    None if critic_hidden is None else
                    functools.partial(critic_hidden, state.critic),
                    config.optimizer.minibatches)
-  gap = _max_gap(multihost.to_host(extras.old_logp), batch)
+  gap = _max_gap(read(extras.old_logp), batch)
   if old_values_fn is not None:
     old_values = old_values_fn(state.critic, model.params, on_devices, extras)
-    batch = batch.replace(act_old_value=multihost.to_host(old_values))
+    batch = batch.replace(act_old_value=read(old_values))
   groups = [envs.group(e.env_index) for e in kept]
-  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups)
+  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, reduce=reduce)
   state, metrics = update(
       state, model.params, placed(batch), extras,
       jnp.asarray(active_adapters(config, iteration)),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
+  tokens = float(batch.mask.sum())
+  if layout is not None:  # this process's block -> the whole batch's
+    gap = float(multihost.max_over_processes(np.asarray([gap]))[0])
+    tokens = float(multihost.sum_over_processes(np.asarray([tokens]))[0])
   metrics["logp/sampler_learner_max_gap"] = gap
   # Tokens through the learner's forward + backward: every real token, every epoch.
-  metrics["update_tokens"] = float(batch.mask.sum()) * config.optimizer.epochs
+  metrics["update_tokens"] = tokens * config.optimizer.epochs
   return state, metrics
 
 
+def _per_row_adapters(batch, layout):
+  """`per_row_adapters`; with several processes only if every process's block allows it
+  (their blocks make one array: one shape)."""
+  converted = per_row_adapters(batch)
+  if layout is None or not multihost.any_process(np.ndim(converted.adapter_ids) == 2):
+    return converted
+  return batch
+
+
 def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, workdir, config):
-  meta = {"iteration": step, "envs": envs.state_dict(), "config": config_dict,
+  meta = {"iteration": step, "envs": _env_cursor(envs), "config": config_dict,
           "policy_version": step}
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = [p.role for p in team] if not config.team.shared_adapter else ["shared"]
@@ -356,6 +393,16 @@ def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, work
   plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
                        os.path.join(workdir, "learning_curve.png"),
                        keys=("reward", "accuracy", "policy_loss", "value_loss"))
+
+
+def _env_cursor(envs) -> dict:
+  """The whole batch's data cursor: each process advanced only its own environments', so a
+  multi-process job gathers every process's block (a collective) before saving it."""
+  state = envs.state_dict()
+  if jax.process_count() > 1:
+    own = np.asarray(state["episodes"][envs.owned.start:envs.owned.stop], np.int64)
+    state["episodes"] = [int(n) for n in multihost.gather_blocks(own)]
+  return state
 
 
 def _turns_per_episode(config: TrainConfig, structure) -> int:
