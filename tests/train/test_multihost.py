@@ -14,6 +14,7 @@ processes compile at LLVM -O0 (half the compile time of the default, which domin
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from marft_jax import lora, sharding
+from marft_jax import envs, lora, sharding
 from marft_jax.models.tiny import save_tiny_model
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
@@ -176,3 +177,23 @@ def test_the_two_process_checkpoint_restores_onto_another_mesh(runs, shape):
                                  .layers["q_proj"]["a"].spec)
   for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(reference)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_the_two_process_run_resumes_in_one_process(runs, tmp_path):
+  """The saved data cursor is the whole batch's: one process continues with the tasks every
+  environment would have played next, and steps all of them."""
+  config, _, two, _ = runs
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(two, resumed, ignore=shutil.ignore_patterns("env_record"))
+  worker = _launch(resumed, config.model.source, "--cpu_devices=8", "--config.iterations=3")
+  output = worker.communicate(timeout=540)[0]
+  assert worker.returncode == 0, output[-3000:]
+  assert len(_metrics(resumed)) == 3
+  E = config.rollout.num_envs
+  batch = envs.EnvBatch(lambda i: envs.EchoEnv(graded=["repeater"]), E, seed=config.seed,
+                        group_size=config.rollout.group_size)
+  with open(os.path.join(resumed, "transcripts", "iteration_00002.jsonl")) as f:
+    seeds = [json.loads(line)["seed"] for line in f]
+  assert seeds == [batch.episode_seed(i, 2) for i in range(E)]  # each env's third task
+  (record,) = _env_records(resumed).values()
+  assert record["built"] == list(range(E)) and record["step"] == list(range(E))
