@@ -32,6 +32,7 @@ INSTALL_REQUIRES = [
 # (`pip install torch==2.13.0`), or pip fetches a multi-GB CUDA build for peft.
 TEST_REQUIRES = [
     "pytest>=8,<10",
+    "pytest-xdist>=3.5,<4",  # the README's test command runs the suite on 2 workers
     "hypothesis>=6.100,<7",
     "torch==2.13.0",
     "peft>=0.17,<0.22",

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -14,3 +15,24 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "slow: a reference check on the real SmolLM2-135M model (seconds to load); "
       "few, and still run in CI")
+
+
+# Files that must run in one xdist worker: the code sandbox's tests assert that no sandboxed
+# process of theirs is left alive, which they recognise by its command line, so one file's
+# live sandboxes must never run beside the other's checks.
+_SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` (the README's test command), with the files of `_SAME_WORKER` as one."""
+  if config.getoption("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling
+
+  class Scheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid):
+      path = super()._split_scope(nodeid)
+      return _SAME_WORKER.get(path, path)
+
+  return Scheduling(config, log)
