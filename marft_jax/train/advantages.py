@@ -21,9 +21,11 @@ horizon counts as terminal (bootstrap 0).
 
 Several processes: each computes the advantages of the episodes it played, on its block of
 the batch's rows (GAE runs along one episode; a GRPO group lies within one process). Only the
-batch-wide whitening (`normalize`) needs every process: its count, sum and squared deviations
-are summed over the processes (`reduce`), so each block is whitened with the whole batch's
-mean and standard deviation.
+batch-wide whitening (`normalize`) needs every process: every process gathers the whole
+batch's un-whitened advantages and masks (`Blocks`; a float and a flag per position of the
+[B, T] and [B, K] arrays, nothing else of the batch), lays them out in the one-process
+batch's row order and whitens them with the one-process code, so each block gets the bits one
+process would have computed.
 """
 
 from __future__ import annotations
@@ -35,13 +37,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax import ppo
+from marft_jax import multihost, ppo
 from marft_jax.rollout.episode import Episode
 from marft_jax.train.batching import TrainBatch, bucket_length
 
 CREDITS = ("equal", "step_discount", "per_step")
 LEVELS = ("action", "token", "grpo")
 NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """A multi-process job's batch, seen from one process: the rows are split into one equal,
+  contiguous block per process, in process order, and this process holds block `index`
+  (`multihost.ProcessRows`)."""
+
+  index: int  # this process's block (jax.process_index())
+  # Every process's equally long block -> their concatenation in process order (a collective).
+  gather: Callable[[np.ndarray], np.ndarray] = multihost.gather_blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +147,7 @@ def _hops(episode: Episode, turns, last_of_step, config: AdvantageConfig):
 def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        config: AdvantageConfig, num_team: int,
                        groups: Optional[Sequence[int]] = None,
-                       reduce: Optional[Callable] = None) -> TrainBatch:
+                       blocks: Optional[Blocks] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -142,10 +155,9 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     episodes: the batch's episodes, in `batch.row_episode` order.
     num_team: N, the number of team agents (an orchestrator is agent N).
     groups: GRPO only: each episode's group (episodes of one task share a group).
-    reduce: a multi-process job's sum over the processes of a small vector
-      (`multihost.sum_over_processes`): `batch` is then this process's block of the rows and
-      `episodes` its episodes (possibly none), and the whitening pools every block. None: the
-      batch is the whole batch.
+    blocks: a multi-process job's layout: `batch` is then this process's block of the rows
+      and `episodes` its episodes (possibly none), and the whitening is the whole batch's
+      (`_normalize`). None: the batch is the whole batch.
   """
   turns = _turns(episodes, batch)
   if config.level == "grpo":
@@ -187,8 +199,9 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
   if not token:  # an action's advantage applies to every token of it
     act_adv = _spread(batch, turn_adv)
   if config.normalize:
-    act_adv = _normalize(act_adv, batch.act_mask, reduce)
-    turn_adv = _normalize(turn_adv, batch.turn_valid, reduce)
+    rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
+    act_adv = _normalize(act_adv, np.asarray(batch.act_mask), rows, blocks)
+    turn_adv = _normalize(turn_adv, np.asarray(batch.turn_valid), rows, blocks)
   return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
                        turn_return=turn_ret, turn_old_value=turn_val)
 
@@ -212,23 +225,25 @@ def _gae(chains) -> np.ndarray:
       *map(jnp.asarray, arrays), jnp.asarray(valid), 0.0))
 
 
-def _normalize(x: np.ndarray, mask: np.ndarray, reduce: Optional[Callable]) -> np.ndarray:
+def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray],
+               blocks: Optional[Blocks]) -> np.ndarray:
   """`ppo.normalize` over the batch: x' = (x − μ) / (σ + eps) on the valid entries.
 
-  With `reduce` (a sum over the processes), μ and σ are the whole batch's: the count and sum,
-  then the squared deviations from μ, each summed over every process's block (in float64;
-  the single-process path's float32 reduction differs from it by rounding only)."""
-  if reduce is None:
+  With `blocks`, `x` and `mask` are this process's block and `row_episode` is every block's
+  (concatenated): μ and σ are the whole batch's. Each process gathers every block of `x`
+  and `mask` (5 bytes a position, what the whitening reads and nothing more: kilobytes to a
+  few MB a batch), puts the rows in the order one process's `make_batch` would (every
+  block's episode rows in process order, then the padding rows), whitens that with the same
+  call as one process, and keeps its own rows: the bits one process computes, with no
+  cross-process sum in another order."""
+  if blocks is None:
     return np.asarray(ppo.normalize(x, mask, eps=NORMALIZE_EPS))
-  valid = np.asarray(mask) != 0
-  xs = np.where(valid, np.asarray(x, np.float64), 0.0)
-  count, total = reduce(np.asarray([valid.sum(), xs.sum()]))
-  mean = total / max(count, 1.0)
-  (squares,) = reduce(np.asarray([np.sum(np.where(valid, (xs - mean) ** 2, 0.0))]))
-  var = squares / max(count, 1.0)
-  std = np.float32(np.sqrt(var) if var > 0 else 0.0)
-  out = (np.asarray(x, np.float32) - np.float32(mean)) / (std + np.float32(NORMALIZE_EPS))
-  return np.where(valid, out, 0.0).astype(np.float32)
+  whole_x, whole_mask = blocks.gather(x), blocks.gather(mask)
+  order = np.argsort(row_episode < 0, kind="stable")  # one process's rows: padding last
+  out = np.empty_like(whole_x)
+  out[order] = np.asarray(ppo.normalize(whole_x[order], whole_mask[order], eps=NORMALIZE_EPS))
+  size = x.shape[0]
+  return out[blocks.index * size:(blocks.index + 1) * size]
 
 
 def _spread(batch: TrainBatch, per_turn: np.ndarray) -> np.ndarray:

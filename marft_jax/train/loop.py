@@ -18,10 +18,11 @@ exports). Host work is split too (`multihost.ProcessRows`): process p of P owns 
 of rollout.num_envs / P environments, the ones whose sampler rows its devices hold. It resets
 and steps only those, builds and reads back only their rows of each sampler call, batches only
 their episodes into its block of the training batch's rows, and computes their advantages;
-what must be global is reduced across the processes with small collectives: the batch widths,
-the advantage whitening's sums, the metrics and the transcript records (gathered: process 0
-writes the one transcript file), and the data cursor of the checkpoint (each process advanced
-its own envs'; the saved cursor is the whole batch's, so it restores onto any process count).
+what must be global goes through small collectives: the batch widths, the advantages for the
+batch whitening (one float a decision, gathered), the metrics and the transcript records
+(gathered: process 0 writes the one transcript file), and the data cursor of the checkpoint
+(each process advanced its own envs'; the saved cursor is the whole batch's, so it restores
+onto any process count).
 One process plays every environment, exactly as before.
 """
 
@@ -49,7 +50,7 @@ from marft_jax.models import loading
 from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
-from marft_jax.train.advantages import compute_advantages
+from marft_jax.train.advantages import Blocks, compute_advantages
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from marft_jax.train import local_batch
@@ -336,11 +337,11 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   if layout is None:
     batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
     placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
-    read, reduce = multihost.to_host, None
+    read, blocks = multihost.to_host, None
   else:
     batch = local_batch.local_block(kept, pad_id, num_rows // layout.processes)
     placed = lambda b: jax.tree.map(layout.put, b)
-    read, reduce = layout.get, multihost.sum_over_processes
+    read, blocks = layout.get, Blocks(jax.process_index())
   batch = _per_row_adapters(batch, layout)
   on_devices = placed(batch)
   extras = prepare(model.params, state.policy, on_devices, model.config, config.loss,
@@ -352,7 +353,7 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
     old_values = old_values_fn(state.critic, model.params, on_devices, extras)
     batch = batch.replace(act_old_value=read(old_values))
   groups = [envs.group(e.env_index) for e in kept]
-  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, reduce=reduce)
+  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks)
   state, metrics = update(
       state, model.params, placed(batch), extras,
       jnp.asarray(active_adapters(config, iteration)),

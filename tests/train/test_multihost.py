@@ -5,11 +5,13 @@ its checkpoint restores in one process onto other meshes.
 Reference: the same command in one process with 8 virtual devices, on the same 2 x 2 x 2 mesh.
 Every process runs `multihost_worker.py` (launch.train recording the environments it built,
 reset and stepped).
-The sampled tokens are identical; the floats agree to ~1e-6 relative, not bitwise: Gloo sums a
-cross-process all-reduce in another order than XLA's in-process CPU collectives, and the
-advantage whitening adds each process's partial sums (in float64) where one process reduces the
-whole batch at once (in float32). All three
-processes compile at LLVM -O0 (half the compile time of the default, which dominates here).
+The sampled tokens are identical, and so are the first iteration's advantages (the whitening
+gathers the whole batch's and runs the one-process code); the trained floats agree to ~1e-6
+relative, not bitwise: Gloo sums a cross-process all-reduce in another order than XLA's
+in-process CPU collectives. (The checkpoint is bit for bit that of the 2-process job in which
+every process played every environment, ea9fba4^: splitting them costs no precision.)
+All three processes compile at LLVM -O0 (half the compile time of the default, which
+dominates here).
 """
 
 import json
@@ -140,6 +142,7 @@ def test_two_processes_train_like_one_process_on_eight_devices(runs):
   assert [sorted(row) for row in got] == [sorted(row) for row in expected]
   for row, ref in zip(got, expected):
     for key in ref:
+      # Measured: 4.2e-6 (the loss of iteration 2), as before the processes split the envs.
       np.testing.assert_allclose(row[key], ref[key], rtol=1e-5, atol=1e-9, err_msg=key)
   for name in sorted(os.listdir(os.path.join(one, "transcripts"))):
     with open(os.path.join(one, "transcripts", name)) as a, \
@@ -147,10 +150,10 @@ def test_two_processes_train_like_one_process_on_eight_devices(runs):
       assert a.read() == b.read()  # the same tokens sampled
   expected = _restored(config, model, one, sharding.make_mesh(data=2, fsdp=2, tensor=2))
   got = _restored(config, model, two, sharding.make_mesh(data=2, fsdp=2, tensor=2))
-  # Measured against how far the 2 iterations moved each leaf from where training started.
-  # The moments and the critic agree to ~1e-5 of that. The adapters less closely: where a
-  # gradient is tiny, AdamW's step m / (√v + 1e-5) is ~m / 1e-5, which scales a rounding-level
-  # difference in m up by as much (measured: up to 9e-4 of the distance moved, v_proj).
+  # Measured against how far the 2 iterations moved each leaf from where training started:
+  # the moments and the critic agree to 3.6e-6 of that, the adapters to 5.1e-5 (gate_proj):
+  # where a gradient is tiny, AdamW's step m / (√v + 1e-5) is ~m / 1e-5, which scales the
+  # all-reduce's rounding-level difference in m up by as much.
   starts = jax.tree.leaves(_initial(config, model))
   for (path, x), y, start in zip(jax.tree_util.tree_leaves_with_path(got),
                                  jax.tree.leaves(expected), starts):
@@ -158,7 +161,7 @@ def test_two_processes_train_like_one_process_on_eight_devices(runs):
     if x.dtype.kind != "f":
       np.testing.assert_array_equal(x, y)  # the step counter
       continue
-    share = 3e-3 if jax.tree_util.keystr(path).startswith(".policy.") else 1e-4
+    share = 2e-4 if jax.tree_util.keystr(path).startswith(".policy.") else 2e-5
     np.testing.assert_allclose(x, y, rtol=0, atol=share * np.abs(y - start).max(),
                                err_msg=jax.tree_util.keystr(path))
   assert os.listdir(os.path.join(two, "exports", "step_2"))  # written once, by process 0

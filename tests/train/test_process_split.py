@@ -3,7 +3,7 @@ environments, checked in one process (test_multihost.py runs the real 2-process 
 
 References: the whole-batch computation (advantages of all the episodes at once; a rollout
 without a row layout; `make_batch`'s own padding rows); two "processes" are two threads whose
-sums meet at a barrier.
+gathers meet at a barrier.
 """
 
 import dataclasses
@@ -17,7 +17,7 @@ from marft_jax import envs, multihost, rollout as rollout_lib, sharding
 from marft_jax.rollout.episode import Episode, TokenSequence
 from marft_jax.train import config as config_lib
 from marft_jax.train import local_batch
-from marft_jax.train.advantages import AdvantageConfig, compute_advantages
+from marft_jax.train.advantages import AdvantageConfig, Blocks, compute_advantages
 from marft_jax.train.batching import TrainBatch, make_batch
 from tests.rollout.test_rollout import _team, model  # noqa: F401 (a fixture)
 from tests.train.echo_config import echo_config
@@ -95,57 +95,68 @@ def test_padding_matches_make_batchs_own_padding_rows():
     np.testing.assert_array_equal(np.asarray(getattr(blank, name)), y[6:], err_msg=name)
 
 
-class _ThreadSum:
-  """`multihost.sum_over_processes` for N threads standing in for N processes."""
+class _ThreadGather:
+  """`multihost.gather_blocks` for N threads standing in for N processes."""
 
   def __init__(self, n):
     self.barrier, self.parts = threading.Barrier(n), [None] * n
 
   def for_process(self, p):
-    def reduce(values):
-      self.parts[p] = np.asarray(values, np.float64)
+    def gather(block):
+      self.parts[p] = np.array(block)
       self.barrier.wait()
-      total = self.parts[0]
-      for part in self.parts[1:]:
-        total = total + part
+      whole = np.concatenate(self.parts)
       self.barrier.wait()  # everyone has read the parts before the next call writes them
-      return total
-    return reduce
+      return whole
+    return gather
 
 
+@pytest.mark.parametrize("dropped", [(), (1,)], ids=["full_blocks", "padding_mid_batch"])
 @pytest.mark.parametrize("level", ["action", "token", "grpo"])
-def test_advantages_of_each_processs_block_equal_the_whole_batchs(level):
-  """The whitening pools every block; GAE and GRPO's groups stay inside one block."""
+def test_advantages_of_each_processs_block_equal_the_whole_batchs(level, dropped):
+  """Bit for bit: the whitening is the whole batch's, in one process's row order (with an
+  episode dropped from process 0, its block's padding rows sit mid-batch, one process's at
+  the end); GAE and GRPO's groups stay inside one block."""
   rng = np.random.default_rng(1)
   E, processes, G = 8, 2, 2
   episodes = [_episode(i, rng) for i in range(E)]
   config = AdvantageConfig(level=level, normalize=level != "grpo")
   groups = [i // G for i in range(E)]
-  whole = make_batch(episodes, pad_id=0)
-  whole = whole.replace(act_old_value=rng.normal(0, 1, whole.tokens.shape).astype(np.float32))
-  expected = compute_advantages(whole, episodes, config, 2, groups)
+  kept = [i for i in range(E) if i not in dropped]
+  rows = 2 * E // processes  # 2 rows an episode: blocks of E / 2 episodes
+  mine = [[i for i in kept if p * E // processes <= i < (p + 1) * E // processes]
+          for p in range(processes)]
+  whole = make_batch([episodes[i] for i in kept], pad_id=0, num_rows=2 * E)
+  values = rng.normal(0, 1, whole.tokens.shape).astype(np.float32)
+  whole = whole.replace(act_old_value=np.where(whole.mask, values, 0.0).astype(np.float32))
+  expected = compute_advantages(whole, [episodes[i] for i in kept], config, 2,
+                                [groups[i] for i in kept])
   T, K, P = local_batch.widths(whole)
-  rows = whole.tokens.shape[0] // processes  # 2 rows an episode: blocks of E / 2 episodes
-  reduce, results = _ThreadSum(processes), [None] * processes
+  gather, results = _ThreadGather(processes), [None] * processes
 
   def process(p):
-    own = slice(p * E // processes, (p + 1) * E // processes)
-    mine = episodes[own]
-    block = local_batch.pad_batch(make_batch(mine, pad_id=0), rows, T, K, P, pad_id=0)
-    block = block.replace(act_old_value=whole.act_old_value[p * rows:(p + 1) * rows])
-    results[p] = compute_advantages(block, mine, config, 2, groups[own],
-                                    reduce=reduce.for_process(p))
+    block = local_batch.pad_batch(make_batch([episodes[i] for i in mine[p]], pad_id=0), rows,
+                                  T, K, P, pad_id=0)
+    first = 2 * sum(len(m) for m in mine[:p])  # its episodes' first row in `whole`
+    own = np.zeros((rows, T), np.float32)
+    own[:2 * len(mine[p])] = whole.act_old_value[first:first + 2 * len(mine[p])]
+    block = block.replace(act_old_value=own)
+    results[p] = compute_advantages(block, [episodes[i] for i in mine[p]], config, 2,
+                                    [groups[i] for i in mine[p]],
+                                    blocks=Blocks(p, gather.for_process(p)))
 
   threads = [threading.Thread(target=process, args=(p,)) for p in range(processes)]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
+  used = [p * rows + r for p in range(processes) for r in range(2 * len(mine[p]))]
   for name in ("act_advantage", "act_return", "turn_advantage", "turn_return"):
     got = np.concatenate([getattr(r, name) for r in results])
-    # float64 partial sums vs one float32 reduction: rounding apart
-    np.testing.assert_allclose(got, getattr(expected, name), rtol=1e-5, atol=1e-6,
-                               err_msg=name)
+    ref = getattr(expected, name)
+    np.testing.assert_array_equal(got[used], ref[:len(used)], err_msg=name)
+    assert not got[[r for r in range(2 * E) if r not in used]].any(), name
+    assert not ref[len(used):].any(), name
 
 
 # --- the rollout -------------------------------------------------------------------------------
