@@ -14,7 +14,8 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
   base = config_lib.preset(algorithm)
   sections = dict(
       task=config_lib.TaskSection(name="echo", echo_high=1),
-      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3),
+      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,
+                               temperature=0.7),  # exploration the echo tests were tuned with
       rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
       lora=config_lib.LoraSection(rank=8, alpha=16.0),
       critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
