@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.lora.config import LoraConfig
-from marft_jax.lora.routing import Adapters
+from marft_jax.lora.routing import Adapters, select_adapter  # noqa: F401 (re-exported)
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.targets import linear_shapes
 
@@ -58,10 +58,3 @@ def stack_adapters(adapters: Sequence[Adapters]) -> Adapters:
                        f"{describe(adapters[0])}: only identical configs stack")
   layers = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *[a.layers for a in adapters])
   return adapters[0].replace(layers=layers)
-
-
-def select_adapter(adapters: Adapters, index: int) -> Adapters:
-  """Adapter `index` alone, as an A = 1 set."""
-  if not 0 <= index < adapters.num_adapters:
-    raise ValueError(f"adapter index {index} out of range [0, {adapters.num_adapters})")
-  return adapters.replace(layers=jax.tree.map(lambda x: x[:, index:index + 1], adapters.layers))

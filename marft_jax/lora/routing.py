@@ -73,10 +73,20 @@ class Adapters:
     keys = jax.random.split(self.dropout_rng, (self.num_layers, len(names)))
     return {name: dict(self.layers[name], dropout_key=keys[:, i]) for i, name in enumerate(names)}
 
-  def delta_fn(self) -> Callable[[jax.Array, dict, jax.Array], jax.Array]:
-    """`routed_lora_delta` with this set's static scale and dropout rate bound: what a layer
-    calls on its slice of `scan_inputs()`."""
-    return functools.partial(routed_lora_delta, scale=self.scale, dropout_rate=self.dropout_rate)
+  def delta_fn(self, feature_major: bool = False
+               ) -> Callable[[jax.Array, dict, jax.Array], jax.Array]:
+    """`routed_lora_delta` (or, for activations [D_in, B·T], `feature_major_lora_delta`) with
+    this set's static scale and dropout rate bound: what a layer calls on its slice of
+    `scan_inputs()`."""
+    route = feature_major_lora_delta if feature_major else routed_lora_delta
+    return functools.partial(route, scale=self.scale, dropout_rate=self.dropout_rate)
+
+
+def select_adapter(adapters: Adapters, index: int) -> Adapters:
+  """Adapter `index` alone, as an A = 1 set."""
+  if not 0 <= index < adapters.num_adapters:
+    raise ValueError(f"adapter index {index} out of range [0, {adapters.num_adapters})")
+  return adapters.replace(layers=jax.tree.map(lambda x: x[:, index:index + 1], adapters.layers))
 
 
 def canonical_adapter_ids(adapter_ids: Any, batch: int, time: int,
@@ -134,10 +144,36 @@ def routed_lora_delta(x: jax.Array, adapter: dict[str, jax.Array], adapter_ids: 
   adapter_ids = jnp.where((adapter_ids >= 0) & (adapter_ids < a.shape[0]), adapter_ids,
                           NO_ADAPTER)
   if adapter_ids.ndim == 1:
-    route = _per_sequence
+    route = _single if a.shape[0] == 1 else _per_sequence
   else:
     route = _per_token_grouped if a.shape[0] >= GROUPED_MIN_ADAPTERS else _per_token
   return route(x, a, b, adapter_ids) * jnp.asarray(scale, x.dtype)
+
+
+def feature_major_lora_delta(x: jax.Array, adapter: dict[str, jax.Array],
+                             adapter_ids: jax.Array, scale: float,
+                             dropout_rate: float = 0.0) -> jax.Array:
+  """`routed_lora_delta` for feature-major activations x [D_in, B·T] -> [D_out, B·T].
+
+  One adapter with per-sequence ids (a sampler call whose rows share an agent) stays
+  feature-major: `bᵀ (aᵀ x)`, the weights on the left as the decoding layout wants them.
+  Anything else goes through the token-major router and back (two transposes of x).
+  """
+  a, b = jnp.asarray(adapter["a"], x.dtype), jnp.asarray(adapter["b"], x.dtype)
+  B = adapter_ids.shape[0]
+  if a.shape[0] == 1 and adapter_ids.ndim == 1 and "dropout_key" not in adapter:
+    keep = (adapter_ids == 0).astype(x.dtype)  # any other id gets the base, as on every route
+    down = jnp.einsum("dr,dn->rn", a[0], x) * jnp.repeat(keep, x.shape[1] // B)[None, :]
+    return jnp.einsum("ro,rn->on", b[0], down) * jnp.asarray(scale, x.dtype)
+  tokens = x.T.reshape(B, x.shape[1] // B, -1)
+  delta = routed_lora_delta(tokens, adapter, adapter_ids, scale, dropout_rate)
+  return delta.reshape(x.shape[1], -1).T
+
+
+def _single(x, a, b, ids):
+  """One adapter (A = 1), per-sequence ids: two matmuls over every token; id -1 rows zeroed."""
+  down = jnp.einsum("btd,dr->btr", x, a[0]) * (ids >= 0).astype(x.dtype)[:, None, None]
+  return jnp.einsum("btr,ro->bto", down, b[0])
 
 
 def _per_sequence(x, a, b, ids):

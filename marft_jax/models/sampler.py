@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from marft_jax import multihost
-from marft_jax.lora.routing import NO_ADAPTER, Adapters
+from marft_jax.lora.routing import NO_ADAPTER, Adapters, select_adapter
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.sampling import check_sampling_args
@@ -226,7 +226,7 @@ def _last_real_hidden(h: jax.Array, mask: jax.Array) -> jax.Array:
 
 def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, top_p,
               max_new_tokens, stop_ids, prompt_adapter_ids=None, *, config, num_new, top_k,
-              greedy, pad_id, on_step=None):
+              greedy, pad_id, on_step=None, fresh_cache=False):
   """See `generate_jit`."""
   B = tokens.shape[0]
   sample = functools.partial(sample_vocab_major, top_k=top_k, greedy=greedy)
@@ -250,7 +250,8 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
 
   # --- prefill: encode the chunk; logits only at each row's last real token ---
   prefill_ids = adapter_ids if prompt_adapter_ids is None else prompt_adapter_ids
-  h, cache = model(tokens, mask=mask, cache=cache, adapter_ids=prefill_ids)
+  h, cache = model(tokens, mask=mask, cache=cache, adapter_ids=prefill_ids,
+                   cache_is_empty=fresh_cache)
   state = _LoopState(
       step=jnp.zeros((), jnp.int32), last=jnp.full((B,), pad_id, jnp.int32),
       last_valid=jnp.zeros((B,), bool), active=max_new_tokens > 0,
@@ -277,7 +278,7 @@ def _generate(params, tokens, mask, cache, lora, adapter_ids, rng, temperature, 
                       cache=state.cache)
 
 
-_STATIC = ("config", "num_new", "top_k", "greedy", "pad_id", "on_step")
+_STATIC = ("config", "num_new", "top_k", "greedy", "pad_id", "on_step", "fresh_cache")
 _generate_jit = jax.jit(_generate, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
@@ -286,13 +287,14 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
                  temperature: jax.Array, top_p: Optional[jax.Array], max_new_tokens: jax.Array,
                  stop_ids: jax.Array, prompt_adapter_ids: Optional[jax.Array] = None, *,
                  config: ModelConfig, num_new: int, top_k: Optional[int], greedy: bool,
-                 pad_id: int, on_step: Optional[Callable[[jax.Array], None]] = None
-                 ) -> SampleOutput:
+                 pad_id: int, on_step: Optional[Callable[[jax.Array], None]] = None,
+                 fresh_cache: bool = False) -> SampleOutput:
   """The jitted generation loop; `generate` pads and buckets its arguments and calls this.
 
   Static arguments (a new value compiles again): `config`, `num_new` (N, the bucketed
   maximum of `max_new_tokens`), `top_k`, `greedy` (every row at temperature 0), `pad_id`,
-  whether `top_p` and `lora` are None. Every array's shape is also part of the compile key,
+  whether `top_p` and `lora` are None, `fresh_cache` (the cache holds no valid slot yet:
+  the prompt skips attending to it). Every array's shape is also part of the compile key,
   so `generate` buckets them:
 
     P (prompt chunk width)  next power of two ≥ max(16, last real token + 1)
@@ -308,8 +310,8 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   """
   return _generate_jit(params, tokens, mask, cache, lora, adapter_ids, rng, temperature,
                        top_p, max_new_tokens, stop_ids, prompt_adapter_ids, config=config,
-                       num_new=num_new,
-                       top_k=top_k, greedy=greedy, pad_id=pad_id, on_step=on_step)
+                       num_new=num_new, top_k=top_k, greedy=greedy, pad_id=pad_id,
+                       on_step=on_step, fresh_cache=fresh_cache)
 
 
 # --- the host-side entry point --------------------------------------------------------------
@@ -370,6 +372,25 @@ def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed
   if index + needed <= cache.size:
     return cache
   return transformer.grow_cache(cache, bucket(index + needed, MIN_PROMPT_BUCKET))
+
+
+def _one_adapter(lora: Optional[Adapters], ids: np.ndarray, rows=None
+                 ) -> tuple[Optional[Adapters], np.ndarray]:
+  """When every row uses the same adapter (or none), that adapter alone and ids in {0, -1}:
+  the model then takes the single-adapter route (plain matmuls instead of gathering each
+  row's factors), a third of a LoRA decode step's overhead. The processes of a multi-process
+  job agree on the choice (the compiled programs, and so the samples, must not differ)."""
+  if lora is None or lora.num_adapters == 1:
+    return lora, ids
+  used = ids[ids >= 0]
+  low, high = int(used.min(initial=lora.num_adapters)), int(used.max(initial=NO_ADAPTER))
+  if rows is not None:
+    high, negative_low = (int(v) for v in multihost.max_over_processes(
+        np.asarray([high, -low], np.int64)))
+    low = -negative_low
+  if high > low:
+    return lora, ids
+  return select_adapter(lora, max(high, 0)), np.where(ids >= 0, 0, NO_ADAPTER)
 
 
 def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.ndarray,
@@ -497,6 +518,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
   temperature = _per_row("temperature", temperature, B, np.float32)
   top_p = None if top_p is None else place(_per_row("top_p", top_p, B, np.float32))
+  if prompt_adapter_ids is None:
+    lora, ids = _one_adapter(lora, ids, rows)
   batch = B if rows is None else B * rows.processes
   return generate_jit(
       params, place(tokens), place(mask),
@@ -504,6 +527,6 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       place(ids.astype(np.int32)), rng, place(temperature), top_p,
       place(max_new.astype(np.int32)),
       place(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),
-      prompt_adapter_ids, config=config,
-      num_new=num_new, top_k=top_k, greedy=greedy, pad_id=int(pad_id), on_step=on_step)
+      prompt_adapter_ids, config=config, num_new=num_new, top_k=top_k, greedy=greedy,
+      pad_id=int(pad_id), on_step=on_step, fresh_cache=cache is None)
 

@@ -170,12 +170,7 @@ def _dense(x: jax.Array, p: dict, adapter: Optional[dict], call: _Call) -> jax.A
   if bias is not None:
     y = y + bias
   if adapter is not None:
-    if feature_major:  # the router works on tokens: [D_in, N] -> [B, T, D_in] and back
-      B, T = call.positions.shape
-      tokens = x.T.reshape(B, T, -1)
-      y = y + call.lora_delta(tokens, adapter, call.adapter_ids).reshape(B * T, -1).T
-    else:
-      y = y + call.lora_delta(x, adapter, call.adapter_ids)
+    y = y + call.lora_delta(x, adapter, call.adapter_ids)
   return y
 
 
@@ -260,7 +255,7 @@ def _scanned_layers(x, params, adapter_layers, cache, call):
   def body(carry, xs):
     x, cache_kv = carry
     layer, adapters, index = xs
-    cached = None if cache_kv is None else (cache_kv[0][index], cache_kv[1][index])
+    cached = None if call.valid is None else (cache_kv[0][index], cache_kv[1][index])
     x, (k, v), out = decoder_layer(x, layer, adapters, cached, call)
     if cache_kv is not None:
       cache_kv = (_write_after(cache_kv[0], _keys_for_cache(k)[None],
@@ -282,7 +277,7 @@ def _unrolled_layers(x, params, adapter_layers, cache, call):
   new_k, new_v = [], []
   for index, layer in enumerate(params["layers"]):
     adapters = jax.tree.map(lambda a, i=index: a[i], adapter_layers)
-    cached = None if cache is None else (cache.k[index], cache.v[index])
+    cached = None if call.valid is None else (cache.k[index], cache.v[index])
     x, (k, v), out = decoder_layer(x, layer, adapters, cached, call)
     if cache is not None:
       new_k.append(_write_after(cache.k[index], _keys_for_cache(k), (0, 0, 0, cache.index), out))
@@ -293,7 +288,8 @@ def _unrolled_layers(x, params, adapter_layers, cache, call):
 def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
                   positions: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
                   cache: Optional[KVCache] = None, lora: Optional[Adapters] = None,
-                  adapter_ids: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
+                  adapter_ids: Optional[jax.Array] = None,
+                  cache_is_empty: bool = False) -> tuple[jax.Array, Optional[KVCache]]:
   """Runs the decoder stack; returns the final-normed hidden states and the updated cache.
 
   Args:
@@ -307,6 +303,9 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
     lora: adapters, or None for the base model.
     adapter_ids: [B, T] per-token or [B] per-sequence adapter ids in [-1, A) (-1 = base);
       default 0.
+    cache_is_empty: static; the caller knows `cache` holds no valid slot (a fresh one), so
+      attention skips reading it (a prompt's attention over S empty slots costs as much as
+      over its own T tokens). The tokens are still written into it.
 
   Concrete arguments are checked (ValueError naming `tokens`, `cache`, `adapter_ids` or the
   params' layout); traced ones cannot be: an out-of-range token reads a clamped embedding
@@ -324,11 +323,12 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   if positions is None:
     positions = default_positions(mask, cache)
   allowed = mask[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
-  adapter_layers, lora_delta = ({}, None) if lora is None else (lora.scan_inputs(), lora.delta_fn())
+  adapter_layers, lora_delta = ({}, None) if lora is None else (
+      lora.scan_inputs(), lora.delta_fn(layout.feature_major))
   ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T,
                               None if lora is None else lora.num_adapters)
   call = _Call(positions=positions, allowed=allowed,
-               valid=None if cache is None else cache.valid, adapter_ids=ids,
+               valid=None if cache is None or cache_is_empty else cache.valid, adapter_ids=ids,
                lora_delta=lora_delta, config=config)
 
   # The table's width is split over fsdp like every weight's; gathered whole for the lookup
@@ -368,8 +368,9 @@ def logits_from_hidden(params: Params, h: jax.Array, config: ModelConfig,
 def forward(params: Params, tokens: jax.Array, config: ModelConfig, *,
             positions: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
             cache: Optional[KVCache] = None, lora: Optional[Adapters] = None,
-            adapter_ids: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[KVCache]]:
+            adapter_ids: Optional[jax.Array] = None,
+            cache_is_empty: bool = False) -> tuple[jax.Array, Optional[KVCache]]:
   """Logits [B, T, V] (f32) and the updated cache; arguments as in `hidden_states`."""
   h, cache = hidden_states(params, tokens, config, positions=positions, mask=mask, cache=cache,
-                           lora=lora, adapter_ids=adapter_ids)
+                           lora=lora, adapter_ids=adapter_ids, cache_is_empty=cache_is_empty)
   return logits_from_hidden(params, h, config), cache

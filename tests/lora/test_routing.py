@@ -116,6 +116,26 @@ def test_routed_delta_against_numpy(jit, num_adapters):
   np.testing.assert_array_equal(per_row[1], 0.0)
 
 
+@pytest.mark.parametrize("num_adapters,per_token", [(1, False), (3, False), (3, True)])
+def test_feature_major_delta_against_numpy(num_adapters, per_token):
+  """Activations [D_in, B·T]: one adapter per sequence stays feature-major, the rest goes
+  through the token-major router; both against a NumPy loop, ids -1 and out of range → base."""
+  rng = np.random.default_rng(3)
+  B, T, D_in, D_out = 3, 4, 6, 5
+  x = rng.normal(size=(B, T, D_in)).astype(np.float32)
+  a = rng.normal(size=(num_adapters, D_in, 2)).astype(np.float32)
+  b = rng.normal(size=(num_adapters, 2, D_out)).astype(np.float32)
+  ids = rng.integers(-1, num_adapters + 1, (B, T)) if per_token else np.array([0, -1, num_adapters])
+  token_ids = ids if per_token else np.repeat(ids[:, None], T, axis=1)
+  expected = np.zeros((B, T, D_out), np.float32)
+  for i, j in np.ndindex(B, T):
+    if 0 <= token_ids[i, j] < num_adapters:
+      expected[i, j] = 0.5 * x[i, j] @ a[token_ids[i, j]] @ b[token_ids[i, j]]
+  delta = jax.jit(routing.feature_major_lora_delta, static_argnums=3)(
+      jnp.asarray(x.reshape(B * T, D_in).T), {"a": a, "b": b}, jnp.asarray(ids), 0.5)
+  np.testing.assert_allclose(np.asarray(delta).T.reshape(B, T, D_out), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("ids_kind", ["random", "one_adapter", "all_base", "runs"])
 def test_grouped_path_values_and_gradients_equal_one_hot(ids_kind):
   rng = np.random.default_rng(5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax.models import config as config_lib
-from marft_jax.models import transformer
+from marft_jax.models import layout, transformer
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -27,6 +27,38 @@ def test_chunked_cache_equals_one_pass(model):
     pieces.append(logits)
   np.testing.assert_allclose(np.concatenate(pieces, 1), full, atol=1e-5, rtol=0)
   assert int(cache.index) == 9 and bool(cache.valid[:, :9].all()) and not cache.valid[:, 9:].any()
+
+
+@pytest.mark.parametrize("fast", [False, True])  # training layout (scanned), decoding (unrolled)
+def test_skipping_an_empty_cache_changes_nothing(model, fast):
+  """`cache_is_empty` (the sampler's first chunk) skips reading the fresh cache: the same
+  logits and cache as reading its all-invalid slots, and a continuation equals one pass."""
+  config, params = model
+  if fast:
+    params = layout.convert_params(params, config.layout, layout.DECODING)
+    config = config.replace(layout=layout.DECODING)
+  tokens = jax.random.randint(jax.random.key(4), (2, 9), 0, config.vocab_size)
+  mask = jnp.array([[True] * 6, [False, True, True, True, True, True]])
+  full, _ = transformer.forward(params, tokens, config, mask=jnp.concatenate(
+      [mask, jnp.ones((2, 3), bool)], axis=1))
+  run = lambda skip: transformer.forward(params, tokens[:, :6], config, mask=mask,
+                                         cache=transformer.init_cache(config, 2, 12),
+                                         cache_is_empty=skip)
+  (read, read_cache), (skipped, cache) = run(False), run(True)
+  real = np.asarray(mask)  # a padding query's output is arbitrary (and never read)
+  np.testing.assert_allclose(np.asarray(skipped)[real], np.asarray(read)[real], atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(cache.valid, read_cache.valid)
+  assert int(cache.index) == int(read_cache.index) == 6
+  slots = np.asarray(cache.valid)  # [B, S]; padding slots hold arbitrary keys, never attended
+  for k, read_k in zip(jax.tree.leaves(cache.k), jax.tree.leaves(read_cache.k)):  # [.., B, K, E, S]
+    np.testing.assert_allclose(np.moveaxis(np.asarray(k), -1, -3)[..., slots, :, :],
+                               np.moveaxis(np.asarray(read_k), -1, -3)[..., slots, :, :], atol=1e-6)
+  for v, read_v in zip(jax.tree.leaves(cache.v), jax.tree.leaves(read_cache.v)):  # [.., B, K, S, E]
+    np.testing.assert_allclose(np.moveaxis(np.asarray(v), -2, -3)[..., slots, :, :],
+                               np.moveaxis(np.asarray(read_v), -2, -3)[..., slots, :, :], atol=1e-6)
+  rest, _ = transformer.forward(params, tokens[:, 6:], config, cache=cache)
+  np.testing.assert_allclose(skipped[1, 1:], full[1, 1:6], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(rest, full[:, 6:], atol=1e-5, rtol=0)
 
 
 def test_padding_inside_cache_is_invisible(model):
