@@ -49,10 +49,14 @@ from marft_jax.models.sampling import check_sampling_args
 from marft_jax.models.transformer import KVCache, Params
 from marft_jax.validation import check_ids
 
-# Bucket sizes are powers of two from these minima: prompt chunks and N round up to them.
+# Bucket sizes start at these minima. N and the stop ids round up to powers of two; prompt
+# chunks and cache slots to quarter octaves (…, 64, 80, 96, 112, 128, 160, …): a prompt's
+# padding costs a whole forward per token (up to half the prefill with powers of two) and
+# every decode step reads every cache slot, for a few more compiles per run.
 MIN_PROMPT_BUCKET = 16
 MIN_NEW_TOKENS_BUCKET = 16
 MIN_STOP_IDS_BUCKET = 4
+SLOT_BUCKETS_PER_OCTAVE = 4
 # Inverse-CDF sampling sums probabilities in blocks of this many tokens (two-level search).
 _CDF_BLOCK = 256
 # 2^30 > the int32 bit pattern of 1.0f: 30 halvings pin an f32 probability threshold exactly.
@@ -70,9 +74,14 @@ class SampleOutput:
   cache: KVCache  # every real prompt token and valid generated token; continue from it.
 
 
-def bucket(n: int, minimum: int) -> int:
-  """The smallest power of two ≥ max(n, minimum) (`minimum` a power of two)."""
-  return max(minimum, 1 << max(int(n) - 1, 0).bit_length())
+def bucket(n: int, minimum: int, per_octave: int = 1) -> int:
+  """The smallest size ≥ max(n, minimum) of the form 2^k·(1 + j / per_octave), j < per_octave
+  (`minimum` and `per_octave` powers of two; per_octave 1: the next power of two)."""
+  n = int(n)
+  if n <= minimum:
+    return minimum
+  step = max((1 << ((n - 1).bit_length() - 1)) // per_octave, 1)  # of the octave (p, 2p]
+  return -(-n // step) * step
 
 
 # --- sampling one token ---------------------------------------------------------------------
@@ -297,12 +306,15 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   the prompt skips attending to it). Every array's shape is also part of the compile key,
   so `generate` buckets them:
 
-    P (prompt chunk width)  next power of two ≥ max(16, last real token + 1)
+    P (prompt chunk width)  next quarter octave ≥ max(16, last real token + 1)
     N (new tokens)          next power of two ≥ max(16, max(max_new_tokens)), or
                             `max_new_tokens_bucket`
     M (stop ids per row)    next power of two ≥ max(4, number of stop ids)
-    S (cache slots)         fresh: `cache_size` or P + N; continued: kept if
-                            index + P + N fits, else the next power of two ≥ that
+    S (cache slots)         fresh: `cache_size` or P + n, n = min(N, next quarter octave
+                            ≥ max(16, max(max_new_tokens))); continued: kept if
+                            index + P + n fits, else the next quarter octave ≥ that
+
+  (quarter octaves: 16, 20, 24, 28, 32, 40, …, 64, 80, 96, 112, 128, 160, …; see `bucket`).
 
   Traced (changing them does not compile): tokens [B, P], mask [B, P], cache (S slots,
   donated: its buffers become the returned cache's), lora, adapter_ids [B], rng,
@@ -371,7 +383,8 @@ def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed
   index = int(cache.index)
   if index + needed <= cache.size:
     return cache
-  return transformer.grow_cache(cache, bucket(index + needed, MIN_PROMPT_BUCKET))
+  return transformer.grow_cache(cache, bucket(index + needed, MIN_PROMPT_BUCKET,
+                                               SLOT_BUCKETS_PER_OCTAVE))
 
 
 def _one_adapter(lora: Optional[Adapters], ids: np.ndarray, rows=None
@@ -505,7 +518,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
     used, not_greedy, longest = (int(v) for v in multihost.max_over_processes(
         np.asarray([used, not greedy, longest], np.int64)))
     greedy = not not_greedy
-  width = bucket(used, MIN_PROMPT_BUCKET)
+  width = bucket(used, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
   tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
   mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
   place = jnp.asarray if rows is None else rows.put  # rows: this process's block -> global
@@ -516,6 +529,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   num_new = max_new_tokens_bucket or bucket(longest, MIN_NEW_TOKENS_BUCKET)
   if num_new < longest:
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
+  # The cache needs room for the tokens asked for, not for the output's N columns.
+  slots_for_new = min(num_new, bucket(longest, MIN_NEW_TOKENS_BUCKET, SLOT_BUCKETS_PER_OCTAVE))
   temperature = _per_row("temperature", temperature, B, np.float32)
   top_p = None if top_p is None else place(_per_row("top_p", top_p, B, np.float32))
   if prompt_adapter_ids is None:
@@ -523,7 +538,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   batch = B if rows is None else B * rows.processes
   return generate_jit(
       params, place(tokens), place(mask),
-      _fit_cache(cache, config, batch, width + num_new, cache_size, rows), lora,
+      _fit_cache(cache, config, batch, width + slots_for_new, cache_size, rows), lora,
       place(ids.astype(np.int32)), rng, place(temperature), top_p,
       place(max_new.astype(np.int32)),
       place(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),

@@ -228,6 +228,14 @@ def test_continuing_a_cache_equals_one_call_over_the_concatenation(params, promp
   assert cont.cache.size == 96  # continued in place, no new cache
 
 
+def test_buckets_by_hand():
+  quarter = lambda n: sampler.bucket(n, 16, 4)
+  assert [quarter(n) for n in (0, 16, 17, 21, 33, 64, 65, 96, 97, 129, 193, 257)] == [
+      16, 16, 20, 24, 40, 64, 80, 96, 112, 160, 224, 320]
+  assert [sampler.bucket(n, 16) for n in (0, 16, 17, 96, 129)] == [16, 16, 32, 128, 256]
+  assert sampler.bucket(5, 4) == 8 and sampler.bucket(3, 4) == 4
+
+
 def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):
   _generate(params, prompts, lens=np.array([3, 9, 13]), temperature=1.0)
   compiled = sampler._generate_jit._cache_size()
