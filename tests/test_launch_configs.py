@@ -92,3 +92,11 @@ def test_a_misspelt_train_key_fails_naming_it():
                        timeout=120)
   assert out.returncode == 2 and "num_env" in out.stderr and "num_envs" in out.stderr, out
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_rollout_max_context_is_the_models_positions_or_at_least_16():
+  from marft_jax.train import config as train_config
+  assert train_config.RolloutSection().max_context == 0  # 0: the model's own positions
+  assert train_config.RolloutSection(max_context=16).max_context == 16
+  with pytest.raises(ValueError, match="max_context=5: use 0"):
+    train_config.RolloutSection(max_context=5)

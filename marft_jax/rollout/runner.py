@@ -62,14 +62,14 @@ class RolloutConfig:
   context_mode: "per_agent" or "shared_stream" (see `context.py`).
   horizon: env steps per episode at most (the environment may end it earlier).
   max_context: positions a sequence may reach (prompt + replies); beyond it the episode ends
-    as a context overflow. At most the model's max_position_embeddings.
+    as a context overflow. At most the model's max_position_embeddings; None: all of them.
   reencode: shared stream only: re-encode the whole stream every turn instead of continuing
     the KV cache (a reference for tests and benchmarks; slower).
   """
 
   context_mode: str = "per_agent"
   horizon: int = 1
-  max_context: int = 1024
+  max_context: Optional[int] = None
   reencode: bool = False
 
   def __post_init__(self):
@@ -77,6 +77,8 @@ class RolloutConfig:
       raise ValueError(f"context_mode={self.context_mode!r}: use one of {CONTEXT_MODES}")
     for key in ("horizon", "max_context"):
       value = getattr(self, key)
+      if key == "max_context" and value is None:
+        continue
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}={value!r}: use an int >= 1")
 
@@ -141,6 +143,8 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
   if len(top_ks) > 1:
     raise ValueError(f"the team's profiles use different top_k {sorted(top_ks)}: the sampler "
                      "takes one top_k per call; give every profile the same")
+  if config.max_context is None:
+    config = dataclasses.replace(config, max_context=model_config.max_position_embeddings)
   if config.max_context > model_config.max_position_embeddings:
     raise ValueError(f"max_context={config.max_context} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}")

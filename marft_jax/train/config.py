@@ -97,13 +97,16 @@ class RolloutSection:
   num_envs: int = 8  # episodes per iteration (with GRPO: tasks × group_size)
   group_size: int = 1  # GRPO: rollouts of each task
   context_mode: str = "per_agent"  # or "shared_stream"
-  max_context: int = 1024
+  max_context: int = 0  # positions an episode's sequence may reach; 0: all the model's
 
   def __post_init__(self):
     check_int("num_envs", self.num_envs, 1)
     check_int("group_size", self.group_size, 1)
     _one_of("context_mode", self.context_mode, ("per_agent", "shared_stream"))
-    check_int("max_context", self.max_context, 16)
+    check_int("max_context", self.max_context, 0)
+    if 0 < self.max_context < 16:
+      raise ValueError(f"max_context={self.max_context}: use 0 (the model's positions) or "
+                       ">= 16")
     if self.num_envs % self.group_size:
       raise ValueError(f"num_envs={self.num_envs} is not a multiple of "
                        f"group_size={self.group_size}")

@@ -68,7 +68,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
       config, rollout=dataclasses.replace(config.rollout, num_envs=batch_size, group_size=1))
   envs = build_envs(eval_config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test")
   settings = RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
-                           max_context=config.rollout.max_context)
+                           max_context=config.rollout.max_context or None)
   episodes = []
   bar = None
   if progress:

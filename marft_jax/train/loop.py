@@ -276,7 +276,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   bar = _progress(progress, start, config.iterations)
   rollout_settings = RolloutConfig(context_mode=config.rollout.context_mode,
                                    horizon=config.task.horizon,
-                                   max_context=config.rollout.max_context)
+                                   max_context=config.rollout.max_context or None)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
       old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,

@@ -209,6 +209,15 @@ def test_env_order_is_seeded_and_failures_are_counted(model):
   overflow = _play(model, _team(), max_context=40)  # the prompt alone is longer
   assert overflow.metrics["context_overflow"] == E and overflow.metrics["dropped"] == E
   assert all(e.dropped == "context_overflow" for e in overflow.episodes)
+  # The default limit is the model's own positions (RoPE: shorter ones change no parameter).
+  short = model["config"].replace(max_position_embeddings=40)
+  capped = rollout_lib.rollout(envs.EnvBatch(lambda i: envs.EchoEnv(graded=["actor"]), E),
+                               _team(), None, model["fast"], short, model["tokenizer"],
+                               jax.random.key(5), lora=model["lora"])
+  assert capped.metrics["context_overflow"] == E
+  with pytest.raises(ValueError, match="max_context=2048 exceeds the model's "
+                                       "max_position_embeddings=1024"):
+    _play(model, _team(), max_context=2048)
 
   class Broken(envs.EchoEnv):
     def step(self, actions):
