@@ -11,7 +11,9 @@
   * a bad override (`--config.xyz=1`, `--config.seed=abc`) or a value the typed config refuses
     is one line naming the key, and exit status 2, instead of a traceback;
   * INFO logs (e.g. JAX's "Unable to initialize backend 'tpu'") stay off the progress bars;
-    `--verbosity=0` brings them back.
+    `--verbosity=0` brings them back;
+  * `--compilation_cache=DIR` keeps XLA's compiled programs in DIR (JAX's persistent cache), so
+    a relaunch (a resume, an eval after training) loads them instead of compiling again.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from marft_jax.configs import from_config_dict
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", "", "a folder for JAX's persistent cache of compiled programs, shared "
+    "by later launches (a resume, an eval); empty: off")
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
 _default_config_path = ""  # set by define_config_flag
 
@@ -75,6 +80,8 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
       logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _COMPILATION_CACHE.value:
+      enable_compilation_cache(_COMPILATION_CACHE.value)
     try:
       config = from_config_dict(config_cls, config_flag.value)
     except (ValueError, OSError) as e:  # OSError: the config file failed to load
@@ -82,6 +89,18 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
     main(config)
 
   app.run(typed_main, flags_parser=parse)
+
+
+def enable_compilation_cache(folder: str) -> None:
+  """JAX's persistent compilation cache in `folder` (made if missing). JAX keeps only programs
+  that took longer than `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` (default 1 s) to compile:
+  the model's, not the many small eager ones."""
+  try:
+    os.makedirs(folder, exist_ok=True)
+  except OSError as e:
+    fail(f"--compilation_cache={folder}: {e.strerror}")
+  import jax  # here: importing jax early would start its logging before absl's flags
+  jax.config.update("jax_compilation_cache_dir", folder)
 
 
 def fail(message: str) -> None:
@@ -99,7 +118,8 @@ def _help_text(argv: list[str], config_cls: type) -> str:
   lines = [(sys.modules["__main__"].__doc__ or "").strip(), "",
            f"Config fields (file {os.path.relpath(path)}; override as --config.<key>=<value>):"]
   lines += _field_lines(config_cls, config)
-  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs)."]
+  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs),",
+            "--compilation_cache=<folder> (keep compiled programs for later launches)."]
   return "\n".join(lines)
 
 

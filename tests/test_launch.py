@@ -11,8 +11,8 @@ from marft_jax.models import tiny
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args, timeout=300):
-  env = dict(os.environ, XLA_FLAGS="")  # one CPU device, as a user's machine has
+def _run(*args, timeout=300, **env_changes):
+  env = dict(os.environ, XLA_FLAGS="", **env_changes)  # one CPU device, as a user's machine has
   return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
@@ -57,3 +57,19 @@ def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):
   # stderr holds the progress bars and nothing else (no absl/JAX log lines inside them).
   for segment in out.stderr.replace("\r", "\n").splitlines():
     assert not segment.strip() or segment.startswith(("loading ", "generating ")), segment
+
+
+def test_compilation_cache_is_written_then_reused(tiny_model, tmp_path):
+  """The second launch finds the first launch's programs in the cache and adds none."""
+  cache = tmp_path / "xla"
+  args = [f"--config.model={tiny_model}", "--config.prompt=Hi",
+          "--config.sampling.max_new_tokens=4", f"--compilation_cache={cache}"]
+  first = _run(*args, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # tiny: fast compiles
+  assert first.returncode == 0, first.stderr
+  written = sorted(os.listdir(cache))
+  assert written, "no program was cached"
+  second = _run(*args, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_LOG_COMPILES="1")
+  assert second.returncode == 0, second.stderr
+  assert "Persistent compilation cache hit" in second.stderr  # logged under JAX_LOG_COMPILES
+  assert sorted(os.listdir(cache)) == written
+  assert second.stdout == first.stdout  # same seed, same program: the same answer
