@@ -53,6 +53,42 @@ class TrainBatch:
   turn_return: np.ndarray  # [B, K] f32
   turn_old_value: np.ndarray  # [B, K] f32
 
+
+PAD_TOKEN = "pad_id"  # `PADDING`'s marker for the tokenizer's pad id
+# Every field's width after the row axis ("T" tokens, "K" turns, "P" trained positions, None:
+# a [B] field), dtype, and the value its padding holds: a padding row or column is masked out
+# of every loss (`make_batch` fills real rows over these; multi-process blocks pad with them).
+PADDING = {
+    "tokens": ("T", np.int32, PAD_TOKEN),
+    "mask": ("T", np.bool_, False),
+    "adapter_ids": ("T", np.int32, -1),
+    "act_mask": ("T", np.bool_, False),
+    "act_agent": ("T", np.int32, -1),
+    "act_turn": ("T", np.int32, -1),
+    "act_temperature": ("T", np.float32, 1.0),
+    "act_behaviour_logp": ("T", np.float32, 0.0),
+    "act_positions": ("P", np.int32, -1),
+    "turn_valid": ("K", np.bool_, False),
+    "turn_agent": ("K", np.int32, -1),
+    "turn_value_pos": ("K", np.int32, 0),
+    "turn_length": ("K", np.int32, 0),
+    "row_episode": (None, np.int32, -1),
+    "act_advantage": ("T", np.float32, 0.0),
+    "act_return": ("T", np.float32, 0.0),
+    "act_old_value": ("T", np.float32, 0.0),
+    "turn_advantage": ("K", np.float32, 0.0),
+    "turn_return": ("K", np.float32, 0.0),
+    "turn_old_value": ("K", np.float32, 0.0),
+}
+
+
+def padding_fields(num_rows: int, T: int, K: int, P: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Every `TrainBatch` field as a [num_rows] or [num_rows, T | K | P] array of padding."""
+  sizes = {"T": T, "K": K, "P": P}
+  return {name: np.full((num_rows,) if width is None else (num_rows, sizes[width]),
+                        pad_id if fill == PAD_TOKEN else fill, dtype)
+          for name, (width, dtype, fill) in PADDING.items()}
+
   @property
   def shape(self) -> tuple[int, int]:
     return self.tokens.shape
@@ -113,20 +149,10 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
   B = max(num_rows, len(rows))
   T = bucket_length(max(len(a["tokens"]) for _, a, _ in rows))
   K = max(max_turns, max(len(spans) for _, _, spans in rows), 1)
-  b = {name: np.zeros((B, T), dtype) for name, dtype in (
-      ("tokens", np.int32), ("mask", bool), ("act_mask", bool), ("act_temperature", np.float32),
-      ("act_behaviour_logp", np.float32))}
-  b["tokens"][:] = pad_id
-  b["act_temperature"][:] = 1.0
-  for name in ("adapter_ids", "act_agent", "act_turn"):
-    b[name] = np.full((B, T), -1, np.int32)
-  turn = {"turn_valid": np.zeros((B, K), bool), "turn_agent": np.full((B, K), -1, np.int32),
-          "turn_value_pos": np.zeros((B, K), np.int32),
-          "turn_length": np.zeros((B, K), np.int32)}
-  row_episode = np.full((B,), -1, np.int32)
+  b = padding_fields(B, T, K, 0, pad_id)  # P is known once the rows are in
   for r, (e, a, spans) in enumerate(rows):
     n = len(a["tokens"])
-    row_episode[r] = e
+    b["row_episode"][r] = e
     b["tokens"][r, :n], b["mask"][r, :n] = a["tokens"], True
     b["adapter_ids"][r, :n] = a["adapter_ids"]
     # Action frame: decision t emits token t + 1.
@@ -142,13 +168,9 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
       if span.start == 0:
         raise ValueError("a reply starts a sequence: no prompt conditions it")
       b["act_turn"][r, span.start - 1:span.end - 1] = k
-      turn["turn_valid"][r, k] = True
-      turn["turn_agent"][r, k] = span.agent
-      turn["turn_value_pos"][r, k] = span.start - 1
-      turn["turn_length"][r, k] = span.end - span.start
-  zeros_bt, zeros_bk = np.zeros((B, T), np.float32), np.zeros((B, K), np.float32)
-  return TrainBatch(**b, **turn, row_episode=row_episode,
-                    act_positions=act_positions(b["act_mask"]), act_advantage=zeros_bt,
-                    act_return=zeros_bt.copy(), act_old_value=zeros_bt.copy(),
-                    turn_advantage=zeros_bk, turn_return=zeros_bk.copy(),
-                    turn_old_value=zeros_bk.copy())
+      b["turn_valid"][r, k] = True
+      b["turn_agent"][r, k] = span.agent
+      b["turn_value_pos"][r, k] = span.start - 1
+      b["turn_length"][r, k] = span.end - span.start
+  b["act_positions"] = act_positions(b["act_mask"])
+  return TrainBatch(**b)

@@ -5,8 +5,8 @@ Process p of P owns the p-th block of B/P rows of the global [B, ...] batch
 The blocks must share one shape, so the processes agree on the widths first: T tokens, K turns
 and P trained positions a row, the maxima over the processes, which are what `make_batch`
 would bucket for all the episodes at once (its buckets grow with the longest row). Each block
-is then padded to them with `make_batch`'s own padding values (`PADDING`); a process with no
-episode to train contributes a block of padding rows, masked out of every loss.
+is then padded to them with `make_batch`'s own padding values (`batching.PADDING`); a process
+with no episode to train contributes a block of padding rows, masked out of every loss.
 
     block = local_block(my_kept_episodes, pad_id, rows_per_process)   # a collective
     on_devices = jax.tree.map(process_rows.put, block)                 # the global batch
@@ -20,34 +20,7 @@ import numpy as np
 
 from marft_jax import multihost
 from marft_jax.rollout.episode import Episode
-from marft_jax.train.batching import TrainBatch, make_batch
-
-PAD_TOKEN = "pad_id"  # `PADDING`'s marker for the tokenizer's pad id
-
-# Per field: its width after the row axis ("T", "K", "P" or None for [B]), dtype, padding.
-PADDING = {
-    "tokens": ("T", np.int32, PAD_TOKEN),
-    "mask": ("T", np.bool_, False),
-    "adapter_ids": ("T", np.int32, -1),
-    "act_mask": ("T", np.bool_, False),
-    "act_agent": ("T", np.int32, -1),
-    "act_turn": ("T", np.int32, -1),
-    "act_temperature": ("T", np.float32, 1.0),
-    "act_behaviour_logp": ("T", np.float32, 0.0),
-    "act_positions": ("P", np.int32, -1),
-    "turn_valid": ("K", np.bool_, False),
-    "turn_agent": ("K", np.int32, -1),
-    "turn_value_pos": ("K", np.int32, 0),
-    "turn_length": ("K", np.int32, 0),
-    "row_episode": (None, np.int32, -1),
-    "act_advantage": ("T", np.float32, 0.0),
-    "act_return": ("T", np.float32, 0.0),
-    "act_old_value": ("T", np.float32, 0.0),
-    "turn_advantage": ("K", np.float32, 0.0),
-    "turn_return": ("K", np.float32, 0.0),
-    "turn_old_value": ("K", np.float32, 0.0),
-}
-
+from marft_jax.train.batching import TrainBatch, make_batch, padding_fields
 
 def widths(batch: Optional[TrainBatch]) -> tuple[int, int, int]:
   """(T, K, P) of a batch; zeros for none."""
@@ -59,16 +32,12 @@ def widths(batch: Optional[TrainBatch]) -> tuple[int, int, int]:
 def pad_batch(batch: Optional[TrainBatch], num_rows: int, T: int, K: int, P: int,
               pad_id: int) -> TrainBatch:
   """`batch` (rows ≤ num_rows, widths ≤ T, K, P; None: no rows) padded to [num_rows, T],
-  [num_rows, K] and [num_rows, P] with `make_batch`'s padding values."""
-  sizes = {"T": T, "K": K, "P": P, None: None}
-  fields = {}
-  for name, (width, dtype, fill) in PADDING.items():
-    shape = (num_rows,) if width is None else (num_rows, sizes[width])
-    out = np.full(shape, pad_id if fill == PAD_TOKEN else fill, dtype)
-    if batch is not None:
+  [num_rows, K] and [num_rows, P] with `make_batch`'s padding values (`batching.PADDING`)."""
+  fields = padding_fields(num_rows, T, K, P, pad_id)
+  if batch is not None:
+    for name, out in fields.items():
       value = np.asarray(getattr(batch, name))
       out[tuple(slice(0, n) for n in value.shape)] = value
-    fields[name] = out
   return TrainBatch(**fields)
 
 

@@ -16,7 +16,7 @@ import pytest
 from marft_jax import envs, multihost, rollout as rollout_lib, sharding
 from marft_jax.rollout.episode import Episode, TokenSequence
 from marft_jax.train import config as config_lib
-from marft_jax.train import local_batch
+from marft_jax.train import batching, local_batch
 from marft_jax.train.advantages import AdvantageConfig, Blocks, compute_advantages
 from marft_jax.train.batching import TrainBatch, make_batch
 from tests.rollout.test_rollout import _team, model  # noqa: F401 (a fixture)
@@ -81,14 +81,14 @@ def _episode(index, rng, num_agents=2):
 
 
 def test_padding_matches_make_batchs_own_padding_rows():
-  assert set(local_batch.PADDING) == {f.name for f in dataclasses.fields(TrainBatch)}
+  assert set(batching.PADDING) == {f.name for f in dataclasses.fields(TrainBatch)}
   rng = np.random.default_rng(0)
   episodes = [_episode(i, rng) for i in range(3)]
   reference = make_batch(episodes, pad_id=7, num_rows=10)  # rows 6..9 are padding
   T, K, P = local_batch.widths(reference)
   padded = local_batch.pad_batch(make_batch(episodes, pad_id=7), 10, T, K, P, pad_id=7)
   blank = local_batch.pad_batch(None, 4, T, K, P, pad_id=7)
-  for name in local_batch.PADDING:
+  for name in batching.PADDING:
     x, y = np.asarray(getattr(padded, name)), np.asarray(getattr(reference, name))
     assert x.dtype == y.dtype, name
     np.testing.assert_array_equal(x, y, err_msg=name)
