@@ -106,13 +106,15 @@ def token_logp_and_entropy(params, policy, batch: TrainBatch, model_config: Mode
   h = jnp.take_along_axis(h, at[..., None], axis=1)  # [B, P, D]
   logits = transformer.logits_from_hidden(params, h, model_config)
   logits = logits / pick(batch.act_temperature)[..., None]
-  logp_all = jax.nn.log_softmax(logits, axis=-1)
+  # log p = logit - logsumexp and H = logsumexp - Σ p·logit: no [B, P, V] log-softmax is
+  # materialised (forward or backward), only the normaliser and, for H, one fused pass.
+  lse = jax.nn.logsumexp(logits, axis=-1)  # [B, P]
   next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)
-  logp = jnp.take_along_axis(logp_all, pick(next_tokens)[..., None], axis=-1)[..., 0]
+  logp = jnp.take_along_axis(logits, pick(next_tokens)[..., None], axis=-1)[..., 0] - lse
   entropy = jnp.zeros_like(logp)
   if with_entropy:
-    p = jnp.exp(logp_all)
-    entropy = -jnp.sum(jnp.where(p > 0, p * logp_all, 0.0), axis=-1)
+    p = jnp.exp(logits - lse[..., None])
+    entropy = lse - jnp.sum(p * logits, axis=-1)
   rows, cols = jnp.arange(B)[:, None], jnp.where(valid, at, T)  # T: dropped
   scatter = lambda x: jnp.zeros((B, T), x.dtype).at[rows, cols].set(x, mode="drop")
   return scatter(logp), scatter(entropy)
