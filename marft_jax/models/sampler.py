@@ -391,8 +391,9 @@ def _one_adapter(lora: Optional[Adapters], ids: np.ndarray, rows=None
                  ) -> tuple[Optional[Adapters], np.ndarray]:
   """When every row uses the same adapter (or none), that adapter alone and ids in {0, -1}:
   the model then takes the single-adapter route (plain matmuls instead of gathering each
-  row's factors), a third of a LoRA decode step's overhead. The processes of a multi-process
-  job agree on the choice (the compiled programs, and so the samples, must not differ)."""
+  row's factors): SmolLM2's LoRA overhead at batch 16 fell from 16 % to 7 % of a decode step
+  and from 25-30 % to 11-21 % of a prompt. The processes of a multi-process job agree on the
+  choice (the compiled programs, and so the samples, must not differ)."""
   if lora is None or lora.num_adapters == 1:
     return lora, ids
   used = ids[ids >= 0]
