@@ -28,9 +28,9 @@ environment that raises (`"env_error: ..."`). The run goes on.
 Shapes stay few, so the sampler compiles a handful of times per run: the batch is always the
 batch of environments (× the widest graph layer in the per-agent view), the number of new
 tokens is bucketed once for the team, and a shared stream's cache starts at its first call's
-size and grows to the next quarter octave (`sampler.bucket`) when a turn would not fit (slots are not reserved up
-front: every decode step attends over all of a cache's slots, so a cache sized for
-`max_context` would make every turn pay for the longest possible episode).
+size and grows to the next quarter octave (`sampler.bucket`) when a turn would not fit (slots
+are not reserved up front: every decode step attends over all of a cache's slots, so a cache
+sized for `max_context` would make every turn pay for the longest possible episode).
 """
 
 from __future__ import annotations
