@@ -1,11 +1,15 @@
 """Folding one adapter into the base kernels, and taking it back out.
 
 A merged model runs at the base model's cost (no LoRA branch): the fast path for single-agent
-inference. Base parameter paths never move; only the target kernels change::
+inference (the sampler merges a call's one adapter this way, see `sampler.generate`). Base
+parameter paths never move; only the target kernels change::
 
     merged = merge_adapter(params, adapters, index=2)
     merged["layers"]["q_proj"]["kernel"]   # [L, D, H*E] = kernel + scale * a[:, 2] @ b[:, 2]
     unmerge_adapter(merged, adapters, index=2)   # the original kernels, to float rounding
+
+Params in any `layout.Layout` are accepted (pass it): a layer list (unrolled) gets layer l's
+slice of the delta, feature-major kernels [out, in] its transpose.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.lora.routing import Adapters
+from marft_jax.models.layout import TRAINING, Layout
 
 
 def adapter_kernel_deltas(adapters: Adapters, index: int) -> dict[str, jax.Array]:
@@ -23,21 +28,35 @@ def adapter_kernel_deltas(adapters: Adapters, index: int) -> dict[str, jax.Array
           for name, w in adapters.layers.items()}
 
 
-def merge_adapter(params: dict, adapters: Adapters, index: int = 0) -> dict:
-  """The base tree with adapter `index` added into its target kernels (in the kernels' dtype)."""
-  return _shift_kernels(params, adapter_kernel_deltas(adapters, index), sign=1.0)
+def merge_adapter(params: dict, adapters: Adapters, index: int = 0,
+                  layout: Layout = TRAINING) -> dict:
+  """The base tree (in `layout`) with adapter `index` added into its target kernels, in the
+  kernels' dtype. A bfloat16 base loses every part of the delta below its rounding: merge
+  into float32 weights when the merged model must equal the routed one."""
+  return _shift_kernels(params, adapter_kernel_deltas(adapters, index), 1.0, layout)
 
 
-def unmerge_adapter(params: dict, adapters: Adapters, index: int = 0) -> dict:
+def unmerge_adapter(params: dict, adapters: Adapters, index: int = 0,
+                    layout: Layout = TRAINING) -> dict:
   """Inverse of `merge_adapter`: subtracts adapter `index` from the target kernels."""
-  return _shift_kernels(params, adapter_kernel_deltas(adapters, index), sign=-1.0)
+  return _shift_kernels(params, adapter_kernel_deltas(adapters, index), -1.0, layout)
 
 
-def _shift_kernels(params, deltas, sign):
-  layers = dict(params["layers"])
-  for name, delta in deltas.items():
-    kernel = layers[name]["kernel"]
-    # The sum is formed in float32 so that a bfloat16 base loses only the final rounding.
-    shifted = kernel.astype(jnp.float32) + sign * delta
-    layers[name] = dict(layers[name], kernel=shifted.astype(kernel.dtype))
+def _shift_kernels(params, deltas, sign, layout):
+  if layout.feature_major:  # kernels [out, in]
+    deltas = {name: jnp.swapaxes(delta, -1, -2) for name, delta in deltas.items()}
+
+  def shift(layer, layer_deltas):
+    layer = dict(layer)
+    for name, delta in layer_deltas.items():
+      kernel = layer[name]["kernel"]
+      # The sum is formed in float32 so that a bfloat16 base loses only the final rounding.
+      shifted = kernel.astype(jnp.float32) + sign * delta
+      layer[name] = dict(layer[name], kernel=shifted.astype(kernel.dtype))
+    return layer
+
+  if layout.scan_layers:
+    return dict(params, layers=shift(params["layers"], deltas))
+  layers = [shift(layer, {name: delta[i] for name, delta in deltas.items()})
+            for i, layer in enumerate(params["layers"])]
   return dict(params, layers=layers)

@@ -35,3 +35,21 @@ def test_kernel_delta_is_scale_a_b():
   expected = adapters.scale * np.einsum("lir,lro->lio", w["a"][:, 1], w["b"][:, 1])
   np.testing.assert_allclose(lora.adapter_kernel_deltas(adapters, 1)["up_proj"], expected,
                              atol=1e-6)
+
+
+def test_merge_in_every_layout_equals_the_training_layout_merge(params):
+  """An unrolled or feature-major tree gets each layer's slice of the delta, transposed as its
+  kernels are: converting the training-layout merge gives the same tree."""
+  from marft_jax.models import layout
+  adapters = random_adapters(2, targets="q_proj|up_proj|down_proj")
+  expected = lora.merge_adapter(params, adapters, index=1)
+  for dst in (layout.DECODING, layout.Layout(scan_layers=False, feature_major=False),
+              layout.Layout(scan_layers=True, feature_major=True)):
+    moved = layout.convert_params(params, layout.TRAINING, dst)
+    merged = lora.merge_adapter(moved, adapters, index=1, layout=dst)
+    back = layout.convert_params(merged, dst, layout.TRAINING)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=0), back,
+                 expected)
+    restored = lora.unmerge_adapter(merged, adapters, index=1, layout=dst)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=0), restored,
+                 moved)

@@ -142,7 +142,9 @@ def test_shared_stream_cache_holds_what_the_turns_use(model, monkeypatch):
   result = _play(model, _team(), context_mode="shared_stream", max_context=1024)
   assert result.metrics["dropped"] == 0 and len(calls) == 2
   needed = sum(width for width, _ in calls)  # padded chunks + bucketed replies, all turns
-  assert calls[0][1] == calls[0][0]  # fresh: the first call's chunk and replies
+  # Fresh: the first call's chunk and replies (a prefix that the rows share is bucketed on
+  # its own, `sampler.generate(share_prefix=)`: that can shift the total by a bucket step).
+  assert calls[0][1] <= calls[0][0] + sampler.MIN_PROMPT_BUCKET
   assert calls[-1][1] <= sampler.bucket(needed, sampler.MIN_PROMPT_BUCKET, 4) < 1024
 
 

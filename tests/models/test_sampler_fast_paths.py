@@ -1,0 +1,144 @@
+"""The sampler's two shortcuts against the plain path: a shared prompt prefix encoded once, and
+a call's one adapter merged into the weights. Each must give the plain path's samples."""
+
+import jax
+import numpy as np
+import pytest
+
+from marft_jax.models import layout, sampler, transformer
+from marft_jax.models.config import tiny_config
+from tests.models.test_sampler import _random_adapters
+
+CONFIG = tiny_config()
+FAST = CONFIG.replace(layout=layout.DECODING)
+V = CONFIG.vocab_size
+PREFIX = 18  # shared tokens: at least MIN_SHARED_PREFIX, and not a bucket size (20 is)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return transformer.init_params(CONFIG, jax.random.key(0), std=0.1)
+
+
+@pytest.fixture(scope="module")
+def fast_params(params):
+  return layout.convert_params(params, CONFIG.layout, FAST.layout)
+
+
+def _prompts(lens, seed=0):
+  """Right-padded rows that open with the same PREFIX tokens, then differ (len 0: idle)."""
+  rng = np.random.default_rng(seed)
+  head = rng.integers(0, V, PREFIX)
+  tokens = rng.integers(0, V, (len(lens), max(lens)))
+  tokens[:, :PREFIX] = head
+  return tokens, np.asarray(lens)
+
+
+def _count_calls(monkeypatch, name):
+  calls = []
+  original = getattr(sampler, name)
+  monkeypatch.setattr(sampler, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+  return calls
+
+
+def _assert_same(a, b):
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+  np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("config_name", ["training", "decoding"])
+def test_a_shared_prefix_encoded_once_samples_as_every_row_encoded(
+    params, fast_params, monkeypatch, config_name):
+  config, weights = (CONFIG, params) if config_name == "training" else (FAST, fast_params)
+  tokens, lens = _prompts([25, 19, 0, 31])  # row 2 sits out
+  max_new = np.array([9, 12, 0, 5])
+  gen = lambda **kw: sampler.generate(weights, tokens, config, prompt_lens=lens,
+                                      max_new_tokens=max_new, rng=jax.random.key(3),
+                                      temperature=1.0, eos_ids=[1], cache_size=96, **kw)
+  encoded = _count_calls(monkeypatch, "_encode_shared_prefix")
+  plain = gen(share_prefix=False)
+  assert not encoded
+  shared = gen()
+  assert len(encoded) == 1
+  _assert_same(shared, plain)
+  # The idle row holds no context; the others hold their prompt and replies.
+  valid = np.asarray(shared.cache.valid).sum(axis=1)
+  np.testing.assert_array_equal(valid, np.asarray(plain.cache.valid).sum(axis=1))
+  assert valid[2] == 0
+  # Both caches continue alike (the next agent's turn).
+  chunk = np.random.default_rng(5).integers(0, V, (4, 7))
+  more = lambda cache: sampler.generate(weights, chunk, config, prompt_lens=[7, 3, 5, 1],
+                                        max_new_tokens=6, rng=jax.random.key(4),
+                                        temperature=1.0, cache=cache)
+  _assert_same(more(shared.cache), more(plain.cache))
+
+
+def test_short_or_unshared_prefixes_take_the_plain_path(params, monkeypatch):
+  encoded = _count_calls(monkeypatch, "_encode_shared_prefix")
+  tokens, _ = _prompts([30, 30])
+  gen = lambda t, lens: sampler.generate(params, t, CONFIG, prompt_lens=lens, max_new_tokens=4,
+                                         rng=jax.random.key(0))
+  gen(tokens, [sampler.MIN_SHARED_PREFIX, 30])  # row 0 keeps one token after 15 shared
+  tokens[1, 3] = (tokens[0, 3] + 1) % V  # the rows part after 3 tokens
+  gen(tokens, [30, 30])
+  assert not encoded
+
+
+def test_rows_of_different_adapters_never_share_a_prefix(fast_params, monkeypatch):
+  """The prefix's keys depend on the adapter: rows with the same tokens through adapters 0 and
+  1 each equal a batch of their own adapter, encoded in full."""
+  lora = _random_adapters(CONFIG)
+  tokens, lens = _prompts([24, 29, 21])
+  ids = np.array([0, 1, 0])
+  encoded = _count_calls(monkeypatch, "_encode_shared_prefix")
+  gen = lambda adapter_ids, **kw: sampler.generate(
+      fast_params, tokens, FAST, prompt_lens=lens, max_new_tokens=8, rng=jax.random.key(2),
+      temperature=0.0, lora=lora, adapter_ids=adapter_ids, **kw)
+  mixed = gen(ids)
+  assert not encoded
+  for b, adapter in enumerate(ids):
+    alone = gen(np.full(3, adapter), share_prefix=False, merge_lora=False)
+    np.testing.assert_array_equal(np.asarray(alone.tokens[b]), np.asarray(mixed.tokens[b]))
+    np.testing.assert_allclose(np.asarray(alone.logprobs[b]), np.asarray(mixed.logprobs[b]),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("config_name", ["training", "decoding"])
+def test_one_adapter_merged_into_the_weights_samples_as_routed(
+    params, fast_params, monkeypatch, config_name):
+  config, weights = (CONFIG, params) if config_name == "training" else (FAST, fast_params)
+  lora = _random_adapters(CONFIG)
+  tokens, lens = _prompts([25, 19, 0, 31])
+  max_new = np.array([9, 12, 0, 5])
+  gen = lambda **kw: sampler.generate(
+      weights, tokens, config, prompt_lens=lens, max_new_tokens=max_new,
+      rng=jax.random.key(3), temperature=1.0, lora=lora, adapter_ids=np.array([1, 1, -1, 1]),
+      **kw)
+  merged = _count_calls(monkeypatch, "_merged")
+  routed = gen(merge_lora=False)
+  assert not merged
+  _assert_same(gen(), routed)
+  assert len(merged) == 1
+  # Not the base model's samples: the adapter is in there.
+  base = sampler.generate(weights, tokens, config, prompt_lens=lens, max_new_tokens=max_new,
+                          rng=jax.random.key(3), temperature=1.0)
+  assert np.any(np.asarray(base.tokens) != np.asarray(routed.tokens))
+
+
+def test_a_busy_base_row_or_bfloat16_weights_keep_the_adapter_routed(params, monkeypatch):
+  """Merged weights would give a row routed to the base (id -1) the adapter too; and rounded
+  into bfloat16 kernels the delta would be lost."""
+  lora = _random_adapters(CONFIG, num_adapters=1)
+  tokens, lens = _prompts([25, 19, 31])
+  merged = _count_calls(monkeypatch, "_merged")
+  ids = np.array([0, -1, 0])
+  gen = lambda w, config, adapter_ids: sampler.generate(
+      w, tokens, config, prompt_lens=lens, max_new_tokens=8, rng=jax.random.key(1),
+      temperature=0.0, lora=lora, adapter_ids=adapter_ids)
+  out = gen(params, CONFIG, ids)
+  base = gen(params, CONFIG, np.full(3, -1))
+  np.testing.assert_array_equal(np.asarray(out.tokens[1]), np.asarray(base.tokens[1]))
+  bf16 = CONFIG.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  gen(jax.tree.map(lambda x: x.astype("bfloat16"), params), bf16, np.zeros(3, int))
+  assert not merged
