@@ -87,7 +87,9 @@ def overrides(arm: str, seed: int, sweep: dict = SWEEP) -> list[str]:
            "optimizer.minibatches": sweep["minibatches"],
            "iterations": sweep["iterations"],
            "checkpoint_every": sweep["checkpoint_every"],
-           "task.eval_problems": sweep["eval_problems"]}
+           "task.eval_problems": sweep["eval_problems"],
+           # held-out curves come from launch.eval at `curve_points`, not from the loop
+           "eval_every": 0}
   if spec.agents == 1:
     flags["team.last_max_new_tokens"] = sweep["reasoner_tokens"] + sweep["actor_tokens"]
   else:

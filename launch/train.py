@@ -54,8 +54,11 @@ def main(config: TrainConfig) -> None:
     cli.fail(f"config.{e}")
   metrics = train(config, _WORKDIR.value)
   if multihost.is_primary():
+    heldout = metrics.get("heldout/accuracy")
     print(f"iterations={config.iterations} reward={metrics.get('reward', float('nan')):.4f} "
-          f"accuracy={metrics.get('accuracy', float('nan')):.4f} workdir={_WORKDIR.value}")
+          f"accuracy={metrics.get('accuracy', float('nan')):.4f}"
+          + ("" if heldout is None else f" heldout_accuracy={heldout:.4f}")
+          + f" workdir={_WORKDIR.value}")
 
 
 if __name__ == "__main__":

@@ -53,16 +53,16 @@ def greedy_team(config: TrainConfig):
 
 def play(config: TrainConfig, model, policy: Optional[Any] = None,
          num_problems: Optional[int] = None, batch_size: int = 32,
-         progress: bool = False) -> list:
+         progress: bool = False, rollout_weights: Optional[tuple] = None) -> list:
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
-  played greedily by the config's team with `policy` (None: adapters off)."""
-  # TODO(loop.py owner): `_rollout_model` is private to loop.py; make it public and use it here.
-  from marft_jax.train.loop import _rollout_model, build_envs
+  played greedily by the config's team with `policy` (None: adapters off).
+  `rollout_weights`: `loop.rollout_model(model, config)` if the caller has it (else made)."""
+  from marft_jax.train.loop import build_envs, rollout_model
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
   team, structure = greedy_team(config)
-  params, model_config = _rollout_model(model, config)
+  params, model_config = rollout_weights or rollout_model(model, config)
   batch_size = min(batch_size, total)
   eval_config = dataclasses.replace(
       config, rollout=dataclasses.replace(config.rollout, num_envs=batch_size, group_size=1))
@@ -92,9 +92,9 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
 
 def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
              num_problems: Optional[int] = None, batch_size: int = 32,
-             progress: bool = False) -> dict:
+             progress: bool = False, rollout_weights: Optional[tuple] = None) -> dict:
   """The metrics of the module docstring on `num_problems` held-out tasks (see `play`)."""
-  episodes = play(config, model, policy, num_problems, batch_size, progress)
+  episodes = play(config, model, policy, num_problems, batch_size, progress, rollout_weights)
   return summarize(episodes, greedy_team(config)[0])
 
 

@@ -49,6 +49,7 @@ from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
 from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
 from marft_jax.train import critic as critic_lib
+from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import optim
 from marft_jax.train.advantages import Blocks, compute_advantages
 from marft_jax.train.batching import make_batch, per_row_adapters
@@ -135,7 +136,9 @@ def load(config: TrainConfig) -> Model:
   return Model(params, model_config, tokenizer)
 
 
-def _rollout_model(model: Model, config: TrainConfig):
+def rollout_model(model: Model, config: TrainConfig):
+  """(params, model config) in `model.rollout_layout`'s layout: what the sampler runs (a copy
+  of the weights in the decoding layout on CPU; made once per run)."""
   choice = config.model.rollout_layout
   layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
             "training": layout_lib.TRAINING}[choice]
@@ -241,7 +244,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   model = _with_remat(model, config.model.remat)
   team, structure = build_team(config)
   num_agents = len(team) + (1 if structure is not None else 0)
-  rollout_params, rollout_config = _rollout_model(model, config)
+  rollout_params, rollout_config = rollout_model(model, config)
   # Several processes: each plays the environments whose sampler rows its devices hold.
   layout = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
   envs = build_envs(config, team, seed=config.seed,
@@ -262,7 +265,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   checkpointer = Checkpointer(workdir, max_to_keep=config.max_to_keep)
   if checkpointer.latest_step() is not None:
     state, meta = checkpointer.restore(state, config=config_dict,
-                                       may_differ=("iterations", "checkpoint_every", "mesh"),
+                                       may_differ=("iterations", "checkpoint_every", "mesh",
+                                                   "eval_every", "eval_episodes"),
                                        defaults=to_config_dict(TrainConfig()).to_dict())
     start = int(meta["iteration"])
     envs.load_state_dict(meta["envs"])
@@ -273,6 +277,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   pad = model.tokenizer.pad_token_id
   pad = model.tokenizer.eos_token_id if pad is None else pad
   metrics: dict = {}
+  shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
   bar = _progress(progress, start, config.iterations)
   rollout_settings = RolloutConfig(context_mode=config.rollout.context_mode,
                                    horizon=config.task.horizon,
@@ -282,10 +287,15 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
       old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
+  heldout = functools.partial(_heldout, config=config, model=model,
+                              weights=(rollout_params, rollout_config))
   try:
     with PreemptionFlag() as preempt, checkpointer:
       for iteration in range(start, config.iterations):
         key = jax.random.fold_in(jax.random.key(config.seed), iteration)
+        # Held-out accuracy of the policy this iteration samples with (at 0: the untuned team).
+        evaluated = heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
+        shown.update(evaluated)
         t0 = time.perf_counter()
         result = rollout(envs, team, structure, rollout_params, rollout_config,
                          model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
@@ -303,14 +313,20 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
           state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
                                         pad_id=pad)
         t2 = time.perf_counter()
-        metrics = _iteration_metrics(result, update_metrics, team, t0, t1, t2)
+        metrics = {**_iteration_metrics(result, update_metrics, team, t0, t1, t2), **evaluated}
         writer.write(iteration, metrics)
         if bar is not None:
           bar.update(1)
-          bar.set_postfix(reward=f"{metrics['reward']:.3f}")
+          bar.set_postfix(_postfix(metrics, shown))
         if on_iteration is not None:
           on_iteration(iteration, metrics)
         done = iteration + 1 == config.iterations
+        if done and config.eval_every:  # the trained policy, before the final checkpoint
+          final = heldout(state.policy, iteration + 1)
+          writer.write(iteration + 1, final)
+          metrics = {**metrics, **final}
+          if bar is not None:
+            bar.set_postfix(_postfix(metrics, final))
         stop = multihost.any_process(preempt.requested)
         if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
           _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
@@ -369,6 +385,30 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   return state, metrics
 
 
+def _eval_due(config: TrainConfig, iteration: int) -> bool:
+  return config.eval_every > 0 and iteration % config.eval_every == 0
+
+
+def _heldout(policy, step, *, config, model, weights) -> dict:
+  """`evaluate` on `eval_episodes` held-out problems, greedy, as "heldout/<metric>" keys."""
+  start = time.perf_counter()
+  result = evaluate_lib.evaluate(config, model, policy, num_problems=config.eval_episodes,
+                                 rollout_weights=weights)
+  out = {f"heldout/{k}": float(v) for k, v in result.items()}
+  out["time/heldout_s"] = time.perf_counter() - start
+  logging.info("Held-out accuracy after %d iterations: %.3f (%d problems)", step,
+               out["heldout/accuracy"], config.eval_episodes)
+  return out
+
+
+def _postfix(metrics: dict, heldout: dict) -> dict:
+  """The progress bar's live figures: the sampled reward, and the latest held-out accuracy."""
+  shown = {"reward": f"{metrics['reward']:.3f}"}
+  if "heldout/accuracy" in heldout:
+    shown["heldout"] = f"{heldout['heldout/accuracy']:.3f}"
+  return shown
+
+
 def _per_row_adapters(batch, layout):
   """`per_row_adapters`; with several processes only if every process's block allows it
   (their blocks make one array: one shape)."""
@@ -393,7 +433,8 @@ def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, work
   writer.flush()
   plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
                        os.path.join(workdir, "learning_curve.png"),
-                       keys=("reward", "accuracy", "policy_loss", "value_loss"))
+                       keys=("reward", "accuracy", "heldout/accuracy", "policy_loss",
+                             "value_loss"))
 
 
 def _env_cursor(envs) -> dict:

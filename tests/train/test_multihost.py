@@ -142,6 +142,10 @@ def test_two_processes_train_like_one_process_on_eight_devices(runs):
   assert [sorted(row) for row in got] == [sorted(row) for row in expected]
   for row, ref in zip(got, expected):
     for key in ref:
+      if key == "logp/sampler_learner_max_gap":  # f32 rounding, so no ratio to compare: one
+        # process encodes a shared prompt prefix once (sampler.generate), several do not
+        assert row[key] < 1e-5 and ref[key] < 1e-5, (key, row[key], ref[key])
+        continue
       # Measured: 4.2e-6 (the loss of iteration 2), as before the processes split the envs.
       np.testing.assert_allclose(row[key], ref[key], rtol=1e-5, atol=1e-9, err_msg=key)
   for name in sorted(os.listdir(os.path.join(one, "transcripts"))):

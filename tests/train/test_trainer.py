@@ -41,14 +41,15 @@ def _metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-def _final_state(config, model, workdir):
-  """The state in `workdir`'s latest checkpoint, restored into the run's structure."""
+def _final_state(config, model, workdir, step=None):
+  """The state in `workdir`'s checkpoint `step` (default the latest), restored into the run's
+  structure."""
   team, structure = loop.build_team(config)
   policy_opt, critic_opt = loop._optimizers(config)
   template = loop.init_state(config, model, len(team) + (structure is not None), policy_opt,
                              critic_opt)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
-    return checkpointer.restore(template)[0], template
+    return checkpointer.restore(template, step=step)[0], template
 
 
 def _assert_trees_equal(a, b):
@@ -215,3 +216,24 @@ def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path)
     assert floats and all(d == np.float32 for d in floats), floats
   row = _metrics(tmp_path)[0]
   assert np.isfinite(row["loss"]) and row["entropy"] > 0, row
+
+
+def test_heldout_evaluation_during_training_is_evaluate_of_that_steps_policy(model, tmp_path):
+  """eval_every=2 over 3 iterations: the untuned team at step 0, then the policies after 2 and
+  3 updates (the last before the final checkpoint), each equal to `evaluate` run apart on the
+  adapters restored from that step's checkpoint."""
+  from marft_jax.train import evaluate
+  config = _echo_config("marft_a", num_envs=8, iterations=3, eval_every=2, eval_episodes=6,
+                        checkpoint_every=1)
+  loop.train(config, str(tmp_path), model=model, progress=False)
+  records = _metrics(tmp_path)
+  heldout = {r["step"]: {k[len("heldout/"):]: v for k, v in r.items() if k.startswith("heldout/")}
+             for r in records if "heldout/accuracy" in r}
+  assert sorted(heldout) == [0, 2, 3]
+  assert all("reward" in r for r in records if r["step"] < 3)  # merged into the iteration's
+  expected = {0: evaluate.evaluate(config, model, None, num_problems=6)}
+  for step in (2, 3):
+    state, _ = _final_state(config, model, tmp_path, step=step)
+    expected[step] = evaluate.evaluate(config, model, state.policy, num_problems=6)
+  for step, result in expected.items():
+    assert heldout[step] == pytest.approx({k: float(v) for k, v in result.items()}), step
