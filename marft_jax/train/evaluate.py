@@ -64,9 +64,9 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   team, structure = greedy_team(config)
   params, model_config = rollout_weights or rollout_model(model, config)
   batch_size = min(batch_size, total)
-  eval_config = dataclasses.replace(
-      config, rollout=dataclasses.replace(config.rollout, num_envs=batch_size, group_size=1))
-  envs = build_envs(eval_config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test")
+  # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
+  envs = build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
+                    num_envs=batch_size, group_size=1)
   settings = RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
                            max_context=config.rollout.max_context or None)
   episodes = []

@@ -104,9 +104,11 @@ def build_team(config: TrainConfig):
 
 
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
-               owned: Optional[range] = None):
+               owned: Optional[range] = None, num_envs: Optional[int] = None,
+               group_size: Optional[int] = None):
   """An `EnvBatch` of the task (a shared grading worker for math); `owned`: the environments
-  this process builds and steps (default all)."""
+  this process builds and steps (default all); `num_envs`, `group_size`: instead of the
+  config's rollout section (an evaluation plays one episode per task)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
   if task.name == "echo":
@@ -125,8 +127,8 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
           "gsm8k_style.jsonl"))
     grader = Grader()
     make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon, grader=grader)
-  return envs_lib.EnvBatch(make, config.rollout.num_envs, seed=seed,
-                           group_size=config.rollout.group_size, owned=owned)
+  return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
+                           group_size=group_size or config.rollout.group_size, owned=owned)
 
 
 def load(config: TrainConfig) -> Model:

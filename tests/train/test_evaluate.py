@@ -125,6 +125,22 @@ def test_arithmetic_is_evaluated_on_the_test_split_with_the_answer_format():
   assert summary["accuracy/actor"] == sum(i["gold"] == "1" for i in infos) / 4
 
 
+def test_a_grpo_team_is_evaluated_one_episode_per_task():
+  """GRPO trains on groups of rollouts of a task (its config refuses group_size 1); held-out
+  evaluation plays each task once, greedy, like every other algorithm's."""
+  model = scripted_model(ANSWER_1)
+  base = _config()
+  grpo = dataclasses.replace(config_lib.preset("grpo"), model=base.model, task=base.task,
+                             team=base.team,
+                             rollout=dataclasses.replace(config_lib.preset("grpo").rollout,
+                                                         max_context=256))
+  assert grpo.rollout.group_size > 1
+  episodes = evaluate_lib.play(grpo, model, num_problems=6, batch_size=3)
+  untuned = evaluate_lib.play(base, model, num_problems=6, batch_size=3)
+  assert [e.task for e in episodes] == [e.task for e in untuned]  # the same held-out tasks
+  assert len({e.task for e in episodes}) > 1  # not one task played by a group
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
   """A workdir holding a checkpoint (as the trainer writes one) of the answer-"0" repeater,
