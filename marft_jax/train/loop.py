@@ -436,7 +436,7 @@ def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, work
   plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
                        os.path.join(workdir, "learning_curve.png"),
                        keys=("reward", "accuracy", "heldout/accuracy", "policy_loss",
-                             "value_loss"))
+                             "value_loss"), unsmoothed=("heldout/accuracy",))
 
 
 def _env_cursor(envs) -> dict:

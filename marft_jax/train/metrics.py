@@ -137,16 +137,19 @@ def read_metrics(jsonl_path: StrPath) -> list[dict]:
 
 def plot_learning_curves(jsonl_path: StrPath, png_path: StrPath,
                          keys: Sequence[str] = ("reward",), title: Optional[str] = None,
-                         smoothing: float = 0.6) -> None:
+                         smoothing: float = 0.6, unsmoothed: Sequence[str] = ()) -> None:
   """One panel per key against step: raw points and an exponentially smoothed line.
 
   A key with no finite value yet gets an empty panel saying so (the trainer refreshes the
-  plot from the first checkpoint on). `smoothing` is TensorBoard's: 0 draws the raw values.
+  plot from the first checkpoint on). `smoothing` is TensorBoard's: 0 draws the raw values,
+  as for the keys in `unsmoothed` (sparse series, e.g. a few held-out evaluations, where an
+  average over points far apart would hide the last one).
   """
   records = read_metrics(jsonl_path)
   fig, axes = _figure(len(keys))
   for ax, key in zip(axes, keys):
-    _plot_series(ax, *_series(records, key), smoothing, label=None)
+    _plot_series(ax, *_series(records, key), 0.0 if key in unsmoothed else smoothing,
+                 label=None)
     ax.set_ylabel(key)
   axes[-1].set_xlabel("step")
   if title:

@@ -118,6 +118,26 @@ def test_learning_curves_png(tmp_path):
   assert os.listdir(png.parent) == ["curves.png"]
 
 
+def test_unsmoothed_keys_draw_their_raw_values(tmp_path, monkeypatch):
+  """A sparse series (three held-out evaluations) is drawn through its points: smoothed, the
+  line would end at 0.25 instead of its last value 0.3."""
+  from marft_jax.train import metrics as metrics_lib
+  with MetricWriter(tmp_path) as writer:
+    for step in range(17):
+      writer.write(step, {"reward": 0.1, **({"heldout": 0.1 + step / 80} if step % 8 == 0
+                                             else {})})
+  lines = []
+  plot = metrics_lib._plot_series
+  def record(ax, steps, values, smoothing, label):
+    lines.append(metrics.smooth(values, smoothing))
+    plot(ax, steps, values, smoothing, label)
+  monkeypatch.setattr(metrics_lib, "_plot_series", record)
+  plot_learning_curves(tmp_path / "metrics.jsonl", tmp_path / "c.png",
+                       keys=("reward", "heldout"), unsmoothed=("heldout",))
+  np.testing.assert_allclose(lines[1], [0.1, 0.2, 0.3])
+  assert metrics.smooth([0.1, 0.2, 0.3], 0.6)[-1] < 0.26  # what the smoothed line would have shown
+
+
 def test_plot_runs_compares_several_files(tmp_path):
   runs = {}
   for label, slope in (("marft-a", 0.05), ("grpo", 0.03)):
