@@ -447,13 +447,27 @@ def _merged(params: Params, lora: Adapters, layout) -> Params:
 def _shared_prefix_length(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray) -> int:
   """How many leading columns every busy row holds, real and identical, leaving each of them
   at least one real token after (the row samples from its last one): 0 for fewer than 2
-  busy rows."""
+  busy rows or fewer than `MIN_SHARED_PREFIX` such columns."""
   if busy.sum() < 2:
     return 0
   t, m = tokens[busy], mask[busy]
   same = np.all(m, axis=0) & np.all(t == t[:1], axis=0)
   length = int(np.argmin(np.append(same, False)))  # the first column that differs
-  return max(min(length, int(m.sum(axis=1).min()) - 1), 0)
+  length = min(length, int(m.sum(axis=1).min()) - 1)
+  return length if length >= MIN_SHARED_PREFIX else 0
+
+
+def _shared_prefix_cache(params, shared: np.ndarray, lora, adapter_id: int, busy: np.ndarray,
+                         config: ModelConfig, room: int, cache_size: Optional[int]) -> KVCache:
+  """A cache holding the `shared` prefix tokens for every busy row (`_encode_shared_prefix`
+  on them padded to their bucket), with `room` more slots (at least `cache_size` in all)."""
+  width = bucket(len(shared), MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+  head = np.zeros((1, width), np.int32)
+  head[0, :len(shared)] = shared
+  return _encode_shared_prefix(
+      params, jnp.asarray(head), jnp.asarray(np.arange(width)[None] < len(shared)), lora,
+      jnp.asarray([adapter_id], jnp.int32), jnp.asarray(busy), config=config,
+      size=max(width + room, cache_size or 0))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "size"))
@@ -593,15 +607,10 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   if share_prefix and cache is None and rows is None and prompt_adapter_ids is None and (
       lora is None or np.unique(ids[busy]).size == 1):
     prefix = _shared_prefix_length(tokens, mask, busy)
-  if prefix >= MIN_SHARED_PREFIX:
-    first = int(np.argmax(busy))
-    prefix_width = bucket(prefix, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
-    head = np.full((1, prefix_width), pad_id, np.int32)
-    head[0, :prefix] = tokens[first, :prefix]
+  if prefix:  # encoded apart (below); the chunk keeps what follows it
+    shared, shared_id = tokens[busy][0, :prefix], int(ids[busy][0])
     tokens, mask = tokens[:, prefix:], mask[:, prefix:]
     P = tokens.shape[1]
-  else:
-    prefix = 0
 
   used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
   greedy = bool(np.all(np.asarray(temperature) <= 0))
@@ -626,10 +635,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   temperature = _per_row("temperature", temperature, B, np.float32)
   top_p = None if top_p is None else place(_per_row("top_p", top_p, B, np.float32))
   if prefix:
-    cache = _encode_shared_prefix(
-        params, jnp.asarray(head), jnp.asarray(np.arange(prefix_width)[None] < prefix), lora,
-        jnp.asarray(ids[first:first + 1].astype(np.int32)), jnp.asarray(busy), config=config,
-        size=max(prefix_width + width + slots_for_new, cache_size or 0))
+    cache = _shared_prefix_cache(params, shared, lora, shared_id, busy, config,
+                                 room=width + slots_for_new, cache_size=cache_size)
   batch = B if rows is None else B * rows.processes
   return generate_jit(
       params, place(tokens), place(mask),

@@ -327,8 +327,9 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
           final = heldout(state.policy, iteration + 1)
           writer.write(iteration + 1, final)
           metrics = {**metrics, **final}
+          shown.update(final)
           if bar is not None:
-            bar.set_postfix(_postfix(metrics, final))
+            bar.set_postfix(_postfix(metrics, shown))
         stop = multihost.any_process(preempt.requested)
         if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
           _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
