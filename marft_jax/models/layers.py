@@ -83,6 +83,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
   normaliser); in f32 the normaliser divides the output, in a lower precision the
   probabilities, cast to v's dtype once, as Hugging Face's modules do.
   The cache is read as it was before this call, so its update can happen in place afterwards.
+  Without a cache (a training pass) the gradient is `_self_attention`'s: the same maths, but
+  the probabilities are recomputed in the backward pass rather than stored.
 
   Args:
     q: [B, K, G, T, E] queries (G query heads per kv head).
@@ -94,18 +96,33 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
   Returns:
     [B, K, G, T, E] in q's dtype.
   """
+  if cached is None:
+    return _self_attention(q, k, v, allowed)
+  return _softmax_attention(q, k, v, allowed, cached)[0]
+
+
+def _scores(q: jax.Array, keys: jax.Array, spec: str) -> jax.Array:
+  """f32 scores of queries already scaled by 1/√E."""
+  return jnp.einsum(spec, q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+
+
+def _scaled(q: jax.Array) -> jax.Array:
+  return q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+
+
+def _softmax_attention(q, k, v, allowed, cached):
+  """`attention`'s forward: out [B, K, G, T, E], and the softmax's shift and log-normaliser
+  ([B, K, G, T, 1] f32 each: kept apart, since a fully masked row's shift would absorb it)."""
   # Scaling q and (in f32) normalising the [T, E] output instead of the [T, S] probabilities
   # saves two passes over the largest tensor; the max is a constant shift of the softmax
-  # (exact under stop_gradient), so the backward skips its select-and-scatter. Together these
-  # cut a SmolLM2 training step's attention backward by about a third on XLA:CPU. In a lower
+  # (exact under stop_gradient), so the backward skips its select-and-scatter. In a lower
   # precision the probabilities are normalised before their cast, as Hugging Face rounds them.
-  q = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
-  score = lambda spec, keys: jnp.einsum(spec, q, keys.astype(q.dtype),
-                                        preferred_element_type=jnp.float32)
-  blocks = [(jnp.where(allowed[:, None, None], score("bkgte,bkse->bkgts", k), MASK_VALUE), v)]
+  q = _scaled(q)
+  blocks = [(jnp.where(allowed[:, None, None], _scores(q, k, "bkgte,bkse->bkgts"), MASK_VALUE),
+             v)]
   if cached is not None:
     old_k, old_v, valid = cached
-    old = score("bkgte,bkes->bkgts", old_k)
+    old = _scores(q, old_k, "bkgte,bkes->bkgts")
     blocks.insert(0, (jnp.where(valid[:, None, None, None, :], old, MASK_VALUE), old_v))
   top = jax.lax.stop_gradient(
       functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks]))
@@ -115,4 +132,45 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
   weights = exps if late else [e / total for e in exps]
   out = sum(jnp.einsum("bkgts,bkse->bkgte", w.astype(v.dtype), values.astype(v.dtype),
                        preferred_element_type=jnp.float32) for w, (_, values) in zip(weights, blocks))
-  return (out / total if late else out).astype(q.dtype)
+  out = (out / total if late else out).astype(q.dtype)
+  return out, (top, jnp.log(total))
+
+
+@jax.custom_vjp
+def _self_attention(q, k, v, allowed):
+  """Attention over this call's own keys (no cache), with a flash-attention-style backward.
+
+  Autodiff of the forward would keep every layer's [B, K, G, T, T] scores and probabilities
+  for the backward (stacked over a scan's layers: 0.6 GB at SmolLM2's 8 × 256) and transpose
+  them there. This backward keeps only the output and the softmax's shift and normaliser,
+  and recomputes the probabilities with one more q·k product: on XLA:CPU a SmolLM2 update's
+  attention then costs about half as much. The gradients are computed in f32.
+  """
+  return _softmax_attention(q, k, v, allowed, None)[0]
+
+
+def _self_attention_fwd(q, k, v, allowed):
+  out, normaliser = _softmax_attention(q, k, v, allowed, None)
+  return out, (q, k, v, allowed, out, normaliser)
+
+
+def _self_attention_bwd(residuals, d_out):
+  q, k, v, allowed, out, (top, log_total) = residuals
+  f32, dtypes = jnp.float32, (q.dtype, k.dtype, v.dtype)
+  scaled = _scaled(q)
+  mask = allowed[:, None, None]  # [B, 1, 1, T, T]
+  scores = jnp.where(mask, _scores(scaled, k, "bkgte,bkse->bkgts"), MASK_VALUE)
+  # A fully masked (padding) query is uniform over its keys in the forward, with no gradient.
+  probs = jnp.exp((scores - top) - log_total)
+  scaled, k, v, d_out = (x.astype(f32) for x in (scaled, k, v, d_out))
+  d_v = jnp.einsum("bkgts,bkgte->bkse", probs, d_out)
+  d_probs = jnp.einsum("bkgte,bkse->bkgts", d_out, v)
+  # Σ_s p·dp over a query's keys equals dout·out: the softmax's Jacobian without a [T, S] pass.
+  row = jnp.sum(d_out * out.astype(f32), axis=-1, keepdims=True)
+  d_scores = jnp.where(mask, probs * (d_probs - row), 0.0)
+  d_q = jnp.einsum("bkgts,bkse->bkgte", d_scores, k) * (1.0 / math.sqrt(q.shape[-1]))
+  d_k = jnp.einsum("bkgts,bkgte->bkse", d_scores, scaled)
+  return (*(d.astype(dtype) for d, dtype in zip((d_q, d_k, d_v), dtypes)), None)
+
+
+_self_attention.defvjp(_self_attention_fwd, _self_attention_bwd)

@@ -99,3 +99,50 @@ def test_round_trip_and_load_errors_name_the_file(llama, tmp_path):
     lora.load_peft_adapter(paths[0], config)
   with pytest.raises(ValueError, match="layer the model"):
     lora.load_peft_adapter(paths[0], config.replace(num_layers=1))
+
+
+def test_lora_gradients_equal_peft(tmp_path):
+  """The adapters' gradient of a weighted log-likelihood, one batch mixing two adapters by
+  row, against PEFT's torch autograd with each adapter active on its own rows."""
+  import torch
+  from peft import PeftModel
+  model = save_tiny_model(tmp_path / "llama", "llama", seed=1)  # fresh: PEFT wraps in place
+  params, config = hf_checkpoint.load_hf_checkpoint(str(tmp_path / "llama"))
+  adapters = random_adapters(2, rank=4, model_config=config, seed=1)
+  names = ["first", "second"]
+  paths = lora.save_peft_adapters(str(tmp_path / "adapters"), adapters, names, "tiny-llama")
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(0, config.vocab_size, (4, 12))
+  ids = np.array([0, 1, 1, 0])
+  weight = rng.normal(size=(4, 11)).astype(np.float32)
+
+  def loss(adapters):
+    logits, _ = transformer.forward(params, jnp.asarray(tokens), config, lora=adapters,
+                                    adapter_ids=jnp.asarray(ids))
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    return jnp.sum(weight * jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0])
+
+  ours = jax.jit(jax.grad(loss))(adapters).layers
+  peft_model = PeftModel.from_pretrained(model, paths[0], adapter_name=names[0],
+                                         is_trainable=True)
+  peft_model.load_adapter(paths[1], adapter_name=names[1], is_trainable=True)
+  checked = 0
+  for i, name in enumerate(names):
+    peft_model.set_adapter(name)
+    rows = ids == i
+    logits = peft_model(input_ids=torch.tensor(tokens[rows])).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[rows, 1:, None]))[..., 0]
+    peft_model.zero_grad()
+    (torch.tensor(weight[rows]) * logp).sum().backward()
+    for path, p in peft_model.named_parameters():
+      if f".{name}." not in path:
+        continue
+      layer = int(path.split(".layers.")[1].split(".")[0])
+      target = path.split(".lora_")[0].rsplit(".", 1)[1]
+      factor = "a" if ".lora_A." in path else "b"
+      ref = p.grad.numpy().T  # torch [out, in] -> ours [in, out]
+      got = np.asarray(ours[target][factor][layer, i])
+      np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max(), err_msg=path)
+      assert np.abs(ref).max() > 1e-3, path
+      checked += 1
+  assert checked == 2 * 2 * 7 * config.num_layers

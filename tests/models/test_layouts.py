@@ -232,7 +232,8 @@ def test_remat_gives_the_same_gradient_in_less_memory():
     return jax.jit(jax.grad(loss))
 
   stored, remat = grad_fn(base), grad_fn(base.replace(layout=layout.Layout(remat=True)))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+  # Float rounding relative to each gradient's scale: the two compile the forward apart.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max()),
                remat(adapters.layers), stored(adapters.layers))
   temp = lambda fn: fn.lower(adapters.layers).compile().memory_analysis().temp_size_in_bytes
   assert temp(remat) < 0.8 * temp(stored)
