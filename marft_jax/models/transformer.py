@@ -38,6 +38,7 @@ from flax import struct
 from jax.experimental import checkify
 
 from marft_jax import sharding
+from marft_jax.lora import fused
 from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
@@ -138,6 +139,10 @@ def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
   return start + jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - mask.astype(jnp.int32)
 
 
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(gate) * up
+
+
 # --- one decoder layer, in either activation orientation -------------------------------------
 
 
@@ -149,8 +154,10 @@ class _Call:
   allowed: jax.Array  # [B, T, T] new key u visible to query t
   valid: Optional[jax.Array]  # [B, S] cached slots, or None without a cache
   adapter_ids: jax.Array  # [B] or [B, T]
+  select: Optional[jax.Array]  # [B·T, A] one-hot adapter per token: LoRA fused, else None
   lora_delta: Optional[Callable] = struct.field(pytree_node=False)
   config: ModelConfig = struct.field(pytree_node=False)
+  lora_scale: float = struct.field(pytree_node=False, default=1.0)
 
 
 def _dense(x: jax.Array, p: dict, adapter: Optional[dict], call: _Call) -> jax.Array:
@@ -172,6 +179,34 @@ def _dense(x: jax.Array, p: dict, adapter: Optional[dict], call: _Call) -> jax.A
   if adapter is not None:
     y = y + call.lora_delta(x, adapter, call.adapter_ids)
   return y
+
+
+def _linears(inputs: tuple, prologue: Callable[..., jax.Array], names: tuple[str, ...],
+             layer: dict, adapters: dict, call: _Call) -> list[jax.Array]:
+  """The linear layers `names`, all reading x = prologue(*inputs), with their LoRA updates.
+
+  Token-major with adapters and no dropout (training, and generation off CPU), they run as
+  one matmul fused with their adapters' down projections (`lora.fused`) when that pays, and
+  the backward recomputes the element-wise prologue (a norm, the SwiGLU product) instead of
+  keeping x; otherwise x is formed and each linear is one `_dense`.
+  """
+  present = [n for n in names if n in adapters]
+  if call.select is not None and present:
+    a = adapters[present[0]]["a"]
+    widths = [layer[n]["kernel"].shape[-1] for n in present]
+    if fused.use_fused(widths, a.shape[0], a.shape[-1]):
+      B, T = call.positions.shape
+      factors = [(adapters[n]["a"], adapters[n]["b"]) if n in adapters else None for n in names]
+      ys = fused.fused_linears(inputs, prologue, [layer[n]["kernel"] for n in names], factors,
+                               call.select, call.lora_scale)
+      out = []
+      for n, y in zip(names, ys):
+        if "bias" in layer[n]:
+          y = y + layer[n]["bias"].astype(y.dtype)[None, :]
+        out.append(y.reshape(B, T, -1))
+      return out
+  x = prologue(*inputs)
+  return [_dense(x, layer[n], adapters.get(n), call) for n in names]
 
 
 def _split_heads(y: jax.Array, num_heads: int, call: _Call) -> jax.Array:
@@ -214,19 +249,21 @@ def decoder_layer(x: jax.Array, layer: dict, adapters: dict,
   """
   config = call.config
   axis = 0 if config.layout.feature_major else -1
-  dense = lambda h, name: _dense(h, layer[name], adapters.get(name), call)
-  h = rms_norm(x, layer["input_norm"], config.rms_norm_eps, axis=axis)
-  q = apply_rope(_split_heads(dense(h, "q_proj"), config.num_heads, call), call.positions, config)
-  k = apply_rope(_split_heads(dense(h, "k_proj"), config.num_kv_heads, call), call.positions,
-                 config)
-  v = _split_heads(dense(h, "v_proj"), config.num_kv_heads, call)
+  linears = lambda inputs, prologue, *names: _linears(inputs, prologue, names, layer,
+                                                      adapters, call)
+  norm = lambda x, weight: rms_norm(x, weight, config.rms_norm_eps, axis=axis)
+  q, k, v = linears((x, layer["input_norm"]), norm, "q_proj", "k_proj", "v_proj")
+  q = apply_rope(_split_heads(q, config.num_heads, call), call.positions, config)
+  k = apply_rope(_split_heads(k, config.num_kv_heads, call), call.positions, config)
+  v = _split_heads(v, config.num_kv_heads, call)
   B, _, T, E = q.shape
   q = q.reshape(B, config.num_kv_heads, config.num_groups, T, E)
   old = None if cached is None else (cached[0], cached[1], call.valid)
   out = attention(q, k, v, call.allowed, old)
-  x = x + dense(_merge_heads(out.reshape(B, config.num_heads, T, E), call), "o_proj")
-  h = rms_norm(x, layer["post_attention_norm"], config.rms_norm_eps, axis=axis)
-  x = x + dense(jax.nn.silu(dense(h, "gate_proj")) * dense(h, "up_proj"), "down_proj")
+  merged = _merge_heads(out.reshape(B, config.num_heads, T, E), call)
+  x = x + linears((merged,), lambda h: h, "o_proj")[0]
+  gate, up = linears((x, layer["post_attention_norm"]), norm, "gate_proj", "up_proj")
+  x = x + linears((gate, up), _swiglu, "down_proj")[0]
   return _pin(x, config.layout.feature_major), (k, v), out
 
 
@@ -327,9 +364,13 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
       lora.scan_inputs(), lora.delta_fn(layout.feature_major))
   ids = canonical_adapter_ids(0 if adapter_ids is None else adapter_ids, B, T,
                               None if lora is None else lora.num_adapters)
+  fuse = lora is not None and not layout.feature_major and (
+      lora.dropout_rng is None or lora.dropout_rate == 0.0)
+  select = fused.adapter_select(ids, lora.num_adapters, T, config.dtype) if fuse else None
   call = _Call(positions=positions, allowed=allowed,
                valid=None if cache is None or cache_is_empty else cache.valid, adapter_ids=ids,
-               lora_delta=lora_delta, config=config)
+               select=select, lora_delta=lora_delta, config=config,
+               lora_scale=1.0 if lora is None else lora.scale)
 
   # The table's width is split over fsdp like every weight's; gathered whole for the lookup
   # (FSDP's per-use weight gather), rows come out split like the batch, not like the width.
