@@ -118,9 +118,10 @@ def per_row_adapters(batch: TrainBatch) -> TrainBatch:
   adapter (the per-agent view: a row is one agent's prompt and reply); unchanged otherwise.
 
   Exact: a padding token's adapter changes only its own outputs, which nothing attends to or
-  trains on. Per-row ids take the LoRA router's gather path, a single adapter's cost, where
-  per-token ids sort tokens into tiles (6 % of a SmolLM2 forward + backward at 8 × 256).
-  A row with no real token gets -1.
+  trains on. Where LoRA is routed rather than fused (`lora.fused`: with dropout, or adapters
+  too wide to fuse), per-row ids take the router's gather path, a single adapter's cost,
+  where per-token ids sort tokens into tiles (6 % of a SmolLM2 forward + backward at
+  8 × 256); the fused path costs the same for both. A row with no real token gets -1.
   """
   ids = np.asarray(batch.adapter_ids)
   if ids.ndim == 1:
