@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 # The adapters' columns may add at most this share to a fused group's matmul.
@@ -87,11 +88,9 @@ def _columns(kernels, factors, dtype):
   return jnp.concatenate(parts, axis=1), [p.shape[1] for p in parts]
 
 
-def _split(y, widths):
-  offsets = [0]
-  for w in widths:
-    offsets.append(offsets[-1] + w)
-  return [y[:, lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+def _rank(factors) -> int:
+  """R, shared by every adapter of a set (0 without any)."""
+  return next((f[0].shape[-1] for f in factors if f is not None), 0)
 
 
 def _token_columns(select, rank, scale, dtype):
@@ -104,15 +103,17 @@ def _forward(x, kernels, factors, select, scale):
   and the adapters' update is added in f32, and each y is rounded once."""
   f32 = jnp.float32
   rhs, widths = _columns(kernels, factors, x.dtype)
-  outs = _split(jnp.matmul(x, rhs, preferred_element_type=f32), widths)
+  outs = jnp.split(jnp.matmul(x, rhs, preferred_element_type=f32), np.cumsum(widths)[:-1],
+                   axis=1)
   ys, lows = outs[:len(kernels)], iter(outs[len(kernels):])
+  columns = _token_columns(select, _rank(factors), scale, f32)  # [N, A·R]
   masked = []
   for t, f in enumerate(factors):
     if f is None:
       masked.append(None)
       continue
-    a, b = f
-    low = next(lows) * _token_columns(select, a.shape[-1], scale, f32)  # [N, A·R]
+    b = f[1]
+    low = next(lows) * columns
     ys[t] = ys[t] + low @ b.astype(f32).reshape(-1, b.shape[-1])
     masked.append(low.astype(x.dtype))
   return tuple(y.astype(x.dtype) for y in ys), masked
@@ -121,6 +122,7 @@ def _forward(x, kernels, factors, select, scale):
 def _backward(x, kernels, factors, select, masked, d_ys, scale, kernel_grads):
   """(d_x, d_kernels, d_factors) of `_forward` at x, given its masked low-rank outputs;
   d_kernels[t] is None unless kernel_grads[t]."""
+  columns = _token_columns(select, _rank(factors), scale, x.dtype)
   d_lows, d_factors = [], []
   for f, low, dy in zip(factors, masked, d_ys):
     if f is None:
@@ -128,7 +130,6 @@ def _backward(x, kernels, factors, select, masked, d_ys, scale, kernel_grads):
       continue
     a, b = f
     A, R, d_out = b.shape
-    columns = _token_columns(select, R, scale, x.dtype)
     d_low = (dy @ b.astype(x.dtype).reshape(A * R, d_out).T) * columns  # [N, A·R]
     d_b = (low.T @ dy).reshape(A, R, d_out)
     d_a = jnp.transpose((x.T @ d_low).reshape(-1, A, R), (1, 0, 2))
