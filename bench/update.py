@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from bench.common import best_time, emit, matmul_peak, torch_model
-from marft_jax import lora as lora_lib
+from marft_jax import host_allocator, lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import critic as critic_lib
@@ -157,6 +157,7 @@ def torch_update(params, config, batch: TrainBatch, repeats: int) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  host_allocator.retain_freed_memory()  # as the launch scripts do; torch's run profits too
   tiny = _TINY.value
   repeats = 1 if tiny else _REPEATS.value
   rows, prompt, reply = (4, 8, 8) if tiny else (ROWS, PROMPT, REPLY)

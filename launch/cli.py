@@ -30,6 +30,7 @@ from typing import Any, Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from marft_jax import host_allocator
 from marft_jax.configs import from_config_dict
 
 # Without torch (the library never needs it) transformers advises on import that "PyTorch was
@@ -40,6 +41,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "", "a folder for JAX's persistent cache of compiled programs, shared "
     "by later launches (a resume, an eval); empty: off")
+_RETAIN_HOST_MEMORY = flags.DEFINE_bool(
+    "retain_host_memory", True, "keep freed host memory in the process (one glibc heap, never "
+    "trimmed), so that XLA:CPU's big buffers do not page-fault anew at every step: see "
+    "marft_jax/host_allocator.py")
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
 _default_config_path = ""  # set by define_config_flag
 
@@ -80,6 +85,8 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
       logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _RETAIN_HOST_MEMORY.value:
+      host_allocator.retain_freed_memory()
     if _COMPILATION_CACHE.value:
       enable_compilation_cache(_COMPILATION_CACHE.value)
     try:

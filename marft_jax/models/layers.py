@@ -160,14 +160,19 @@ def _self_attention_bwd(residuals, d_out):
   scaled = _scaled(q)
   mask = allowed[:, None, None]  # [B, 1, 1, T, T]
   scores = jnp.where(mask, _scores(scaled, k, "bkgte,bkse->bkgts"), MASK_VALUE)
-  # A fully masked (padding) query is uniform over its keys in the forward, with no gradient.
   probs = jnp.exp((scores - top) - log_total)
   scaled, k, v, d_out = (x.astype(f32) for x in (scaled, k, v, d_out))
   d_v = jnp.einsum("bkgts,bkgte->bkse", probs, d_out)
-  d_probs = jnp.einsum("bkgte,bkse->bkgts", d_out, v)
+  # A fully masked (padding) query is uniform over its keys in the forward, and its scores get
+  # no gradient: zeroing its d_out here zeroes its row of d_scores. Every other masked score
+  # has a probability of exactly 0, so d_scores needs no [T, S] select of its own (XLA:CPU
+  # wrote that select twice, once transposed for d_k).
+  real = jnp.any(allowed, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
+  d_real = jnp.where(real, d_out, 0.0)
+  d_probs = jnp.einsum("bkgte,bkse->bkgts", d_real, v)
   # Σ_s p·dp over a query's keys equals dout·out: the softmax's Jacobian without a [T, S] pass.
-  row = jnp.sum(d_out * out.astype(f32), axis=-1, keepdims=True)
-  d_scores = jnp.where(mask, probs * (d_probs - row), 0.0)
+  row = jnp.sum(d_real * out.astype(f32), axis=-1, keepdims=True)
+  d_scores = probs * (d_probs - row)
   d_q = jnp.einsum("bkgts,bkse->bkgte", d_scores, k) * (1.0 / math.sqrt(q.shape[-1]))
   d_k = jnp.einsum("bkgts,bkgte->bkse", d_scores, scaled)
   return (*(d.astype(dtype) for d, dtype in zip((d_q, d_k, d_v), dtypes)), None)
