@@ -27,7 +27,6 @@ import numpy as np
 
 from bench.common import (SMOLLM2_SHAPE, best_time, emit, matmul_peak, memory_bandwidth,
                           torch_model)
-from marft_jax import host_allocator
 from marft_jax.models import layout, sampler, transformer
 from marft_jax.models.config import tiny_config
 
@@ -101,7 +100,6 @@ def time_marft(dparams, config, prompts, new_tokens, repeats):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # stdout is name=value lines; keep INFO off stderr too
-  host_allocator.retain_freed_memory()  # as the launch scripts do
   repeats, prompt_len, new_tokens, batches = _REPEATS.value, PROMPT_LEN, NEW_TOKENS, BATCHES
   probe_bw, probe_mm = {}, {}
   if _TINY.value:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import SMOLLM2_SHAPE
-from marft_jax import host_allocator, lora
+from marft_jax import lora
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig, tiny_config
 
@@ -85,7 +85,6 @@ def time_interleaved(steps: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def main():
-  host_allocator.retain_freed_memory()  # as the launch scripts do
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--batch", type=int, default=4)

@@ -48,7 +48,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from bench.common import emit, torch_model
-from marft_jax import envs, host_allocator, lora as lora_lib
+from marft_jax import envs, lora as lora_lib
 from marft_jax.envs import arithmetic
 from marft_jax.envs.math_env import MathEnv
 from marft_jax.envs.math_grading import Grader
@@ -168,7 +168,6 @@ def torch_reference(model, result, mode, team, pad) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  host_allocator.retain_freed_memory()  # as the launch scripts do
   tiny_run = _TINY.value
   repeats = 1 if tiny_run else _REPEATS.value
   params, base, tokenizer = load(tiny_run)

@@ -42,9 +42,9 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "", "a folder for JAX's persistent cache of compiled programs, shared "
     "by later launches (a resume, an eval); empty: off")
 _RETAIN_HOST_MEMORY = flags.DEFINE_bool(
-    "retain_host_memory", True, "keep freed host memory in the process (one glibc heap, never "
-    "trimmed), so that XLA:CPU's big buffers do not page-fault anew at every step: see "
-    "marft_jax/host_allocator.py")
+    "retain_host_memory", False, "keep freed host memory in the process (one glibc heap, never "
+    "trimmed): big updates stop page-faulting their buffers anew at every step, compiles get "
+    "slower; see marft_jax/host_allocator.py for when it pays")
 _HELP_FLAGS = ("-h", "--help", "--helpshort", "--helpfull", "-?")
 _default_config_path = ""  # set by define_config_flag
 
