@@ -8,7 +8,7 @@ step then touches GBs of brand-new pages, which the kernel faults in and zeroes.
 `retain_freed_memory()` makes every allocation come from one heap that never shrinks.
 
 Measured on 2 cores (SmolLM2-135M, `bench.update`'s PPO update of 8 x 256 tokens, one
-process per setting): glibc's default took 600k page faults, 2 s of system time and 4.6-5.5 s
+process per setting): glibc's default took 600k page faults, 2 s of system time and 4.4-5.5 s
 per update; retained, no faults after the first update and 4.0-4.2 s. Disabling only the
 mmaps and the trimming, without the single arena, left the faults as they were.
 
