@@ -123,26 +123,22 @@ def _backward(x, kernels, factors, select, masked, d_ys, scale, kernel_grads):
   """(d_x, d_kernels, d_factors) of `_forward` at x, given its masked low-rank outputs;
   d_kernels[t] is None unless kernel_grads[t]."""
   columns = _token_columns(select, _rank(factors), scale, x.dtype)
-  d_lows, d_bs = [], []
-  for f, low, dy in zip(factors, masked, d_ys):
-    if f is not None:
-      A, R, d_out = f[1].shape
-      d_lows.append((dy @ f[1].astype(x.dtype).reshape(A * R, d_out).T) * columns)  # [N, A·R]
-      d_bs.append((low.T @ dy).reshape(A, R, d_out))
+  d_lows = [(dy @ f[1].astype(x.dtype).reshape(-1, f[1].shape[-1]).T) * columns  # [N, A·R]
+            for f, dy in zip(factors, d_ys) if f is not None]
   # Every adapter's down projection reads the same x: one [D_in, N] @ [N, Σ A·R] product
-  # reads it once.
+  # reads it once (every A·R is equal: one adapter set).
   d_as = iter(jnp.split(x.T @ jnp.concatenate(d_lows, axis=1), len(d_lows), axis=1)
               if d_lows else [])
-  d_bs = iter(d_bs)
   d_factors = []
-  for f in factors:
+  for f, low, dy in zip(factors, masked, d_ys):
     if f is None:
       d_factors.append(None)
       continue
     a, b = f
     A, d_in, R = a.shape
     d_a = jnp.transpose(next(d_as).reshape(d_in, A, R), (1, 0, 2))
-    d_factors.append((d_a.astype(a.dtype), next(d_bs).astype(b.dtype)))
+    d_b = (low.T @ dy).reshape(b.shape)
+    d_factors.append((d_a.astype(a.dtype), d_b.astype(b.dtype)))
   rhs, _ = _columns(kernels, factors, x.dtype)
   d_x = jnp.concatenate(list(d_ys) + d_lows, axis=1) @ rhs.T
   d_kernels = tuple((x.T @ dy).astype(w.dtype) if wanted else None
