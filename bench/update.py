@@ -30,6 +30,7 @@ on 2 cores that cost this update about a tenth to a quarter of its time).
 
 from __future__ import annotations
 
+import functools
 import time
 
 from absl import app, flags, logging
@@ -99,10 +100,8 @@ def ours(params, config, batch: TrainBatch, repeats: int):
   policy_opt, critic_opt = optax.adamw(1e-4, eps=1e-5), optax.adam(1e-4, eps=1e-5)
   state = TrainState(policy=policy, critic=critic, policy_opt=policy_opt.init(policy),
                      critic_opt=critic_opt.init(critic), step=jnp.zeros((), jnp.int32))
-  hidden = jax.jit(lambda params, b: critic_lib.critic_hidden_states(
-      critic, params, b.tokens, config, critic_config, mask=b.mask))
-  values = lambda critic, params, b, ex: critic_lib.values_from_hidden(
-      critic["head"], ex.critic_hidden, b.act_agent, critic_config.mode)
+  values, hidden = critic_lib.value_fns(critic_config, config)
+  hidden = functools.partial(hidden, critic)
   loss = LossConfig()
   batch = per_row_adapters(batch)  # as the trainer does: each row is one agent's turn
   update = make_update(config, loss, policy_opt, critic_opt, values, AGENTS, epochs=1,

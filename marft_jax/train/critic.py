@@ -216,8 +216,10 @@ def values_from_hidden(head_params: list, h: jax.Array, action_agent_ids: Option
 def values(critic_params: CriticParams, base_params: Any, tokens: jax.Array,
            model_config: ModelConfig, critic_config: CriticConfig, *,
            mask: Optional[jax.Array] = None, agent_ids: Optional[jax.Array] = None,
-           rng: Optional[jax.Array] = None) -> jax.Array:
-  """V(tokens[b, :t+1]) at every position: [B, T] f32, in the action frame.
+           rng: Optional[jax.Array] = None,
+           positions: Optional[jax.Array] = None) -> jax.Array:
+  """V(tokens[b, :t+1]) at every position: [B, T] f32, in the action frame; or, given
+  `positions` [B, K] (decisions, action frame), only there: [B, K].
 
   Args and routing as in `critic_hidden_states` and `values_from_hidden`; `agent_ids`
   ([B, T], token frame) is needed in the per-agent modes and ignored in "shared". Values at
@@ -230,7 +232,51 @@ def values(critic_params: CriticParams, base_params: Any, tokens: jax.Array,
   if critic_config.mode == "per_agent_head":
     num_heads = critic_params["head"][0].shape[0]
     ids = action_frame_ids(_checked_agent_ids(agent_ids, tokens.shape, num_heads))
-  return values_from_hidden(critic_params["head"], h, ids, critic_config.mode)
+  return values_from_hidden(critic_params["head"], at_decisions(h, positions),
+                            at_decisions(ids, positions), critic_config.mode)
+
+
+def at_decisions(x: Optional[jax.Array], positions: Optional[jax.Array]) -> Optional[jax.Array]:
+  """x [B, T, ...] at positions [B, K]: [B, K, ...] (None: x unchanged).
+
+  The head is a per-position MLP, so reading its input first is exact, and an action-level
+  value loss (one value per turn) then runs it at K positions instead of T.
+  """
+  if x is None or positions is None:
+    return x
+  index = positions.reshape(positions.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, index, axis=1)
+
+
+def value_fns(critic_config: Optional[CriticConfig], model_config: ModelConfig):
+  """(values, hidden) as the trainer uses them; (None, None) without a critic.
+
+  values(critic, base_params, batch, extras, positions=None): [B, T] f32 values of a
+    `TrainBatch` in the action frame, or [B, K] at `positions` [B, K].
+  hidden(critic, base_params, batch): with a frozen base (no critic LoRA), the head's input
+    [B, T, D], once per batch for `update.prepare` (`extras.critic_hidden`); values then
+    train the head alone. None with a critic LoRA: values run the base and its adapters.
+  """
+  if critic_config is None:
+    return None, None
+  if critic_config.lora is None:
+    def hidden(critic, base_params, batch):
+      return critic_hidden_states(critic, base_params, batch.tokens, model_config,
+                                  critic_config, mask=batch.mask)
+
+    def values_of_hidden(critic, base_params, batch, extras, positions=None):
+      del base_params
+      return values_from_hidden(critic["head"], at_decisions(extras.critic_hidden, positions),
+                                at_decisions(batch.act_agent, positions), critic_config.mode)
+    return values_of_hidden, jax.jit(hidden)
+
+  def values_of_tokens(critic, base_params, batch, extras, positions=None):
+    del extras
+    token_agents = jnp.concatenate(
+        [jnp.full_like(batch.act_agent[:, :1], -1), batch.act_agent[:, :-1]], axis=1)
+    return values(critic, base_params, batch.tokens, model_config, critic_config,
+                  mask=batch.mask, agent_ids=token_agents, positions=positions)
+  return values_of_tokens, None
 
 
 def _mlp(kernels: list, x: jax.Array) -> jax.Array:

@@ -190,24 +190,6 @@ def _optimizers(config: TrainConfig):
   return policy, critic
 
 
-def _critic_fns(critic_config, model_config):
-  """(values for the update, hidden states for `prepare`) for the critic's configuration."""
-  if critic_config is None:
-    return None, None
-  token_agents = lambda b: jnp.concatenate(
-      [jnp.full_like(b.act_agent[:, :1], -1), b.act_agent[:, :-1]], axis=1)
-  if critic_config.lora is None:  # frozen base: hidden states once per batch, the head trains
-    hidden = jax.jit(lambda critic, params, b: critic_lib.critic_hidden_states(
-        critic, params, b.tokens, model_config, critic_config, mask=b.mask))
-    values = lambda critic, params, b, ex: critic_lib.values_from_hidden(
-        critic["head"], ex.critic_hidden, b.act_agent, critic_config.mode)
-    return values, hidden
-  values = lambda critic, params, b, ex: critic_lib.values(
-      critic, params, b.tokens, model_config, critic_config, mask=b.mask,
-      agent_ids=token_agents(b))
-  return values, None
-
-
 def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
   """[A] bool: the adapters the agent-by-agent schedule trains at `iteration`."""
   k, A = config.optimizer.agent_iteration_interval, config.num_adapters
@@ -256,7 +238,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)
   critic_config = _critic_config(config)
-  critic_values, critic_hidden = _critic_fns(critic_config, model.config)
+  critic_values, critic_hidden = critic_lib.value_fns(critic_config, model.config)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer,
                        critic_values, config.num_adapters, config.optimizer.epochs,
                        config.optimizer.minibatches,

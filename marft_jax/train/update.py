@@ -165,12 +165,12 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
   total = total + config.kl_coef * kl_base
   value_loss = jnp.zeros(())
   if critic_values is not None:
-    values = critic_values(critic, params, batch, extras)  # [B, T] per decision
-    if config.policy_level == "action":
-      turn_values = jnp.take_along_axis(values, batch.turn_value_pos, axis=1)
+    if config.policy_level == "action":  # one value per turn: the head runs at K positions
+      turn_values = critic_values(critic, params, batch, extras, batch.turn_value_pos)
       value_loss = _value_loss(turn_values, batch.turn_old_value, batch.turn_return,
                                batch.turn_valid, config)
     else:
+      values = critic_values(critic, params, batch, extras)  # [B, T] per decision
       value_loss = _value_loss(values, batch.act_old_value, batch.act_return, m, config)
     total = total + config.value_coef * value_loss
   aux = {"policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
@@ -188,6 +188,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                 epochs: int, minibatches: int, out_shardings: Any = None):
   """The jitted update `update(state, params, batch, extras, active, train_policy, rng)`.
 
+  `critic_values(critic, params, batch, extras, positions=None)`: the critic's [B, T] values,
+  or [B, K] at the decisions `positions` [B, K] (`critic.value_fns` makes it); None: no critic.
   `out_shardings`: (state's shardings, metrics' sharding) to keep the state where it was
   placed on a mesh (`lora.follow_adapters`); None lets the compiler choose.
 

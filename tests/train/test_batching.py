@@ -1,5 +1,5 @@
-"""`per_row_adapters`: when it may switch to per-row adapter ids, and that the update it feeds
-computes exactly what per-token ids compute."""
+"""`act_positions`' widths; `per_row_adapters`: when it may switch to per-row adapter ids, and
+that the update it feeds computes exactly what per-token ids compute."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ from bench.update import turn_batch
 from marft_jax import lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train.batching import act_positions, per_row_adapters
+from marft_jax.train.batching import act_positions, per_row_adapters, positions_width
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
 
 ROWS, PROMPT, REPLY = 4, 8, 8
@@ -25,6 +25,24 @@ def _padded_batch(vocab):
   ids = np.where(mask, np.asarray(batch.adapter_ids), -1).astype(np.int32)
   act = np.asarray(batch.act_mask) & np.roll(mask, -1, axis=1) & mask
   return batch.replace(mask=mask, adapter_ids=ids, act_mask=act, act_positions=act_positions(act))
+
+
+@pytest.mark.parametrize("n, T, width", [
+    (96, 256, 96), (97, 256, 128), (1, 256, 32), (0, 256, 32), (256, 256, 256),
+    (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16)])
+def test_positions_width_rounds_up_to_an_eighth_of_the_length(n, T, width):
+  assert positions_width(n, T) == width
+
+
+def test_act_positions_lists_each_rows_decisions_then_padding():
+  act = np.zeros((3, 256), bool)
+  act[0, 159:255] = True  # a 96-token reply after a 160-token prompt
+  act[1, [3, 7, 100]] = True
+  got = act_positions(act)
+  assert got.shape == (3, 96)
+  np.testing.assert_array_equal(got[0], np.arange(159, 255))
+  np.testing.assert_array_equal(got[1], [3, 7, 100] + [-1] * 93)
+  np.testing.assert_array_equal(got[2], -1)
 
 
 def test_single_adapter_rows_become_per_row_ids():

@@ -19,7 +19,9 @@ from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.targets import linear_shapes
 from marft_jax.train.critic import (CriticConfig, action_frame_ids, critic_hidden_states,
-                                    init_critic, values, values_from_hidden)
+                                    init_critic, value_fns, values, values_from_hidden)
+from marft_jax.train.batching import TrainBatch, padding_fields
+from marft_jax.train.update import Extras
 from tests.lora.conftest import random_params  # weights and norms off their init values
 
 CONFIG = tiny_config()
@@ -262,6 +264,29 @@ def test_fast_path_equals_the_full_path(case):
   grads_full = jax.jit(jax.grad(full))(critic["head"])
   for g_fast, g_full in zip(jax.grad(fast)(critic["head"]), grads_full):
     np.testing.assert_allclose(g_fast, g_full, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trainer_values_at_positions_equal_the_full_values_there(case):
+  """`value_fns` as the update calls it: every position, or one decision per turn."""
+  critic, critic_config = CASES[case]
+  full = np.asarray(values(critic, PARAMS, TOKENS, CONFIG, critic_config, agent_ids=AGENT_IDS))
+  batch = TrainBatch(**padding_fields(2, T, 3, 0, pad_id=0)).replace(
+      tokens=TOKENS, mask=jnp.ones((2, T), bool), act_agent=jnp.asarray(ACTION_IDS))
+  trainer_values, hidden = value_fns(critic_config, CONFIG)
+  assert (hidden is None) == (critic_config.lora is not None)
+  extras = Extras(old_logp=None, ref_logp=None,
+                  critic_hidden=None if hidden is None else hidden(critic, PARAMS, batch))
+  positions = jnp.asarray([[1, 6, 0], [2, 5, 9]], jnp.int32)  # [B, K]
+  at = jax.jit(trainer_values)(critic, PARAMS, batch, extras, positions)
+  np.testing.assert_allclose(at, np.take_along_axis(full, np.asarray(positions), axis=1),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(trainer_values(critic, PARAMS, batch, extras), full,
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_no_critic_has_no_value_functions():
+  assert value_fns(None, CONFIG) == (None, None)
 
 
 # --- refusals by name ------------------------------------------------------------------------
