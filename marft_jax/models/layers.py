@@ -76,7 +76,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.A
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
-              cached: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None) -> jax.Array:
+              cached: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None,
+              query_block: int = 0) -> jax.Array:
   """Grouped-query softmax attention over this call's keys and, optionally, a KV cache.
 
   The softmax runs in f32 over the cached slots and the new keys together (one max, one
@@ -89,16 +90,29 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
   Args:
     q: [B, K, G, T, E] queries (G query heads per kv head).
     k, v: [B, K, T, E] this call's keys and values.
-    allowed: [B, T, T] bool, True where query t may attend new key u (causal, real).
+    allowed: [B, T, T] bool, True where query t may attend new key u (real, and causal
+      wherever `query_block` is set).
     cached: None, or (k [B, K, E, S], v [B, K, S, E], valid [B, S]), the KV cache (keys
       stored transposed, so that q·k reads them without a transposed copy: 5-10 % of a
       batch-16 decode step on XLA:CPU). Every valid slot comes before this call's tokens.
+    query_block: without a cache, n > 0 runs the queries in blocks of n, each against the
+      keys up to its last query only, which skips most scores a causal mask discards (a
+      quarter of them at two blocks). Exact only for a causal `allowed` (no key after its
+      query): the caller that built the mask says so. 0: one block. Static.
   Returns:
     [B, K, G, T, E] in q's dtype.
   """
   if cached is None:
-    return _self_attention(q, k, v, allowed)
+    return _self_attention(query_blocks(q.shape[3], query_block), q, k, v, allowed)
   return _softmax_attention(q, k, v, allowed, cached)[0]
+
+
+def query_blocks(T: int, size: int) -> tuple[tuple[int, int], ...]:
+  """[start, end) of consecutive blocks of `size` queries (the last may be shorter);
+  size 0 (or ≥ T): one block."""
+  if size <= 0 or size >= T:
+    return ((0, T),)
+  return tuple((start, min(start + size, T)) for start in range(0, T, size))
 
 
 def _scores(q: jax.Array, keys: jax.Array, spec: str) -> jax.Array:
@@ -136,8 +150,8 @@ def _softmax_attention(q, k, v, allowed, cached):
   return out, (top, jnp.log(total))
 
 
-@jax.custom_vjp
-def _self_attention(q, k, v, allowed):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _self_attention(blocks, q, k, v, allowed):
   """Attention over this call's own keys (no cache), with a flash-attention-style backward.
 
   Autodiff of the forward would keep every layer's [B, K, G, T, T] scores and probabilities
@@ -145,37 +159,70 @@ def _self_attention(q, k, v, allowed):
   them there. This backward keeps only the output and the softmax's shift and normaliser,
   and recomputes the probabilities with one more q·k product: on XLA:CPU a SmolLM2 update's
   attention then costs about half as much. The gradients are computed in f32.
+
+  `blocks`: static ((start, end), ...) query blocks; block [start, end) reads keys [0, end).
+  A padding query (no key allowed) is uniform over all keys whatever the blocks.
   """
-  return _softmax_attention(q, k, v, allowed, None)[0]
+  return _blocked_forward(blocks, q, k, v, allowed)[0]
 
 
-def _self_attention_fwd(q, k, v, allowed):
-  out, normaliser = _softmax_attention(q, k, v, allowed, None)
+def _blocked_forward(blocks, q, k, v, allowed):
+  parts = [_softmax_attention(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end],
+                              allowed[:, start:end, :end], None) for start, end in blocks]
+  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)
+  out = join([o for o, _ in parts])
+  top, log_total = (join([n[i] for _, n in parts]) for i in (0, 1))
+  if len(blocks) > 1:  # a padding query: over all keys, as in one block, not its block's
+    uniform = jnp.mean(v.astype(jnp.float32), axis=2)[:, :, None, None, :]
+    out = jnp.where(_real_queries(allowed), out, uniform.astype(out.dtype))
+  return out, (top, log_total)
+
+
+def _real_queries(allowed: jax.Array) -> jax.Array:
+  """[B, 1, 1, T, 1] bool: the query may attend some key (not padding)."""
+  return jnp.any(allowed, axis=-1)[:, None, None, :, None]
+
+
+def _self_attention_fwd(blocks, q, k, v, allowed):
+  out, normaliser = _blocked_forward(blocks, q, k, v, allowed)
   return out, (q, k, v, allowed, out, normaliser)
 
 
-def _self_attention_bwd(residuals, d_out):
+def _self_attention_bwd(blocks, residuals, d_out):
   q, k, v, allowed, out, (top, log_total) = residuals
   f32, dtypes = jnp.float32, (q.dtype, k.dtype, v.dtype)
+  S = k.shape[2]
   scaled = _scaled(q)
-  mask = allowed[:, None, None]  # [B, 1, 1, T, T]
-  scores = jnp.where(mask, _scores(scaled, k, "bkgte,bkse->bkgts"), MASK_VALUE)
-  probs = jnp.exp((scores - top) - log_total)
-  scaled, k, v, d_out = (x.astype(f32) for x in (scaled, k, v, d_out))
-  d_v = _key_major(jnp.einsum("bkgte,bkgts->bkes", d_out, probs))
-  # A fully masked (padding) query is uniform over its keys in the forward, and its scores get
-  # no gradient: zeroing its d_out here zeroes its row of d_scores. Every other masked score
-  # has a probability of exactly 0, so d_scores needs no [T, S] select of its own (XLA:CPU
-  # wrote that select twice, once transposed for d_k).
-  real = jnp.any(allowed, axis=-1)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-  d_real = jnp.where(real, d_out, 0.0)
-  d_probs = jnp.einsum("bkgte,bkse->bkgts", d_real, v)
+  # A padding query is uniform over all S keys in the forward, and its scores get no
+  # gradient: its d_out reaches only the values, d_out / S each, added apart. Zeroing its
+  # d_out zeroes its rows of d_scores; every other masked score has a probability of
+  # exactly 0, so d_scores needs no [T, S] select of its own.
+  d_out = d_out.astype(f32)
+  d_real = jnp.where(_real_queries(allowed), d_out, 0.0)
+  d_padding = jnp.sum(d_out - d_real, axis=(2, 3)) / S  # [B, K, E]
   # Σ_s p·dp over a query's keys equals dout·out: the softmax's Jacobian without a [T, S] pass.
   row = jnp.sum(d_real * out.astype(f32), axis=-1, keepdims=True)
-  d_scores = probs * (d_probs - row)
-  d_q = jnp.einsum("bkgts,bkse->bkgte", d_scores, k) * (1.0 / math.sqrt(q.shape[-1]))
-  d_k = _key_major(jnp.einsum("bkgte,bkgts->bkes", scaled, d_scores))
+  d_qs, d_k, d_v = [], 0.0, 0.0  # d_k, d_v key-major [B, K, E, S] until the end
+  for start, end in blocks:
+    rows = lambda x: x[:, :, :, start:end]
+    keys = lambda x: x[:, :, :end].astype(f32)
+    scores = jnp.where(allowed[:, None, None, start:end, :end],
+                       _scores(rows(scaled), k[:, :, :end], "bkgte,bkse->bkgts"), MASK_VALUE)
+    probs = jnp.exp((scores - rows(top)) - rows(log_total))
+    d_v = d_v + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(d_real), probs), S)
+    d_probs = jnp.einsum("bkgte,bkse->bkgts", rows(d_real), keys(v))
+    d_scores = probs * (d_probs - rows(row))
+    d_qs.append(jnp.einsum("bkgts,bkse->bkgte", d_scores, keys(k)))
+    d_k = d_k + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(scaled).astype(f32), d_scores), S)
+  d_q = (d_qs[0] if len(d_qs) == 1 else jnp.concatenate(d_qs, axis=3)) * (1.0 / math.sqrt(q.shape[-1]))
+  d_k = _key_major(d_k)
+  d_v = _key_major(d_v) + d_padding[:, :, None, :]
   return (*(d.astype(dtype) for d, dtype in zip((d_q, d_k, d_v), dtypes)), None)
+
+
+def _pad_keys(x: jax.Array, S: int) -> jax.Array:
+  """[..., E, end] -> [..., E, S], zeros after `end`."""
+  return x if x.shape[-1] == S else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, S - x.shape[-1])])
 
 
 def _key_major(x: jax.Array) -> jax.Array:

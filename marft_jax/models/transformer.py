@@ -47,6 +47,11 @@ from marft_jax.models.targets import LINEARS, NORMS
 from marft_jax.validation import check_ids, is_traced
 
 Params = dict
+# Without a cache, attention runs its queries in blocks of this many, each against the keys up
+# to its last query (`layers.attention`; exact: the mask built here is causal). On XLA:CPU,
+# 128 took a SmolLM2 forward + backward's attention (8 × 256 tokens, 30 layers) from 0.71 s to
+# 0.51 s; 64 was slower than 128 (more, smaller products).
+QUERY_BLOCK = 128
 
 
 @struct.dataclass
@@ -139,8 +144,23 @@ def default_positions(mask: jax.Array, cache: Optional[KVCache]) -> jax.Array:
   return start + jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - mask.astype(jnp.int32)
 
 
+@jax.custom_jvp
 def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+  """silu(gate) · up, with its derivative written out: d/dg silu(g) = σ(g)·(1 + g·(1 - σ(g))).
+
+  Autodiff's derivative of silu goes through the logistic function's own rules; this form
+  shares σ(g) between the value and both gradients (about 1 % of a SmolLM2 update on XLA:CPU).
+  """
   return jax.nn.silu(gate) * up
+
+
+@_swiglu.defjvp
+def _swiglu_jvp(primals, tangents):
+  gate, up = primals
+  d_gate, d_up = tangents
+  sigmoid = jax.nn.sigmoid(gate)
+  silu = gate * sigmoid
+  return silu * up, (up * sigmoid * (1 + gate * (1 - sigmoid))) * d_gate + silu * d_up
 
 
 # --- one decoder layer, in either activation orientation -------------------------------------
@@ -259,9 +279,11 @@ def decoder_layer(x: jax.Array, layer: dict, adapters: dict,
   B, _, T, E = q.shape
   q = q.reshape(B, config.num_kv_heads, config.num_groups, T, E)
   old = None if cached is None else (cached[0], cached[1], call.valid)
-  out = attention(q, k, v, call.allowed, old)
-  merged = _merge_heads(out.reshape(B, config.num_heads, T, E), call)
-  x = x + linears((merged,), lambda h: h, "o_proj")[0]
+  out = attention(q, k, v, call.allowed, old, query_block=QUERY_BLOCK)
+  # Merging the heads inside o_proj's prologue: the fused backward then keeps `out`, which
+  # attention's backward keeps too, instead of a second copy of it in the merged layout.
+  merge = lambda out: _merge_heads(out.reshape(B, config.num_heads, T, E), call)
+  x = x + linears((out,), merge, "o_proj")[0]
   gate, up = linears((x, layer["post_attention_norm"]), norm, "gate_proj", "up_proj")
   x = x + linears((gate, up), _swiglu, "down_proj")[0]
   return _pin(x, config.layout.feature_major), (k, v), out

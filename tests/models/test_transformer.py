@@ -1,5 +1,7 @@
 """The decoder's own invariants: cache chunking, padding, dtypes, config errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,10 +164,12 @@ def _plain_attention(q, k, v, allowed):
   return jnp.einsum("bkgts,bkse->bkgte", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("query_block", [0, 4])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attention_gradients_equal_autodiff_of_plain_attention(dtype):
+def test_attention_gradients_equal_autodiff_of_plain_attention(dtype, query_block):
   """The hand-written backward (probabilities recomputed) against autodiff of the textbook
-  formula, with a padding query that sees no key (uniform in the forward) and padded keys."""
+  formula, with a padding query that sees no key (uniform in the forward) and padded keys;
+  in one block of queries, and in blocks of 4, 4 and 1 (each against its causal keys)."""
   from marft_jax.models import layers
   rng = np.random.default_rng(2)
   B, K, G, T, E = 2, 2, 3, 9, 8
@@ -176,13 +180,44 @@ def test_attention_gradients_equal_autodiff_of_plain_attention(dtype):
   allowed = jnp.asarray(real[:, None, :] & np.tril(np.ones((T, T), bool)))
   loss = lambda fn: lambda *qkv: jnp.sum(weight * fn(*(x.astype(dtype) for x in qkv),
                                                      allowed).astype(jnp.float32))
-  ours = jax.grad(loss(layers.attention), argnums=(0, 1, 2))(q, k, v)
-  ref = jax.grad(loss(_plain_attention), argnums=(0, 1, 2))(q, k, v)
+  attention = functools.partial(layers.attention, query_block=query_block)
+  ours_value, ours = jax.value_and_grad(loss(attention), argnums=(0, 1, 2))(q, k, v)
+  ref_value, ref = jax.value_and_grad(loss(_plain_attention), argnums=(0, 1, 2))(q, k, v)
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(ours_value, ref_value, rtol=tol)
   for name, a, b in zip("qkv", ours, ref):
     scale = float(jnp.max(jnp.abs(b)))
     assert scale > 0.1, name
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol * scale, err_msg=name)
+
+
+def test_query_blocks_change_neither_hidden_states_nor_gradients(model, monkeypatch):
+  """The model's attention in blocks of 3 queries (3, 3, 3, 1 over 10 tokens, with left
+  padding) against one block: the same hidden states and parameter gradients."""
+  config, params = model
+  tokens = jax.random.randint(jax.random.key(7), (2, 10), 0, config.vocab_size)
+  mask = jnp.asarray(np.arange(10)[None] >= np.array([[0], [4]]))
+
+  def run():
+    loss = lambda p: jnp.sum(jnp.sin(transformer.hidden_states(p, tokens, config,
+                                                               mask=mask)[0]))
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  monkeypatch.setattr(transformer, "QUERY_BLOCK", 0)
+  one_value, one_grads = run()
+  monkeypatch.setattr(transformer, "QUERY_BLOCK", 3)
+  value, grads = run()
+  np.testing.assert_allclose(value, one_value, rtol=1e-5)
+  for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(one_grads)):
+    scale = float(jnp.max(jnp.abs(ref)))
+    np.testing.assert_allclose(g, ref, atol=1e-5 * max(scale, 1e-6))
+
+
+def test_query_blocks_cover_the_queries_in_order():
+  from marft_jax.models.layers import query_blocks
+  assert query_blocks(10, 3) == ((0, 3), (3, 6), (6, 9), (9, 10))
+  assert query_blocks(256, 128) == ((0, 128), (128, 256))
+  assert query_blocks(100, 0) == query_blocks(100, 100) == query_blocks(100, 128) == ((0, 100),)
 
 
 def test_gradients_flow_and_are_finite(model):
