@@ -169,13 +169,17 @@ def _self_attention(blocks, q, k, v, allowed):
 def _blocked_forward(blocks, q, k, v, allowed):
   parts = [_softmax_attention(q[:, :, :, start:end], k[:, :, :end], v[:, :, :end],
                               allowed[:, start:end, :end], None) for start, end in blocks]
-  join = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=3)
-  out = join([o for o, _ in parts])
-  top, log_total = (join([n[i] for _, n in parts]) for i in (0, 1))
+  out = _join_queries([o for o, _ in parts])
+  top, log_total = (_join_queries([n[i] for _, n in parts]) for i in (0, 1))
   if len(blocks) > 1:  # a padding query: over all keys, as in one block, not its block's
     uniform = jnp.mean(v.astype(jnp.float32), axis=2)[:, :, None, None, :]
     out = jnp.where(_real_queries(allowed), out, uniform.astype(out.dtype))
   return out, (top, log_total)
+
+
+def _join_queries(blocks: list) -> jax.Array:
+  """Per-block [B, K, G, T_block, ...] arrays -> [B, K, G, T, ...]."""
+  return blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=3)
 
 
 def _real_queries(allowed: jax.Array) -> jax.Array:
@@ -213,8 +217,9 @@ def _self_attention_bwd(blocks, residuals, d_out):
     d_probs = jnp.einsum("bkgte,bkse->bkgts", rows(d_real), keys(v))
     d_scores = probs * (d_probs - rows(row))
     d_qs.append(jnp.einsum("bkgts,bkse->bkgte", d_scores, keys(k)))
-    d_k = d_k + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(scaled).astype(f32), d_scores), S)
-  d_q = (d_qs[0] if len(d_qs) == 1 else jnp.concatenate(d_qs, axis=3)) * (1.0 / math.sqrt(q.shape[-1]))
+    d_k = d_k + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(scaled).astype(f32), d_scores),
+                          S)
+  d_q = _join_queries(d_qs) * (1.0 / math.sqrt(q.shape[-1]))
   d_k = _key_major(d_k)
   d_v = _key_major(d_v) + d_padding[:, :, None, :]
   return (*(d.astype(dtype) for d, dtype in zip((d_q, d_k, d_v), dtypes)), None)
