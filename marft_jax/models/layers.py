@@ -206,19 +206,21 @@ def _self_attention_bwd(blocks, residuals, d_out):
   d_padding = jnp.sum(d_out - d_real, axis=(2, 3)) / S  # [B, K, E]
   # Σ_s p·dp over a query's keys equals dout·out: the softmax's Jacobian without a [T, S] pass.
   row = jnp.sum(d_real * out.astype(f32), axis=-1, keepdims=True)
+  # Scores are recomputed in the inputs' dtype, as the forward computed them; the gradients'
+  # products run in f32.
+  scaled32, k32, v32 = (x.astype(f32) for x in (scaled, k, v))
   d_qs, d_k, d_v = [], 0.0, 0.0  # d_k, d_v key-major [B, K, E, S] until the end
   for start, end in blocks:
     rows = lambda x: x[:, :, :, start:end]
-    keys = lambda x: x[:, :, :end].astype(f32)
+    keys = lambda x: x[:, :, :end]
     scores = jnp.where(allowed[:, None, None, start:end, :end],
-                       _scores(rows(scaled), k[:, :, :end], "bkgte,bkse->bkgts"), MASK_VALUE)
+                       _scores(rows(scaled), keys(k), "bkgte,bkse->bkgts"), MASK_VALUE)
     probs = jnp.exp((scores - rows(top)) - rows(log_total))
     d_v = d_v + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(d_real), probs), S)
-    d_probs = jnp.einsum("bkgte,bkse->bkgts", rows(d_real), keys(v))
+    d_probs = jnp.einsum("bkgte,bkse->bkgts", rows(d_real), keys(v32))
     d_scores = probs * (d_probs - rows(row))
-    d_qs.append(jnp.einsum("bkgts,bkse->bkgte", d_scores, keys(k)))
-    d_k = d_k + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(scaled).astype(f32), d_scores),
-                          S)
+    d_qs.append(jnp.einsum("bkgts,bkse->bkgte", d_scores, keys(k32)))
+    d_k = d_k + _pad_keys(jnp.einsum("bkgte,bkgts->bkes", rows(scaled32), d_scores), S)
   d_q = _join_queries(d_qs) * (1.0 / math.sqrt(q.shape[-1]))
   d_k = _key_major(d_k)
   d_v = _key_major(d_v) + d_padding[:, :, None, :]
