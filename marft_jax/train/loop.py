@@ -114,8 +114,9 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
   elif task.name == "code":
-    from marft_jax.envs.code_env import CodeEnv
-    make = lambda i: CodeEnv(graded_roles=graded, **({"path": task.path} if task.path else {}))
+    from marft_jax.envs import code_env
+    problems = code_env.load_problems(task.path or code_env.bundled_path())
+    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded)
   else:
     from marft_jax.envs import arithmetic, problems as problems_lib
     from marft_jax.envs.math_env import MathEnv
