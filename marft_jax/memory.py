@@ -11,8 +11,8 @@
 
 A dimension that its mesh axes do not divide is replicated, as in `marft_jax.sharding`.
 Not modelled: the update's activations (one minibatch's forward and backward; set
-`model.remat` or raise `optimizer.minibatches` if they dominate), and on CPU the sampler's second copy
-of the base in the decoding layout (`layout.decoding()` is the training layout elsewhere).
+`model.remat` or raise `optimizer.minibatches` if they dominate), and the sampler's second copy
+of the base in the decoding layout (on CPU, GPU and TPU `layout.decoding()` unrolls the layers).
 tests/test_memory.py checks every line against the arrays a tiny run actually allocates.
 """
 

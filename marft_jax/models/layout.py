@@ -29,9 +29,26 @@ Other ingredients of the old decode-only module were measured and dropped: a hea
 keys-transposed cache and reading the cache before writing it gave nothing measurable once
 the layers were unrolled (within the ±5 % noise of this host).
 
+On a GPU (one NVIDIA H200, JAX 0.11.2, bf16, random weights of the Qwen2.5-1.5B shape, 64-token
+prompts + 128 new tokens; docs/scaling.md) unrolled layers decoded 380 tok/s at batch 1 and
+6,653 at batch 16 against 238 and 3,777 scanned: 1.6-1.8x, for the same reason as on CPU
+(the scan's per-layer weight slices are copies, and decoding is bound by reading weights).
+Those runs were token-major (`bench.decode --noscan_layers` keeps the GPU default's
+activations); feature-major was not measured there. Token-major is what GPU
+matmul libraries and XLA:GPU's fusions are tuned for ([tokens, in] @ [in, out] with the
+weight on the right); the weight-on-the-left gain above is an XLA:CPU effect.
+
 `TRAINING` is what the loaders return and what gradients are taken through; `decoding()` is
-the documented platform default for generation: `DECODING` on CPU, `TRAINING` elsewhere (on
-accelerators XLA fuses the scan's weight slices; unmeasured here, see docs/design notes).
+the platform default for generation, chosen by `jax.default_backend()`:
+  cpu      `DECODING` (unrolled, feature-major: the CPU measurements above);
+  gpu      `DECODING_ACCELERATOR` (unrolled, token-major: measured, see above);
+  tpu      `DECODING_ACCELERATOR` too, unmeasured: a TPU decode step is as bound by reading
+           the weights as a GPU's, unrolling removes the per-layer weight slices whatever
+           the compiler makes of them, and the matrix units take the token-major
+           [tokens, in] @ [in, out] form directly;
+  other    `TRAINING` (nothing measured).
+Unrolled costs a longer compile (one program per layer) and, beside the training layout's
+weights, a second copy of the base (the sampler's, made once per run by `convert_params`).
 `convert_params` and `convert_cache` move between any two layouts (copies: do it once).
 """
 
@@ -66,11 +83,16 @@ class Layout:
 
 TRAINING = Layout(scan_layers=True, feature_major=False)
 DECODING = Layout(scan_layers=False, feature_major=True)
+DECODING_ACCELERATOR = Layout(scan_layers=False, feature_major=False)
 
 
 def decoding() -> Layout:
-  """The platform default layout for generation: `DECODING` on CPU, `TRAINING` elsewhere."""
-  return DECODING if jax.default_backend() == "cpu" else TRAINING
+  """The platform default layout for generation (module docstring): `DECODING` on CPU,
+  `DECODING_ACCELERATOR` on GPU and TPU, `TRAINING` on any other backend."""
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return DECODING
+  return DECODING_ACCELERATOR if backend in ("gpu", "tpu") else TRAINING
 
 
 def convert_params(params: dict, src: Layout, dst: Layout) -> dict:

@@ -268,3 +268,34 @@ def test_remat_gives_the_same_gradient_in_less_memory():
     layout.Layout(remat=1)
   with pytest.raises(ValueError, match="layout.remat=True needs layout.scan_layers"):
     layout.Layout(scan_layers=False, remat=True)
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("cpu", layout.DECODING), ("gpu", layout.DECODING_ACCELERATOR),
+    ("tpu", layout.DECODING_ACCELERATOR), ("some_plugin", layout.TRAINING)])
+def test_decoding_layout_follows_the_platform(monkeypatch, backend, expected):
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  assert layout.decoding() == expected
+  # Measured on an H200: unrolled layers, token-major (layout's docstring).
+  assert layout.DECODING_ACCELERATOR == layout.Layout(scan_layers=False, feature_major=False)
+
+
+def test_the_accelerator_decoding_layout_computes_the_same_model():
+  """Unrolled token-major layers (the GPU/TPU default) against the training layout, in f32:
+  forward logits, cache and sampled tokens with per-row adapters."""
+  base = tiny_config("qwen2", tie_word_embeddings=False)
+  params, adapters = _random_params(base), _adapters(base)
+  configs = [base.replace(layout=lay) for lay in (layout.TRAINING, layout.DECODING_ACCELERATOR)]
+  trees = [layout.convert_params(params, base.layout, c.layout) for c in configs]
+  want, got = (_forward_all(p, adapters, c) for p, c in zip(trees, configs))
+  real = np.asarray(jnp.arange(T)[None] < LENS[:, None])
+  for mode in MODES:
+    _assert_close(np.asarray(got[mode][0])[real], np.asarray(want[mode][0])[real], False, mode)
+    a, b = _stacked(want[mode][1]), _stacked(got[mode][1])
+    _assert_close(_real_slots(b.k, a.valid, -1), _real_slots(a.k, a.valid, -1), False, mode)
+  ids = _ids("per_sequence")
+  (a1, a2), (b1, b2) = (_run_sampler(p, c, adapters, ids, greedy=False)
+                        for p, c in zip(trees, configs))
+  for a, b in ((a1, b1), (a2, b2)):
+    np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(a.tokens))
+    np.testing.assert_allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=2e-5)
