@@ -1,5 +1,5 @@
 """The code environment: the team writes a Python program, graded by the fraction of tests it
-passes in the sandbox (`sandbox.py`).
+passes in the sandbox (`marft_jax.envs.sandbox`).
 
 One episode, one env step (as MARFT-on-AReaL's DeepCoder reward, `reference/marft-areal.md`
 §7.1):
@@ -23,7 +23,9 @@ function test calls `function(*args)` (or `Solution().function`, LeetCode style)
 the JSON return value the same way (`values_match`). Tests that time out, hit the output cap
 or fail in the sandbox score 0 like wrong answers but are counted apart in `info["metrics"]`
 (averaged over episodes by the trainer): `score`, and per verdict the number of tests
-`code_wrong`, `code_runtime_error`, `code_timeout`, `code_output_limit`, `code_sandbox_error`.
+`code_wrong`, `code_runtime_error`, `code_timeout`, `code_output_limit`, `code_sandbox_error`;
+and `code_sandbox_fallback`, 1 when the sandbox runs in a weaker isolation mode than it was
+asked for (e.g. without bwrap; `Sandbox.fallback` says why, and the run's log has a warning).
 With `drop_sandbox_errors=True` a sandbox failure raises instead, and the rollout drops the
 episode (verl's lesson: an infrastructure failure is not a score to train on).
 """
@@ -143,12 +145,17 @@ def _test(record: Any, function: Optional[str], where: str) -> CodeTest:
   return CodeTest(output=record["output"], args=tuple(record["args"]))
 
 
-def problem_for_seed(problems: Sequence[CodeProblem], seed: int, shuffle_seed: int = 0):
+def problem_for_seed(problems: Sequence[CodeProblem], seed: int, shuffle_seed: int = 0,
+                     shuffle: bool = True):
   """Seeds e*n .. e*n + n-1 visit every one of the n problems once, in an order drawn from
-  (shuffle_seed, e): the same seed, the same problem; consecutive seeds, no repeats."""
+  (shuffle_seed, e): the same seed, the same problem; consecutive seeds, no repeats.
+  `shuffle=False`: seed s gives problem s % n (file order; an `EnvBatch` with `num_tasks`
+  passes task indices of its own seeded order)."""
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
     raise ValueError(f"seed={seed!r}: must be a non-negative int")
   epoch, position = divmod(int(seed), len(problems))
+  if not shuffle:
+    return problems[position]
   order = np.random.default_rng([shuffle_seed, epoch]).permutation(len(problems))
   return problems[int(order[position])]
 
@@ -250,14 +257,15 @@ class CodeEnv(Environment):
     `Limits(wall_s=test_timeout_s)`, stopped by `close()`.
   drop_sandbox_errors: raise `SandboxFailure` (the episode is dropped) instead of scoring
     a test the sandbox could not run as 0.
-  shuffle_seed: selects the seeded problem order (`problem_for_seed`).
+  shuffle_seed: selects the seeded problem order (`problem_for_seed`); shuffle: False for
+    file order (seed s, problem s % n).
   """
 
   def __init__(self, problems: Union[PathLike, Sequence[CodeProblem], None] = None, *,
                graded_roles: Sequence[str] = ("coder",), max_tests: int = 10,
                test_timeout_s: float = 5.0, budget_s: float = 60.0,
                sandbox: Optional[Sandbox] = None, drop_sandbox_errors: bool = False,
-               shuffle_seed: int = 0):
+               shuffle_seed: int = 0, shuffle: bool = True):
     self.graded_roles = tuple(graded_roles)
     if not self.graded_roles or not all(isinstance(r, str) for r in self.graded_roles):
       raise ValueError(f"graded_roles={graded_roles!r}: must be a non-empty list of role names")
@@ -273,12 +281,13 @@ class CodeEnv(Environment):
       raise ValueError("problems: empty")
     self.max_tests, self.test_timeout_s, self.budget_s = max_tests, test_timeout_s, budget_s
     self.drop_sandbox_errors, self.shuffle_seed = drop_sandbox_errors, shuffle_seed
+    self.shuffle = shuffle
     self._owns_sandbox = sandbox is None
     self.sandbox = Sandbox(Limits(wall_s=test_timeout_s)) if sandbox is None else sandbox
     self.problem: Optional[CodeProblem] = None
 
   def reset(self, seed: int) -> Observation:
-    self.problem = problem_for_seed(self.problems, seed, self.shuffle_seed)
+    self.problem = problem_for_seed(self.problems, seed, self.shuffle_seed, self.shuffle)
     return Observation(task=self.problem.task())
 
   def step(self, actions: Mapping[str, str]) -> Step:
@@ -311,6 +320,7 @@ class CodeEnv(Environment):
                      zip(verdicts[role], results[i * num_tests:(i + 1) * num_tests])]
     metrics = {"score": score}
     metrics.update({f"code_{v}": float(every.count(v)) for v in VERDICTS if v != "passed"})
+    metrics["code_sandbox_fallback"] = float(self.sandbox.fallback is not None)
     return {"problem_id": problem.id, "tests": num_tests, "passed": passed,
             "verdicts": verdicts, "notes": notes, "metrics": metrics}
 

@@ -366,3 +366,125 @@ def test_the_trainer_never_forks_with_python_code_in_the_child(box):
     assert box.run("print(1)").status == Status.OK
     assert box.run_many([Job("print(2)")] * 2)[1].stdout == "2\n"
   assert [str(w.message) for w in caught] == []
+
+
+# --- the boot program, a module of its own ---
+
+from marft_jax.envs.sandbox import boot, isolation  # noqa: E402  (after the fixtures above)
+from marft_jax.envs.sandbox.isolation import Plan  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["boot", "kill_uid"])
+def test_helper_programs_use_the_standard_library_only(name):
+  """They run in `python -I -S`, as another uid or inside bwrap: no site-packages, and
+  this package's folder may be invisible there."""
+  import ast  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  tree = ast.parse(isolation.program_source(name))
+  imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+              if isinstance(node, ast.Import) for alias in node.names}
+  imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom)}
+  assert imported and imported <= set(sys.stdlib_module_names), imported
+
+
+@pytest.mark.parametrize("event, args", [
+    ("socket.connect", (None, ("example.com", 80))), ("subprocess.Popen", ("ls", [], None, None)),
+    ("os.exec", ("/bin/sh", [], None)), ("ctypes.dlopen", ("libc.so.6",)),
+    ("os.kill", (1, 9)), ("open", ("/etc/passwd", "w", 0)),
+    ("open", ("/etc/passwd", None, os.O_WRONLY)), ("os.remove", ("/etc/passwd", None)),
+    ("os.rename", ("inside.txt", "/tmp/outside.txt", None, None))])
+def test_guard_refuses(tmp_path, event, args):
+  guard = boot.Guard(str(tmp_path))
+  cwd = os.getcwd()
+  os.chdir(tmp_path)  # relative paths are the work directory's
+  try:
+    with pytest.raises(PermissionError):
+      guard(event, args)
+  finally:
+    os.chdir(cwd)
+
+
+@pytest.mark.parametrize("event, args", [
+    ("open", ("/etc/passwd", "r", os.O_RDONLY)), ("open", ("out.txt", "w", 0)),
+    ("open", (os.devnull, "w", 0)), ("open", (3, "w", 0)), ("os.kill", (0, 15)),
+    ("os.mkdir", ("sub", 0o777, None)), ("import", ("json", None, [], [], []))])
+def test_guard_allows(tmp_path, event, args):
+  if event == "os.kill":
+    args = (os.getpid(), args[1])
+  cwd = os.getcwd()
+  os.chdir(tmp_path)
+  try:
+    boot.Guard(str(tmp_path))(event, args)
+  finally:
+    os.chdir(cwd)
+
+
+def test_a_link_out_of_the_work_directory_is_outside(tmp_path):
+  os.symlink("/etc", tmp_path / "escape")
+  assert boot.inside(str(tmp_path / "file"), str(tmp_path))
+  assert not boot.inside(str(tmp_path / "escape" / "passwd"), str(tmp_path))
+  assert not boot.inside(str(tmp_path) + "-sibling", str(tmp_path))
+
+
+def test_set_limits_stays_under_the_hard_ceiling(monkeypatch):
+  import resource  # pylint: disable=import-outside-toplevel
+  ceilings = {resource.RLIMIT_AS: (100, 100), resource.RLIMIT_CPU: (5, resource.RLIM_INFINITY)}
+  calls = {}
+  monkeypatch.setattr(boot.resource, "getrlimit", lambda which: ceilings[which])
+  monkeypatch.setattr(boot.resource, "setrlimit", lambda which, pair: calls.update({which: pair}))
+  boot.set_limits([("RLIMIT_AS", 50, 500), ("RLIMIT_CPU", 3, 4)])
+  assert calls == {resource.RLIMIT_AS: (50, 100), resource.RLIMIT_CPU: (3, 4)}
+
+
+def _boot_from_its_file(tmp_path, source, function=None, stdin=""):
+  (tmp_path / "main.py").write_text(source)
+  config = dict(rlimits=[["RLIMIT_CORE", 0, 0]], uid=None, init=False, guard=True,
+                function=function)
+  import sys  # pylint: disable=import-outside-toplevel
+  return subprocess.run([sys.executable, "-I", "-S", "-B", boot.__file__, json.dumps(config)],
+                        cwd=tmp_path, input=stdin.encode(), capture_output=True, timeout=30,
+                        check=False)
+
+
+def test_boot_runs_a_program_from_its_file(tmp_path):
+  done = _boot_from_its_file(tmp_path, "print(input()[::-1])", stdin="abc\n")
+  assert done.returncode == 0 and done.stdout == b"cba\n"
+  assert done.stderr.startswith(boot.MARK)
+  called = _boot_from_its_file(tmp_path, "def f(a, b):\n  print('noise')\n  return [a, b]",
+                               function="f", stdin="[1, 2]")
+  assert called.stdout == b"[1, 2]" and called.stderr == boot.MARK + b"noise\n"
+  refused = _boot_from_its_file(tmp_path, "open('/tmp/x-marft-boot-test', 'w')")
+  assert refused.returncode == 1 and b"PermissionError" in refused.stderr
+  assert not os.path.exists("/tmp/x-marft-boot-test")
+
+
+# --- falling back to a weaker mode ---
+
+def test_fallback_names_what_a_weaker_plan_loses():
+  root = os.geteuid() == 0
+  python = "/usr/bin/python3"
+  assert isolation.fallback("plain", Plan("plain", python, root, True)) is None
+  assert isolation.fallback("bwrap", Plan("bwrap", python, root, True)) is None
+  weaker = isolation.fallback("plain", Plan("plain", python, root, False),
+                              [(Plan("plain", python, root, True), "sandbox_error boom")])
+  assert "no network or PID namespace" in weaker and "boom" in weaker
+  assert "bwrap" in isolation.fallback("auto", Plan("plain", python, root, True))
+
+
+def test_a_fallback_is_a_warning_and_a_metric(monkeypatch, caplog):
+  from marft_jax.envs.code_env import CodeEnv, CodeProblem, CodeTest  # pylint: disable=import-outside-toplevel
+  which = shutil.which
+  monkeypatch.setattr(isolation.shutil, "which",
+                      lambda name, **kw: None if name == "bwrap" else which(name, **kw))
+  sandbox = _sandbox("auto")
+  with caplog.at_level("INFO", logger="marft_jax.envs.sandbox"):
+    assert sandbox.run("print(1)").stdout == "1\n"
+  warnings_ = [r for r in caplog.records if r.levelname == "WARNING"]
+  assert len(warnings_) == 1 and "bwrap is not installed" in warnings_[0].getMessage()
+  assert sandbox.plan.mode == "plain" and "bwrap" in sandbox.fallback
+  problem = CodeProblem("one", "Print 1.", (CodeTest(output="1\n"),))
+  env = CodeEnv([problem], sandbox=sandbox, test_timeout_s=2.0)
+  env.reset(0)
+  step = env.step({"coder": "```python\nprint(1)\n```"})
+  assert step.rewards["coder"] == 1.0 and step.info["metrics"]["code_sandbox_fallback"] == 1.0
