@@ -51,6 +51,9 @@ def kl_k3(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
 
 KLEstimator = Callable[[jax.Array, jax.Array], jax.Array]
 
+# The estimators by the names configs use (`LossConfig.kl_estimator`, AReaL's `kl_estimator`).
+KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
 
 def kl_penalty(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array,
                estimator: KLEstimator = kl_k3) -> jax.Array:

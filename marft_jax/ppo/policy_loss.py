@@ -130,15 +130,33 @@ def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: 
   """
   chex.assert_equal_shape([logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t])
   _check_clip(epsilon, epsilon_high, dual_clip)
-  check_range("imp_weight_cap", imp_weight_cap, 0.0, low_open=True)
   ratio = _ratio(logp_t, prox_logp_t, mask_t)
+  weight, keep = importance_weights(prox_logp_t, behav_logp_t, mask_t, imp_weight_cap)
+  adv_t = _sg(_select(adv_t, mask_t))
+  loss = weight * _surrogate(ratio, adv_t, epsilon, epsilon_high, dual_clip)
+  return masked_sum(loss, keep) / jnp.maximum(masked_count(mask_t), 1.0)
+
+
+def importance_weights(prox_logp_t: jax.Array, behav_logp_t: jax.Array, mask_t: jax.Array,
+                       imp_weight_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """Decoupled PPO's behaviour weights and the elements they keep (no gradient).
+
+      w_t = π_prox(a_t) / π_behav(a_t),    keep_t = m_t ∧ (w_t ≤ cap)
+
+  Args:
+    prox_logp_t, behav_logp_t, mask_t: same shape (masked elements get w_t = 1).
+    imp_weight_cap: > 0, or None to keep every valid element.
+  Returns:
+    (w_t, keep_t bool), same shape.
+  Raises:
+    ValueError: a concrete imp_weight_cap ≤ 0 or NaN.
+  """
+  check_range("imp_weight_cap", imp_weight_cap, 0.0, low_open=True)
   weight = _sg(_ratio(prox_logp_t, behav_logp_t, mask_t))
   keep = mask_t != 0
   if imp_weight_cap is not None:
     keep = keep & (weight <= imp_weight_cap)
-  adv_t = _sg(_select(adv_t, mask_t))
-  loss = weight * _surrogate(ratio, adv_t, epsilon, epsilon_high, dual_clip)
-  return masked_sum(loss, keep) / jnp.maximum(masked_count(mask_t), 1.0)
+  return weight, keep
 
 
 def gspo_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv: jax.Array, mask_t: jax.Array,

@@ -5,10 +5,34 @@ that is never differentiated). Per minibatch:
 
   policy   PPO clip on the ratio π_θ / π_old, per agent turn (action level: the turn's
            log-prob summed, or averaged over its tokens) or per token; π_old is recomputed by
-           this same forward before the first step, so the first ratio is 1
+           this same forward before the first step, so the first ratio is 1. Optional dual
+           clip. With the behaviour correction on, decoupled PPO (below)
   value    clipped value loss (Huber with `huber_delta`, else squared) at the value positions
   entropy  bonus on the sampled positions' token entropy
-  KL       optional penalty to the frozen base (the adapters switched off), k3 estimator
+  KL       optional penalty to the frozen base (the adapters switched off), estimator k1,
+           k2 or k3 (`ppo.kl`)
+
+Behaviour policy (`LossConfig.behaviour_correction`). The sampler records the log-prob of
+each token it drew (`TrainBatch.act_behaviour_logp`); the learner's recomputed π_old can
+differ from it (bf16 rounding in a differently compiled forward: up to 0.07 nats on a GPU).
+With the correction on, the loss is AReaL's decoupled PPO (`ppo.decoupled_ppo_loss`) with
+π_prox = the learner's π_old and π_behav = the sampler's:
+
+    ρ = π_θ / π_prox (clipped, as plain PPO),   w = π_prox / π_behav (no gradient)
+    L = (1/Σm) Σ m · 1[w ≤ cap] · w · ℓ(ρ, A)
+
+so the advantage is weighted by π_θ / π_behav (the true ratio to the policy that sampled)
+while the trust region stays centred on the learner's own π_old. At the action level a turn's
+log-prob is the sum of its tokens' (or their mean), and so are π_prox's and π_behav's: the
+turn weight is w_turn = Π_t w_t, the exact importance weight of the whole reply (a sequence's
+probability is its tokens' product); with `action_logprob="mean"` it is the geometric mean
+(Π_t w_t)^(1/n), length-normalised like the ratio it multiplies (not an unbiased weight, but
+one on the ratio's scale). The cap drops (not clips) a turn or token whose weight exceeds it.
+
+Top-p / top-k: the sampler records the log-prob under the truncated, renormalised distribution
+(`models.sampler`); the learner scores the full softmax at the same temperature. Training
+with truncation is refused (`check_untruncated_sampling`) rather than corrected: the learner
+does not apply the truncation.
 
 Each agent's gradient is clipped on its own; agents that are frozen (agent-by-agent
 schedule, critic warm-up) or had no token in the minibatch keep their weights and optimizer
@@ -29,20 +53,26 @@ import optax
 from flax import struct
 
 from marft_jax import ppo
+from marft_jax.ppo.kl import KL_ESTIMATORS
+from marft_jax.ppo.policy_loss import importance_weights
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
 from marft_jax.train import optim
 from marft_jax.train.batching import TrainBatch
+from marft_jax.validation import check_range
 
 POLICY_LEVELS = ("action", "token")
+BEHAVIOUR_CORRECTIONS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """Loss weights and PPO settings (static under jit)."""
 
-  policy_level: str = "action"  # "action": one ratio per turn; "token": one per token
+  # "action": one ratio per turn; "token": one per token; "auto": the algorithm's
+  # (train/algorithms.py resolves it before the update is built)
+  policy_level: str = "auto"
   action_logprob: str = "sum"  # action level: "sum" (the sequence's) or "mean" (per token)
   clip_eps: float = 0.2
   clip_eps_high: Optional[float] = None
@@ -50,25 +80,73 @@ class LossConfig:
   value_clip: Optional[float] = 0.2
   huber_delta: Optional[float] = 10.0  # None: squared error
   entropy_coef: float = 0.0
+  # c > 1: a negative-advantage element's loss is at most c·|A| (Ye et al. 2020); None: off
+  dual_clip: Optional[float] = None
   kl_coef: float = 0.0  # penalty to the base model
+  kl_estimator: str = "k3"  # of that penalty: "k1", "k2" or "k3" (`ppo.kl`)
+  # The sampler's log-probs as the behaviour policy (decoupled PPO, see the module docstring):
+  # "on", "off", or "auto" = on whenever sampler and learner can differ (a bfloat16 model;
+  # `resolve_behaviour_correction` decides, at config time or in `make_update`)
+  behaviour_correction: str = "auto"
+  # Drop a token (turn, at the action level) whose weight π_prox/π_behav exceeds this; None
+  # keeps all. 5.0 is AReaL's `behav_imp_weight_cap` in every MARFT config
+  imp_weight_cap: Optional[float] = 5.0
   kl_limit: Optional[float] = None  # approximate KL(π_old ‖ π) that stops a policy step
   kl_guard: str = "skip"  # "skip" this minibatch's policy step, or "stop" the rest
   max_grad_norm: float = 1.0  # per agent
   critic_max_grad_norm: float = 1.0
 
   def __post_init__(self):
-    if self.policy_level not in POLICY_LEVELS:
+    if self.policy_level not in ("auto",) + POLICY_LEVELS:
       raise ValueError(f"policy_level={self.policy_level!r}: use one of {POLICY_LEVELS}")
     if self.action_logprob not in ("sum", "mean"):
       raise ValueError(f"action_logprob={self.action_logprob!r}: use 'sum' or 'mean'")
     if self.kl_guard not in ("skip", "stop"):
       raise ValueError(f"kl_guard={self.kl_guard!r}: use 'skip' or 'stop'")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"kl_estimator={self.kl_estimator!r}: use one of "
+                       f"{tuple(KL_ESTIMATORS)}")
+    if self.behaviour_correction not in BEHAVIOUR_CORRECTIONS:
+      raise ValueError(f"behaviour_correction={self.behaviour_correction!r}: use one of "
+                       f"{BEHAVIOUR_CORRECTIONS}")
+    check_range("dual_clip", self.dual_clip, 1.0, low_open=True)
+    check_range("imp_weight_cap", self.imp_weight_cap, 0.0, low_open=True)
     for key in ("clip_eps", "value_coef", "entropy_coef", "kl_coef"):
       if not getattr(self, key) >= 0:
         raise ValueError(f"{key}={getattr(self, key)!r}: must be >= 0")
     for key in ("max_grad_norm", "critic_max_grad_norm"):
       if not getattr(self, key) > 0:
         raise ValueError(f"{key}={getattr(self, key)!r}: must be > 0")
+
+
+def check_untruncated_sampling(top_p: float, top_k: int, prefix: str = "team.") -> None:
+  """Refuses top-p < 1 or top-k > 0 for a trained policy, naming the key.
+
+  The sampler records each token's log-prob under the truncated, renormalised distribution;
+  the learner's log-probs are of the full softmax (at the same temperature), so the ratio
+  and the policy being optimised would not be the sampler's (the original MARFT's defect D9).
+  Call it where the training config is resolved.
+  """
+  if top_p is not None and top_p < 1:
+    raise ValueError(f"{prefix}top_p={top_p!r}: training needs 1.0 (the learner scores the "
+                     "full softmax; the sampler's nucleus log-probs would not match it)")
+  if top_k:
+    raise ValueError(f"{prefix}top_k={top_k!r}: training needs 0 (the learner scores the "
+                     "full softmax; the sampler's top-k log-probs would not match it)")
+
+
+def resolve_behaviour_correction(config: LossConfig, param_dtype: str, top_p: float = 1.0,
+                                 top_k: int = 0) -> LossConfig:
+  """`config` with `behaviour_correction` "auto" decided: "on" for a bfloat16 model (the
+  sampler's and the learner's differently compiled forwards round differently), else "off".
+  "on" and "off" are kept. Refuses top-p/top-k first (`check_untruncated_sampling`), so
+  truncation never reaches "auto". Pure; the trainer calls it when it resolves its config.
+  """
+  check_untruncated_sampling(top_p, top_k)
+  if config.behaviour_correction != "auto":
+    return config
+  on = jnp.dtype(param_dtype) == jnp.bfloat16
+  return dataclasses.replace(config, behaviour_correction="on" if on else "off")
 
 
 @struct.dataclass
@@ -133,6 +211,45 @@ def _per_turn(x: jax.Array, batch: TrainBatch, mean: bool) -> jax.Array:
   return total
 
 
+def _at_policy_level(x: jax.Array, batch: TrainBatch, config: LossConfig) -> jax.Array:
+  """[B, T] per-decision log-probs -> the elements that carry a ratio: [B, K] per turn (their
+  sum, or mean) at the action level, [B, T] unchanged at the token level."""
+  if config.policy_level == "action":
+    return _per_turn(x, batch, config.action_logprob == "mean")
+  return x
+
+
+def _policy_mask(batch: TrainBatch, config: LossConfig) -> jax.Array:
+  return batch.turn_valid if config.policy_level == "action" else batch.act_mask
+
+
+def _max_dev(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
+  """max over the valid elements of |exp(log_ratio) − 1| (no gradient)."""
+  log_ratio = jax.lax.stop_gradient(jnp.where(mask, log_ratio, 0.0))
+  return jnp.max(jnp.abs(jnp.expm1(log_ratio)))
+
+
+def behaviour_metrics(batch: TrainBatch, old_logp: jax.Array, config: LossConfig) -> dict:
+  """How far the sampler's log-probs are from the learner's π_old, over the whole batch.
+
+  logp_gap_max / _mean: |π_old − π_behav| in log space over the trained tokens (per token);
+  weight_mean / _max / _dropped: the weights w = π_old/π_behav at the policy level (per turn
+  at the action level) over the valid elements, and the fraction above `imp_weight_cap`
+  (reported whether or not the correction is on)."""
+  m = batch.act_mask
+  gap = jnp.where(m, jnp.abs(old_logp - batch.act_behaviour_logp), 0.0)
+  valid = _policy_mask(batch, config)
+  weight, keep = importance_weights(
+      _at_policy_level(old_logp, batch, config),
+      _at_policy_level(batch.act_behaviour_logp, batch, config), valid, config.imp_weight_cap)
+  return {"behaviour/logp_gap_max": jnp.max(gap),
+          "behaviour/logp_gap_mean": ppo.masked_mean(gap, m),
+          "behaviour/weight_mean": ppo.masked_mean(weight, valid),
+          "behaviour/weight_max": jnp.max(jnp.where(valid, weight, 0.0)),
+          "behaviour/weight_dropped": ppo.masked_mean((valid & ~keep).astype(jnp.float32),
+                                                      valid)}
+
+
 def _value_loss(values, old_values, returns, mask, config: LossConfig):
   if config.huber_delta is None:
     return ppo.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
@@ -148,20 +265,24 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
   if config.entropy_coef == 0:  # reported, not trained: no gradient through it
     entropy = jax.lax.stop_gradient(entropy)
   m = batch.act_mask
-  if config.policy_level == "action":
-    mean = config.action_logprob == "mean"
-    new, old = _per_turn(logp, batch, mean), _per_turn(extras.old_logp, batch, mean)
-    policy_loss = ppo.ppo_clip_loss(new, old, batch.turn_advantage, batch.turn_valid,
-                                    config.clip_eps, config.clip_eps_high)
-    approx_kl = ppo.approx_kl(new, old, batch.turn_valid)
-    clipped = ppo.clip_fraction(new, old, batch.turn_valid, config.clip_eps, config.clip_eps_high)
+  new, old = _at_policy_level(logp, batch, config), _at_policy_level(extras.old_logp, batch,
+                                                                     config)
+  valid = _policy_mask(batch, config)
+  adv = batch.turn_advantage if config.policy_level == "action" else batch.act_advantage
+  behav = _at_policy_level(batch.act_behaviour_logp, batch, config)
+  if _correcting(config):
+    policy_loss = ppo.decoupled_ppo_loss(new, old, behav, adv, valid, config.clip_eps,
+                                         config.clip_eps_high, config.dual_clip,
+                                         config.imp_weight_cap)
   else:
-    policy_loss = ppo.ppo_clip_loss(logp, extras.old_logp, batch.act_advantage, m,
-                                    config.clip_eps, config.clip_eps_high)
-    approx_kl = ppo.approx_kl(logp, extras.old_logp, m)
-    clipped = ppo.clip_fraction(logp, extras.old_logp, m, config.clip_eps, config.clip_eps_high)
+    policy_loss = ppo.ppo_clip_loss(new, old, adv, valid, config.clip_eps,
+                                    config.clip_eps_high, config.dual_clip)
+  approx_kl = ppo.approx_kl(new, old, valid)
+  clipped = ppo.clip_fraction(new, old, valid, config.clip_eps, config.clip_eps_high)
   total = policy_loss - config.entropy_coef * ppo.masked_mean(entropy, m)
-  kl_base = ppo.kl_penalty(logp, extras.ref_logp, m) if config.kl_coef > 0 else jnp.zeros(())
+  kl_base = jnp.zeros(())
+  if config.kl_coef > 0:
+    kl_base = ppo.kl_penalty(logp, extras.ref_logp, m, KL_ESTIMATORS[config.kl_estimator])
   total = total + config.kl_coef * kl_base
   value_loss = jnp.zeros(())
   if critic_values is not None:
@@ -175,8 +296,19 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
     total = total + config.value_coef * value_loss
   aux = {"policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
          "clip_fraction": clipped, "entropy": ppo.masked_mean(entropy, m),
-         "kl_to_base": kl_base}
+         "kl_to_base": kl_base,
+         # before the first step: the clipped ratio's distance from 1 (π_prox is this
+         # forward's own), and the sampler's (what an uncorrected loss takes to be 1)
+         "first_ratio_max_dev": _max_dev(new - old, valid),
+         "behaviour/first_ratio_max_dev": _max_dev(new - behav, valid)}
   return total, aux
+
+
+def _correcting(config: LossConfig) -> bool:
+  if config.behaviour_correction == "auto":
+    raise ValueError("behaviour_correction='auto' must be resolved first "
+                     "(resolve_behaviour_correction)")
+  return config.behaviour_correction == "on"
 
 
 def _finite(tree) -> jax.Array:
@@ -199,8 +331,20 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
     train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches.
   Returns:
     (new state, metrics averaged over the minibatches; `nonfinite` and `kl_skipped` count
-    the minibatches whose step was skipped).
+    the minibatches whose step was skipped; `first_ratio_max_dev` and
+    `behaviour/first_ratio_max_dev` are the first minibatch's, before any step; the other
+    `behaviour/` metrics are the whole batch's, `behaviour_metrics`).
+
+  `config.behaviour_correction` "auto" is resolved here from the model's dtypes
+  (`resolve_behaviour_correction`); the trainer resolves it earlier, with its sampling
+  settings, so its saved config says what ran.
   """
+  bf16 = jnp.bfloat16 in (jnp.dtype(model_config.param_dtype),
+                          jnp.dtype(model_config.compute_dtype))
+  config = resolve_behaviour_correction(config, "bfloat16" if bf16 else "float32")
+  if config.policy_level not in POLICY_LEVELS:
+    raise ValueError(f"loss.policy_level={config.policy_level!r}: resolve the config's "
+                     "algorithm first (marft_jax.train.algorithms.resolve)")
   grad_fn = jax.value_and_grad(
       functools.partial(losses, model_config=model_config, config=config,
                         critic_values=critic_values), argnums=(0, 1), has_aux=True)
@@ -247,6 +391,9 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
     indices = orders.reshape(epochs * minibatches, B // minibatches)
     (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)), indices)
     out = {k: jnp.mean(v) for k, v in metrics.items()}
+    for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
+      out[key] = metrics[key][0]
+    out.update(behaviour_metrics(batch, extras.old_logp, config))
     out["nonfinite"] = jnp.sum(metrics["nonfinite"])
     out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
     return state, out
