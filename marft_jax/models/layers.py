@@ -77,15 +77,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.A
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
               cached: Optional[tuple[jax.Array, jax.Array, jax.Array]] = None,
-              query_block: int = 0) -> jax.Array:
+              query_block: int = 0, kernel: str = "auto") -> jax.Array:
   """Grouped-query softmax attention over this call's keys and, optionally, a KV cache.
 
   The softmax runs in f32 over the cached slots and the new keys together (one max, one
   normaliser); in f32 the normaliser divides the output, in a lower precision the
   probabilities, cast to v's dtype once, as Hugging Face's modules do.
   The cache is read as it was before this call, so its update can happen in place afterwards.
-  Without a cache (a training pass) the gradient is `_self_attention`'s: the same maths, but
-  the probabilities are recomputed in the backward pass rather than stored.
+  Without a cache (a training pass, or a prompt into an empty cache) `kernel` picks the
+  implementation (`self_attention_kernel`): on CPU `_self_attention`, whose gradient is the
+  same maths with the probabilities recomputed in the backward pass rather than stored; on
+  accelerators a fused kernel, `jax.nn.dot_product_attention` (cuDNN's flash attention on
+  NVIDIA GPUs where it applies). They give the same outputs at every query that may attend
+  some key; at a padding query (no key allowed) each gives some finite output that nothing
+  reads (its key is masked for every query; the trainer masks its loss).
 
   Args:
     q: [B, K, G, T, E] queries (G query heads per kv head).
@@ -98,13 +103,83 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
     query_block: without a cache, n > 0 runs the queries in blocks of n, each against the
       keys up to its last query only, which skips most scores a causal mask discards (a
       quarter of them at two blocks). Exact only for a causal `allowed` (no key after its
-      query): the caller that built the mask says so. 0: one block. Static.
+      query): the caller that built the mask says so. 0: one block. Static. n > 0 also
+      tells the fused kernels that `allowed` is causal (cuDNN then skips the scores above
+      the diagonal).
+    kernel: without a cache, "auto" (`self_attention_kernel`'s choice for this backend),
+      "reference" (the hand-written path, CPU's), "xla_fused" (`jax.nn.dot_product_attention`
+      with implementation "xla": runs anywhere, so tests check it on CPU) or "cudnn"
+      (NVIDIA GPUs, bf16/f16 only). Ignored with a cache. Static.
   Returns:
     [B, K, G, T, E] in q's dtype.
   """
   if cached is None:
+    if kernel == "auto":
+      kernel = self_attention_kernel(q.dtype, q.shape[-1], q.shape[3])
+    if kernel != "reference":
+      return _fused_attention(q, k, v, allowed, query_block > 0, kernel)
     return _self_attention(query_blocks(q.shape[3], query_block), q, k, v, allowed)
   return _softmax_attention(q, k, v, allowed, cached)[0]
+
+
+KERNELS = ("auto", "reference", "xla_fused", "cudnn")
+
+
+def self_attention_kernel(dtype, head_dim: int, T: int) -> str:
+  """The kernel `attention(kernel="auto")` runs without a cache, by `jax.default_backend()`.
+
+    cpu   "reference": the hand-written path, tuned on XLA:CPU (its backward keeps no
+          [T, T] probabilities and skips the blocks a causal mask discards).
+    gpu   "cudnn" on NVIDIA where cuDNN's flash attention takes the call: bf16 or f16, head
+          dim a multiple of 8 up to 128, an even T (the padding mask reaches cuDNN as a bias,
+          which its training kernel takes only for even lengths). Measured on an H200
+          (bf16, B 4 × T 1024 × 12 heads × E 128, causal): forward + backward 0.75 ms
+          against 1.11 ms for "xla_fused". Otherwise (f32, other shapes, ROCm) "xla_fused".
+    tpu   "xla_fused" (unmeasured): XLA's fusion of the textbook attention. It keeps the
+          [B, H, T, T] probabilities for the backward: for long rows set `model.remat`, or
+          pass kernel="reference".
+  """
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return "reference"
+  if backend == "gpu" and _cudnn_takes(dtype, head_dim, T):
+    return "cudnn"
+  return "xla_fused"
+
+
+def _cudnn_takes(dtype, head_dim: int, T: int) -> bool:
+  """An NVIDIA GPU, and a call within cuDNN flash attention's constraints (JAX's checks)."""
+  from jax.extend import backend as jex_backend
+  if "cuda" not in jex_backend.get_backend().platform_version.lower():
+    return False
+  return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim % 8 == 0 and head_dim <= 128 and T % 2 == 0)
+
+
+def _fused_attention(q, k, v, allowed, causal: bool, kernel: str):
+  """`jax.nn.dot_product_attention` on our [B, K, G, T, E] layout.
+
+  Its layout is [B, T, N, E] with query head n = k·G + g reading kv head k: our [K, G]
+  axes flattened. `allowed` goes in as a [B, 1, T, T] mask (cuDNN adds it as a bias of
+  0 / -2⁴¹, and skips the blocks above the diagonal when `causal`). A padding query sees
+  every score masked: "xla_fused" then averages all values, cuDNN those up to the query.
+  """
+  if kernel not in ("xla_fused", "cudnn"):
+    raise ValueError(f"attention kernel={kernel!r}: must be one of {KERNELS}")
+  B, K, G, T, E = q.shape
+  heads_after_time = lambda x: jnp.moveaxis(x, -2, 1)  # [B, ..., T, E] -> [B, T, ..., E]
+  fused = functools.partial(
+      jax.nn.dot_product_attention, heads_after_time(q).reshape(B, T, K * G, E),
+      heads_after_time(k), heads_after_time(v.astype(k.dtype)), mask=allowed[:, None],
+      is_causal=causal)
+  if kernel == "cudnn":
+    try:
+      out = fused(implementation="cudnn")
+    except NotImplementedError:  # a GPU or cuDNN version without this case: XLA's
+      out = fused(implementation="xla")
+  else:
+    out = fused(implementation="xla")
+  return jnp.moveaxis(out.reshape(B, T, K, G, E), 1, -2).astype(q.dtype)
 
 
 def query_blocks(T: int, size: int) -> tuple[tuple[int, int], ...]:
