@@ -27,7 +27,7 @@ import os
 import re
 import sys
 import typing
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -71,8 +71,12 @@ def define_config_flag(file_name: str) -> flags.FlagHolder:
       lock_config=True)
 
 
-def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: type) -> None:
-  """`app.run` that hands `main` the typed config (a `config_cls`) instead of argv."""
+def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: type,
+        resolve: Optional[Callable[[Any], Any]] = None) -> None:
+  """`app.run` that hands `main` the typed config (a `config_cls`) instead of argv.
+
+  `resolve`: applied to the typed config before `main` (e.g. `algorithms.resolve`, which fills
+  the algorithm's keys); its ValueError is one line and exit status 2, like a bad key's."""
   def parse(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
       print(_help_text(argv, config_cls))
@@ -95,6 +99,11 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
       config = from_config_dict(config_cls, config_flag.value)
     except (ValueError, OSError) as e:  # OSError: the config file failed to load
       fail(_last_line(e))
+    if resolve is not None:
+      try:
+        config = resolve(config)
+      except ValueError as e:
+        fail(f"config.{_last_line(e)}")
     main(config)
 
   app.run(typed_main, flags_parser=parse)

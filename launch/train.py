@@ -24,6 +24,7 @@ import jax
 from absl import flags
 
 from launch import cli
+from marft_jax.train import algorithms
 from marft_jax import multihost, sharding
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
@@ -62,4 +63,4 @@ def main(config: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main, _CONFIG, TrainConfig)
+  cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)

@@ -68,9 +68,8 @@ def test_generate_config_file_holds_the_dataclass_defaults():
 
 
 def test_train_config_file_is_the_embedded_default():
-  from marft_jax.train.config import TrainConfig, preset
+  from marft_jax.train.config import TrainConfig
   typed = from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
-  assert preset("marft_a") == TrainConfig()  # the library's defaults are the default run
   assert typed == dataclasses.replace(TrainConfig(), eval_every=8, eval_episodes=64)
 
 
@@ -80,8 +79,9 @@ def test_train_config_file_is_the_embedded_default():
     ("math_3agents.py", "marft_a", 3, "math_jsonl"),
     ("math_4agents.py", "marft_a", 4, "math_jsonl"), ("code_2agents.py", "marft_a", 2, "code")])
 def test_train_configs_say_what_their_names_say(name, algorithm, roles, task):
+  from marft_jax.train.algorithms import resolve
   from marft_jax.train.config import TrainConfig
-  typed = from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, name)))
+  typed = resolve(from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, name))))
   assert (typed.algorithm, typed.team.num_roles, typed.task.name) == (algorithm, roles, task)
 
 

@@ -1,9 +1,9 @@
-"""GRPO without a critic: 4 rollouts of each task, advantages normalised per task and
-agent; reasoner → actor on generated arithmetic."""
+"""GRPO without a critic: 4 rollouts of each task (the algorithm's default group size),
+advantages normalised per task and agent; reasoner → actor on generated arithmetic."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import RolloutSection, preset
+from marft_jax.train.config import RolloutSection, TrainConfig
 
 
 def get_config():
-  return to_config_dict(preset("grpo", rollout=RolloutSection(num_envs=8, group_size=4)))
+  return to_config_dict(TrainConfig(algorithm="grpo", rollout=RolloutSection(num_envs=8)))

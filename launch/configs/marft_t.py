@@ -2,8 +2,8 @@
 and env-step boundaries), reasoner → actor on generated arithmetic."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import preset
+from marft_jax.train.config import TrainConfig
 
 
 def get_config():
-  return to_config_dict(preset("marft_t"))
+  return to_config_dict(TrainConfig(algorithm="marft_t"))

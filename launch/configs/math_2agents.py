@@ -2,8 +2,9 @@
 your own JSONL file: `--config.task.path=/data/gsm8k_train.jsonl`)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import TaskSection, preset
+from marft_jax.train.config import TaskSection, TrainConfig
 
 
 def get_config():
-  return to_config_dict(preset("marft_a", task=TaskSection(name="math_jsonl")))
+  return to_config_dict(TrainConfig(algorithm="marft_a",
+                                    task=TaskSection(name="math_jsonl")))

@@ -1,12 +1,12 @@
 """MARFT-A, reasoner → actor → verifier, on GSM8K-style problems (task.path)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import TaskSection, TeamSection, preset
+from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
 
 
 def get_config():
-  return to_config_dict(preset(
-      "marft_a",
+  return to_config_dict(TrainConfig(
+      algorithm="marft_a",
       task=TaskSection(name="math_jsonl"),
       team=TeamSection(num_roles=3),
   ))

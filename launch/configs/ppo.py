@@ -1,8 +1,8 @@
 """Single-agent PPO (the baseline): one solver, action level, on generated arithmetic."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import preset
+from marft_jax.train.config import TrainConfig
 
 
 def get_config():
-  return to_config_dict(preset("ppo"))
+  return to_config_dict(TrainConfig(algorithm="ppo"))

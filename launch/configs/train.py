@@ -5,11 +5,9 @@ team in docs/results.md: 16 iterations of 16 episodes, reasoner ≤ 48 and actor
 tokens), plus the greedy held-out accuracy on 64 problems before training, after 8 iterations
 and at the end (the "heldout/" metrics, on the progress bar and in learning_curve.png)."""
 
-import dataclasses
-
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import preset
+from marft_jax.train.config import TrainConfig
 
 
 def get_config():
-  return to_config_dict(dataclasses.replace(preset("marft_a"), eval_every=8, eval_episodes=64))
+  return to_config_dict(TrainConfig(algorithm="marft_a", eval_every=8, eval_episodes=64))

@@ -177,3 +177,13 @@ class Schedule:
   @property
   def calls(self) -> int:
     return self._calls if self.orchestrated else 0
+
+
+def agent_layers(structure, team: Sequence[AgentProfile]) -> Optional[tuple[int, ...]]:
+  """Each team agent's layer in a DAG (agents of one layer run in parallel), for the
+  trainer's advantages (`ppo.turn_successors`); None for a sequential schedule (a chain,
+  None, or an orchestrator), where every turn is its own layer."""
+  if not isinstance(structure, AgentGraph) or structure.is_sequential():
+    return None
+  layer_of = {role: i for i, layer in enumerate(structure.layers()) for role in layer}
+  return tuple(layer_of[p.role] for p in team)

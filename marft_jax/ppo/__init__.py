@@ -4,7 +4,9 @@ Importable on its own: nothing here sees a model or a config object. Every funct
 unbatched arrays (one sequence or trajectory) or arrays of any shape, and works under
 `jax.jit`, `jax.vmap` and `jax.grad`.
 
-- returns: `masked_gae`, `action_level_advantages` (MARFT-A),
+- chains: a multi-agent episode's turns (sequential, DAG layers, orchestrator calls) as one
+  backup: successors, hops, credit, per-token expansion (what the trainer runs).
+- returns: `masked_gae`, `successor_gae`, `action_level_advantages` (MARFT-A),
   `token_level_advantages` (MARFT-T), `sequence_advantages` (AReaL form).
 - credit: where each agent's reward lands in a token sequence.
 - logprobs: token and action log-probabilities, entropies.
@@ -31,6 +33,12 @@ Defect labels (D3, D4, …) and notes (A1, …) cited in the docstrings are expl
 docs/references.md, with the papers behind the formulas.
 """
 
+from marft_jax.ppo.chains import (
+    expand_turns,
+    turn_credit,
+    turn_hops,
+    turn_successors,
+)
 from marft_jax.ppo.credit import (
     equal_credit,
     per_step_credit,
@@ -73,7 +81,9 @@ from marft_jax.ppo.returns import (
     action_level_advantages,
     masked_gae,
     sequence_advantages,
+    successor_gae,
     token_level_advantages,
+    turn_chain_advantages,
 )
 from marft_jax.ppo.value_loss import (
     clipped_huber_value_loss,

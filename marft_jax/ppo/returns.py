@@ -32,6 +32,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from marft_jax.ppo import chains
 from marft_jax.validation import check_unit_interval
 
 
@@ -106,6 +107,55 @@ def _reverse_backup(init, xs):
   return jax.lax.scan(_backup, init, xs, reverse=True)[1]
 
 
+def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
+                  v_t: jax.Array, mask_t: jax.Array, next_t: jax.Array,
+                  v_bootstrap: jax.Array | float = 0.0) -> jax.Array:
+  """GAE where position t's hop leads to position next_t[t] > t (T: past the end).
+
+  For a state p whose hop leads, through transparent (masked) positions, to state q:
+
+      δ_p = r_pq + Γ_pq v_q − v_p,    A_p = δ_p + (Γλ)_pq A_q
+
+  with r_pq, Γ_pq and (Γλ)_pq composed along the pointer path exactly as in `masked_gae`
+  (which is this function with next_t = t + 1). Past the end v = v_bootstrap and A = 0.
+  Several positions may share a successor (parallel branches joining).
+
+  Args:
+    r_t, discount_t, lambda_t, v_t, mask_t: [T] as in `masked_gae`.
+    next_t: [T] int, each entry in (t, T].
+    v_bootstrap: scalar value past the end.
+  Returns:
+    [T] advantages, 0 at masked positions.
+  Raises:
+    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
+  """
+  chex.assert_rank([r_t, discount_t, v_t, mask_t, next_t], 1)
+  chex.assert_equal_shape([r_t, discount_t, v_t, mask_t, next_t])
+  check_unit_interval("discount_t", discount_t)
+  check_unit_interval("lambda_t", lambda_t)
+  dtype = _float_dtype(v_t)
+  T = r_t.shape[0]
+  is_state = jnp.asarray(mask_t) != 0
+  v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
+  xs = (jnp.asarray(r_t, dtype), jnp.asarray(discount_t, dtype),
+        jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), v_t, is_state,
+        jnp.asarray(next_t, jnp.int32), jnp.arange(T))
+  # What a hop into each position (or past the end, at T) composes with: the carry of
+  # `masked_gae`'s scan, one entry per position instead of one running value.
+  zero, one = jnp.zeros((T + 1,), dtype), jnp.ones((T + 1,), dtype)
+  table = (zero.at[T].set(jnp.asarray(v_bootstrap, dtype)), zero, zero, one, one)
+  return _successor_backup(table, xs)
+
+
+@jax.jit
+def _successor_backup(table, xs):
+  def step(table, x):
+    *hop, successor, t = x
+    carry, adv = _backup(tuple(column[successor] for column in table), tuple(hop))
+    return tuple(column.at[t].set(c) for column, c in zip(table, carry)), adv
+  return jax.lax.scan(step, table, xs, reverse=True)[1]
+
+
 def _check_hops(**hops) -> None:
   for name, value in hops.items():
     check_unit_interval(name, value)
@@ -120,18 +170,18 @@ def _agent_hops(done_t: jax.Array, num_agents: int, gamma, lambda_, gamma_agent,
                 dtype) -> tuple[jax.Array, jax.Array]:
   """Discount and λ of the hop leaving each agent's action: [T, N] each.
 
-  Agent i < N−1 hands over to agent i+1 of the same env step (γ_agent, λ_agent); this hop
-  never sees the done flags, which belong to the step (reference defect D4 in
-  docs/references.md cut it). The
-  last agent hands over to agent 0 of step t+1 (γ, λ), cut when the episode ended at t.
+  The turns of a regular team (N agents a step, one a layer) in `chains.turn_hops`' terms:
+  agent i < N−1 hands over to agent i+1 of the same env step (γ_agent, λ_agent, never cut by
+  the done flags: reference defect D4 in docs/references.md); the last agent hands over to
+  agent 0 of step t+1 (γ, λ), cut when the episode ended at t.
   """
-  not_done = (done_t == 0).astype(dtype)[:, None]
-  inner_shape = (done_t.shape[0], num_agents - 1)
-  discount = jnp.concatenate(
-      [jnp.full(inner_shape, gamma_agent, dtype), gamma * not_done], axis=1)
-  lambdas = jnp.concatenate(
-      [jnp.full(inner_shape, lambda_agent, dtype), jnp.full_like(not_done, lambda_)], axis=1)
-  return discount, lambdas
+  T, N = done_t.shape[0], num_agents
+  step_k = jnp.repeat(jnp.arange(T), N)
+  layer_k = jnp.tile(jnp.arange(N), T)
+  next_k = chains.turn_successors(step_k, layer_k, jnp.ones((T * N,), bool))
+  discount, lambdas = chains.turn_hops(step_k, next_k, jnp.repeat(done_t, N), gamma, lambda_,
+                                       gamma_agent, lambda_agent)
+  return discount.reshape(T, N).astype(dtype), lambdas.reshape(T, N).astype(dtype)
 
 
 def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
@@ -307,3 +357,53 @@ def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   adv = _gae(r_t[:-1], discount[:-1], lambdas[:-1], v_t[:-1], valid[:-1], v_bootstrap)
   adv = jnp.concatenate([adv, jnp.zeros((1,), dtype)])
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
+
+
+def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array,
+                          length_k: jax.Array, team_reward_k: jax.Array,
+                          own_reward_k: jax.Array, done_k: jax.Array, v_t: jax.Array, *,
+                          credit: str, gamma: float, lambda_: float,
+                          gamma_agent: float | None = None, lambda_agent: float | None = None,
+                          gamma_token: float = 1.0, lambda_token: float = 1.0,
+                          credit_discount: float = 1.0,
+                          kl_reward_t: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Advantages of one episode's turns, sequential or in parallel layers (what the trainer
+  runs for MARFT-A, MARFT-T, single-agent and shared-stream PPO, and GRPO's returns).
+
+  The `chains` functions in order: successors (the next layer's first turn), hops (γ_agent
+  inside a step, γ·(1 − done) out of it), credit, the per-position layout (one position a
+  turn at the action level, one per token at the token level: `length_k`), then
+  `successor_gae`. Positions lie turn after turn: turn k's at [s_k, s_k + length_k[k]).
+
+  With one turn a layer, regular N agents a step and every length 1 this is
+  `action_level_advantages`; with token lengths, `token_level_advantages` (both tested
+  against the original MARFT's vectors).
+
+  Args:
+    step_k, layer_k, valid_k, length_k: [n] each turn's env step, layer, realness (a prefix)
+      and number of positions (≥ 1 on real turns).
+    team_reward_k, own_reward_k: [n] the team's and the turn's own role's reward of its env
+      step (`chains.turn_credit`).
+    done_k: [n] the episode ended after the turn's env step.
+    v_t: [W] values of the positions, in the layout above (0 past the last).
+    credit, credit_discount: `chains.turn_credit`'s mode and γ_c (static).
+    gamma … lambda_token: the hops' discounts and trace decays, in [0, 1].
+    kl_reward_t: optional [W] rewards added at every position (KL-in-reward: on a token's
+      position at the token level; summed over the reply at the action level by the caller).
+
+  Returns:
+    (advantages [W], returns [W]): 0 past the last position.
+  """
+  width = v_t.shape[0]
+  next_k = chains.turn_successors(step_k, layer_k, valid_k)
+  discount_k, lambda_k = chains.turn_hops(step_k, next_k, done_k, gamma, lambda_, gamma_agent,
+                                          lambda_agent)
+  r_k = chains.turn_credit(team_reward_k, own_reward_k, step_k, layer_k, valid_k, credit,
+                           credit_discount)
+  r_t, discount_t, lambda_t, next_t, mask_t, _ = chains.expand_turns(
+      r_k, discount_k, lambda_k, next_k, length_k, width, gamma_token, lambda_token)
+  if kl_reward_t is not None:
+    r_t = r_t + jnp.where(mask_t, kl_reward_t, 0.0)
+  adv = successor_gae(r_t, discount_t, lambda_t, v_t, mask_t, next_t)
+  v_t = jnp.asarray(v_t, adv.dtype)
+  return adv, jnp.where(mask_t, v_t + adv, jnp.zeros_like(adv))

@@ -1,23 +1,28 @@
 """Advantages and value targets of a `TrainBatch`, per algorithm, with `marft_jax.ppo`.
 
-Every episode is laid out as one chain in execution order, and `ppo.masked_gae` runs over it
-(vmapped over episodes, padded to one width: one compile per width):
+The host lays every episode's trained turns out in execution order (`build_chains`: which
+env step, which layer, how many positions, which rewards, which values); the maths is
+`ppo.turn_chain_advantages`, vmapped over the episodes (padded to bucketed widths):
 
   action level (MARFT-A, single-agent PPO): one position per agent turn, valued at the state
-    before the turn's first token. The hop after turn k discounts by γ_agent inside an env
-    step and by γ·(1 − done) into the next env step (`ppo.action_level_advantages`' chain,
-    generalised to any number of turns a step: a DAG's layers, an orchestrator's calls).
+    before the turn's first token.
   token level (MARFT-T, the shared-stream PPO): one position per generated token; hops inside
-    a reply discount by γ_token, the hop out of a reply as above.
-  GRPO: no critic. A turn's return (its reward-to-go) is normalised within its group (the G
-    rollouts of one task) and its agent (`ppo.agent_group_normalize`): each role is compared
-    with the same role on the same task.
+    a reply discount by γ_token, λ_token.
+  GRPO: no critic. A turn's return (its Monte Carlo reward-to-go: no values, λ = 1) is
+    normalised within its group (the G rollouts of one task) and its agent
+    (`ppo.agent_group_normalize`): each role is compared with the same role on the same task.
+
+A turn's hop leads to the first turn of the next layer: in a chain or an orchestrator's calls
+the next turn; in a DAG the next layer's first turn (the join, whose prompt saw every branch),
+never a sibling of the same layer, whose prompt never saw this branch's reply. The hop
+discounts by γ_agent inside an env step and by γ·(1 − done) into the next one. Each branch
+is trained on its own row: exactly the tokens it saw and wrote.
 
 Rewards come from the environment per env step and agent, and are credited to turns
-(`credit`): "equal" puts the team reward on the env step's last turn (the critic and GAE share
-it out), "step_discount" gives turn i of n the reward · γ_c^(n−1−i), "per_step" gives each turn
-its own role's reward. An episode ends when the environment or the horizon ends it; the
-horizon counts as terminal (bootstrap 0).
+(`credit`, `ppo.turn_credit`): "equal" puts the team reward on the env step's last layer (the
+critic and GAE share it out), "step_discount" gives layer ℓ of L the reward · γ_c^(L−1−ℓ),
+"per_step" gives each turn its own role's reward. An episode ends when the environment or the
+horizon ends it; the horizon counts as terminal (bootstrap 0).
 
 Several processes: each computes the advantages of the episodes it played, on its block of
 the batch's rows (GAE runs along one episode; a GRPO group lies within one process). Only the
@@ -31,6 +36,7 @@ process would have computed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -42,7 +48,7 @@ from marft_jax.rollout.episode import Episode
 from marft_jax.train.batching import TrainBatch, bucket_length
 
 CREDITS = ("equal", "step_discount", "per_step")
-LEVELS = ("action", "token", "grpo")
+LEVELS = ("auto", "action", "token", "grpo")
 NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
 
 
@@ -61,7 +67,8 @@ class Blocks:
 class AdvantageConfig:
   """Discounts and credit (see the module docstring)."""
 
-  level: str = "action"  # "action", "token" or "grpo"
+  # "action", "token" or "grpo"; "auto": the algorithm's (train/algorithms.py)
+  level: str = "auto"
   gamma: float = 1.0  # across env steps
   lambda_: float = 0.95
   gamma_agent: Optional[float] = None  # across turns of one env step (None: gamma)
@@ -70,7 +77,9 @@ class AdvantageConfig:
   lambda_token: float = 1.0
   credit: str = "equal"
   credit_discount: float = 1.0  # γ_c of step_discount
-  normalize: bool = True  # whiten the advantages over the batch (not GRPO: it is normalised)
+  # Whiten the advantages over the batch; None: the algorithm's (on, except GRPO: its
+  # advantages are normalised per group already).
+  normalize: Optional[bool] = None
 
   def __post_init__(self):
     if self.level not in LEVELS:
@@ -85,11 +94,12 @@ class AdvantageConfig:
 
 
 def _turns(episodes: Sequence[Episode], batch: TrainBatch):
-  """Per episode, its turns in execution order: (row, k, env_step, agent).
+  """Per episode, its trained turns in execution order: (row, k, env_step, agent).
 
   Rows were stacked episode by episode, sequence by sequence, so an episode's rows come in
   the order its turns were played (per-agent view), and spans run in order within a row
-  (shared stream).
+  (shared stream). A turn that sampled no token has no decision and is left out: its reward
+  goes to the turns the credit rule picks among the others.
   """
   rows_of = {}
   for r, e in enumerate(np.asarray(batch.row_episode)):
@@ -106,48 +116,64 @@ def _turns(episodes: Sequence[Episode], batch: TrainBatch):
   return out
 
 
-def _turn_rewards(episode: Episode, turns, config: AdvantageConfig, num_team: int):
-  """[n] per-turn rewards and [n] 'last turn of its env step' flags."""
-  n = len(turns)
-  rewards, last_of_step = np.zeros(n, np.float32), np.zeros(n, bool)
-  for i, (_, _, step, agent) in enumerate(turns):
-    if i == n - 1 or turns[i + 1][2] != step:
-      last_of_step[i] = True
-  for step, step_rewards in enumerate(episode.rewards):
-    in_step = [i for i, t in enumerate(turns) if t[2] == step]
-    if not in_step:
-      continue
-    team = float(np.mean(step_rewards))
-    if config.credit == "equal":
-      rewards[in_step[-1]] += team
-    elif config.credit == "step_discount":
-      for j, i in enumerate(in_step):
-        rewards[i] += team * config.credit_discount ** (len(in_step) - 1 - j)
-    else:  # per_step: each turn its own role's reward (an orchestrator's turns get none)
-      for i in in_step:
-        agent = turns[i][3]
-        rewards[i] += float(step_rewards[agent]) if agent < num_team else 0.0
-  return rewards, last_of_step
+@dataclasses.dataclass
+class Chains:
+  """Every episode's turns as the padded [E, n] and [E, W] arrays of
+  `ppo.turn_chain_advantages`, and where each position lives in the batch."""
+
+  turn: dict  # [E, n] arrays: step, layer, valid, length, team_reward, own_reward, done
+  values: np.ndarray  # [E, W] the critic's values at the positions
+  places: list  # per episode: (row, column, k) of each position, in order
 
 
-def _hops(episode: Episode, turns, last_of_step, config: AdvantageConfig):
-  """Discount and λ of the hop leaving each turn: [n] each."""
-  g_agent = config.gamma if config.gamma_agent is None else config.gamma_agent
-  l_agent = config.lambda_ if config.lambda_agent is None else config.lambda_agent
-  discount = np.full(len(turns), g_agent, np.float32)
-  lambdas = np.full(len(turns), l_agent, np.float32)
-  for i, (_, _, step, _) in enumerate(turns):
-    if last_of_step[i]:
-      done = step >= len(episode.dones) or episode.dones[step]
-      discount[i] = 0.0 if done else config.gamma
-      lambdas[i] = config.lambda_
-  return discount, lambdas
+def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: bool,
+                 num_team: int, agent_layers: Optional[Sequence[int]]) -> Chains:
+  """Host-side layout: each episode's turns and positions, in execution order.
+
+  A turn's layer is its agent's layer in a DAG (`agent_layers`, from `AgentGraph.layers`);
+  with None (a chain, an orchestrator) every turn is its own layer. Action level: one
+  position a turn, at `turn_value_pos` (the state before its first token); token level: one
+  per token. Values come from `batch.act_old_value`.
+  """
+  values = np.asarray(batch.act_old_value, np.float32)
+  n = bucket_length(max([len(t) for t in turns] + [1]), 8)
+  lengths = [[int(batch.turn_length[r, k]) if token else 1 for r, k, _, _ in tt]
+             for tt in turns]
+  width = bucket_length(max([sum(x) for x in lengths] + [1]), 16)
+  E = len(episodes)
+  arrays = {name: np.zeros((E, n), dtype) for name, dtype in (
+      ("step", np.int32), ("layer", np.int32), ("valid", bool), ("length", np.int32),
+      ("team_reward", np.float32), ("own_reward", np.float32), ("done", bool))}
+  chain_values, places = np.zeros((E, width), np.float32), []
+  for e, (episode, tt) in enumerate(zip(episodes, turns)):
+    own_places, position = [], 0
+    for i, (row, k, step, agent) in enumerate(tt):
+      if agent_layers is not None and agent < len(agent_layers):
+        layer = agent_layers[agent]
+      else:  # sequential: the turn's index within its env step
+        layer = sum(1 for t in tt[:i] if t[2] == step)
+      step_rewards = episode.rewards[step] if step < len(episode.rewards) else [0.0]
+      for name, value in (("step", step), ("layer", layer), ("valid", True),
+                          ("length", lengths[e][i]),
+                          ("team_reward", float(np.mean(step_rewards))),
+                          ("own_reward", float(step_rewards[agent]) if agent < num_team
+                           else 0.0),
+                          ("done", step >= len(episode.dones) or episode.dones[step])):
+        arrays[name][e, i] = value
+      start = int(batch.turn_value_pos[row, k])
+      for j in range(lengths[e][i]):
+        chain_values[e, position] = values[row, start + j]
+        own_places.append((row, start + j, k))
+        position += 1
+    places.append(own_places)
+  return Chains(arrays, chain_values, places)
 
 
 def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        config: AdvantageConfig, num_team: int,
                        groups: Optional[Sequence[int]] = None,
-                       blocks: Optional[Blocks] = None) -> TrainBatch:
+                       blocks: Optional[Blocks] = None,
+                       agent_layers: Optional[Sequence[int]] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -158,47 +184,33 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     blocks: a multi-process job's layout: `batch` is then this process's block of the rows
       and `episodes` its episodes (possibly none), and the whitening is the whole batch's
       (`_normalize`). None: the batch is the whole batch.
+    agent_layers: a DAG's layer of each team agent (parallel agents share one); None: each
+      turn is its own layer (a chain, an orchestrator).
   """
+  if config.level not in ("action", "token", "grpo"):
+    raise ValueError(f"advantage.level={config.level!r}: resolve the config's algorithm "
+                     "first (marft_jax.train.algorithms.resolve)")
   turns = _turns(episodes, batch)
-  if config.level == "grpo":
-    return _grpo(batch, episodes, turns, config, num_team, groups)
-  token = config.level == "token"
+  grpo, token = config.level == "grpo", config.level == "token"
+  chains = build_chains(batch, episodes, turns, token, num_team, agent_layers)
+  if grpo:  # Monte Carlo reward-to-go along the successors: no values, λ = 1
+    chains.values[:] = 0.0
+  adv, ret = _chain_advantages(chains, config, grpo)
   values = np.asarray(batch.act_old_value, np.float32)
-  chains = []  # per episode: (rewards, discounts, lambdas, values, positions)
-  for e, episode in enumerate(episodes):
-    tt = turns[e]
-    if not tt:
-      chains.append(None)
-      continue
-    rewards, last = _turn_rewards(episode, tt, config, num_team)
-    discount, lambdas = _hops(episode, tt, last, config)
-    r_, g_, l_, v_, pos = [], [], [], [], []
-    for i, (row, k, _, _) in enumerate(tt):
-      start = int(batch.turn_value_pos[row, k])
-      length = int(batch.turn_length[row, k]) if token else 1
-      for j in range(length):
-        end = j == length - 1
-        r_.append(rewards[i] if end else 0.0)
-        g_.append(discount[i] if end else config.gamma_token)
-        l_.append(lambdas[i] if end else config.lambda_token)
-        v_.append(values[row, start + j])
-        pos.append((row, start + j, k))
-    chains.append((r_, g_, l_, v_, pos))
-  adv = _gae(chains)
   act_adv, act_ret = np.zeros_like(values), np.zeros_like(values)
   turn_adv = np.zeros(batch.turn_valid.shape, np.float32)
   turn_ret, turn_val = np.zeros_like(turn_adv), np.zeros_like(turn_adv)
-  for e, chain in enumerate(chains):
-    if chain is None:
-      continue
-    for j, (row, p, k) in enumerate(chain[4]):
-      act_adv[row, p], act_ret[row, p] = adv[e, j], adv[e, j] + chain[3][j]
+  for e, places in enumerate(chains.places):
+    for j, (row, p, k) in enumerate(places):
+      act_adv[row, p], act_ret[row, p] = adv[e, j], ret[e, j]
       if p == batch.turn_value_pos[row, k]:
-        turn_adv[row, k], turn_ret[row, k] = adv[e, j], adv[e, j] + chain[3][j]
-        turn_val[row, k] = chain[3][j]
+        turn_adv[row, k], turn_ret[row, k] = adv[e, j], ret[e, j]
+        turn_val[row, k] = chains.values[e, j]
+  if grpo:
+    return _grpo(batch, turn_ret, chains, turns, num_team, groups)
   if not token:  # an action's advantage applies to every token of it
     act_adv = _spread(batch, turn_adv)
-  if config.normalize:
+  if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
     rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
     act_adv = _normalize(act_adv, np.asarray(batch.act_mask), rows, blocks)
     turn_adv = _normalize(turn_adv, np.asarray(batch.turn_valid), rows, blocks)
@@ -206,23 +218,27 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        turn_return=turn_ret, turn_old_value=turn_val)
 
 
-def _gae(chains) -> np.ndarray:
-  """[E, W] advantages of each episode's chain (None: no chain), W its bucketed width."""
-  lengths = [len(c[0]) for c in chains if c is not None]
-  if not lengths:  # nothing to train in this block (another process may have)
-    return np.zeros((len(chains), 0), np.float32)
-  width = bucket_length(max(lengths), 16)
-  arrays = np.zeros((4, len(chains), width), np.float32)
-  valid = np.zeros((len(chains), width), bool)
-  arrays[1:3] = 1.0  # padding: transparent identity hops
-  for e, chain in enumerate(chains):
-    if chain is None:
-      continue
-    n = len(chain[0])
-    arrays[:, e, :n] = np.asarray(chain[:4], np.float32)
-    valid[e, :n] = True
-  return np.asarray(jax.vmap(ppo.masked_gae, in_axes=(0, 0, 0, 0, 0, None))(
-      *map(jnp.asarray, arrays), jnp.asarray(valid), 0.0))
+def _chain_advantages(chains: Chains, config: AdvantageConfig, grpo: bool):
+  """([E, W] advantages, [E, W] returns): `ppo.turn_chain_advantages` over the episodes."""
+  if not chains.places:  # nothing to train in this block (another process may have)
+    return np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float32)
+  hops = dict(credit=config.credit, credit_discount=config.credit_discount,
+              gamma=config.gamma, gamma_agent=config.gamma_agent,
+              gamma_token=config.gamma_token,
+              lambda_=1.0 if grpo else config.lambda_,
+              lambda_agent=1.0 if grpo else config.lambda_agent,
+              lambda_token=1.0 if grpo else config.lambda_token)
+  t = chains.turn
+  adv, ret = _vmapped_chains(t["step"], t["layer"], t["valid"], t["length"],
+                             t["team_reward"], t["own_reward"], t["done"], chains.values,
+                             tuple(sorted(hops.items())))
+  return np.asarray(adv), np.asarray(ret)
+
+
+@functools.partial(jax.jit, static_argnums=(8,))
+def _vmapped_chains(step, layer, valid, length, team, own, done, values, hops):
+  run = functools.partial(ppo.turn_chain_advantages, **dict(hops))
+  return jax.vmap(run)(step, layer, valid, length, team, own, done, values)
 
 
 def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray],
@@ -253,22 +269,15 @@ def _spread(batch: TrainBatch, per_turn: np.ndarray) -> np.ndarray:
   return np.where(turn >= 0, picked, 0.0).astype(np.float32)
 
 
-def _grpo(batch, episodes, turns, config, num_team, groups):
+def _grpo(batch, turn_ret, chains, turns, num_team, groups):
+  """GRPO: each turn's reward-to-go normalised within its group (the G rollouts of one task)
+  and its agent (`ppo.agent_group_normalize`)."""
   if groups is None:
     raise ValueError("GRPO needs each episode's group (the rollouts of one task)")
-  turn_ret = np.zeros(batch.turn_valid.shape, np.float32)
-  group_of = np.full(batch.turn_valid.shape, 0, np.int32)
-  for e, episode in enumerate(episodes):
-    tt = turns[e]
-    if not tt:
-      continue
-    rewards, last = _turn_rewards(episode, tt, config, num_team)
-    discount, _ = _hops(episode, tt, last, config)
-    to_go = 0.0
-    for i in reversed(range(len(tt))):  # reward-to-go along the chain
-      to_go = rewards[i] + (discount[i] * to_go if i < len(tt) - 1 else 0.0)
-      row, k = tt[i][0], tt[i][1]
-      turn_ret[row, k], group_of[row, k] = to_go, groups[e]
+  group_of = np.zeros(batch.turn_valid.shape, np.int32)
+  for e, tt in enumerate(turns):
+    for row, k, _, _ in tt:
+      group_of[row, k] = groups[e]
   num_agents = int(max(num_team, np.max(batch.turn_agent) + 1))
   turn_adv = np.asarray(ppo.agent_group_normalize(
       turn_ret, batch.turn_valid, group_of, np.maximum(batch.turn_agent, 0),

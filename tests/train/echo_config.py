@@ -11,7 +11,7 @@ from marft_jax.train import config as config_lib
 
 def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int = 2,
                 **changes) -> config_lib.TrainConfig:
-  base = config_lib.preset(algorithm)
+  base = config_lib.TrainConfig(algorithm=algorithm)  # resolved by `train`
   sections = dict(
       task=config_lib.TaskSection(name="echo", echo_high=1),
       team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,

@@ -1,0 +1,150 @@
+"""The training algorithms, each declared once: what `--config.algorithm=X` trains.
+
+An `Algorithm` says which advantages the trainer computes (`advantage_level`: the arrays of
+`ppo.turn_chain_advantages` at one position a turn or one a token, or GRPO's normalised
+returns), which policy loss it optimises (one ratio per turn or per token), whether a critic
+exists (and so where it is read: at each turn's first decision, or at every decision), what
+the rollout must be (team size, context mode, rollouts per task) and its defaults.
+
+Config keys that an algorithm decides default to "auto" (or 0 / None) in `TrainConfig`:
+
+  advantage.level, advantage.normalize, loss.policy_level, critic.mode,
+  rollout.group_size, rollout.context_mode, team.num_roles
+
+`resolve(config)` fills each "auto" from the algorithm, and refuses, naming both keys, a value
+set explicitly that contradicts it (a token-level loss under MARFT-A, a critic under GRPO,
+rollout.group_size=1 under GRPO, team.num_roles=3 under single-agent PPO, ...). The launch
+scripts resolve before any model loads; `train` resolves again (a no-op on a resolved config);
+checkpoints and `config.json` in the run folder hold the resolved config, the algorithm that
+actually ran. So a config file that names no algorithm-owned key runs as any algorithm:
+`--config.algorithm=marft_t` on the default file trains MARFT-T.
+
+Adding an algorithm: one `Algorithm` entry below (and, if its advantages or loss are new, the
+function behind them in `ppo` and the branch that calls it in `advantages.py` or
+`update.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # config.py imports this module for the algorithms' names
+  from marft_jax.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """One algorithm's choices (see the module docstring)."""
+
+  name: str
+  summary: str
+  advantage_level: str  # "action", "token" or "grpo" (advantages.compute_advantages)
+  policy_level: str  # "action": one PPO ratio per turn; "token": one per token
+  critic: bool  # a learned critic; its values are read per turn (action) or per token
+  normalize: bool = True  # whiten the advantages over the batch
+  num_roles: Optional[int] = None  # a fixed team size; None: any (default 2)
+  context_mode: Optional[str] = None  # a required context mode; None: any (default per_agent)
+  min_group_size: int = 1  # rollouts of each task
+  group_size: int = 1  # the default
+
+  @property
+  def value_positions(self) -> Optional[str]:
+    """Where the critic is read: "turn" (the state before each turn), "token", or None."""
+    if not self.critic:
+      return None
+    return "turn" if self.advantage_level == "action" else "token"
+
+
+ALGORITHMS = {a.name: a for a in (
+    Algorithm("marft_a", "action-level PPO (one ratio per agent turn), action-level critic and "
+              "the agent-chain GAE (MARFT §4.1)", advantage_level="action",
+              policy_level="action", critic=True),
+    Algorithm("marft_t", "token-level PPO with the token/agent/env-step Bellman backup and a "
+              "token-level critic (MARFT §4.2)", advantage_level="token", policy_level="token",
+              critic=True),
+    Algorithm("ppo", "single-agent PPO: a team of one, action level (the baseline)",
+              advantage_level="action", policy_level="action", critic=True, num_roles=1),
+    Algorithm("grpo", "no critic: G rollouts of each task, returns normalised per task and "
+              "agent, token-level clipped loss", advantage_level="grpo", policy_level="token",
+              critic=False, normalize=False, min_group_size=2, group_size=4),
+    Algorithm("shared_stream_ppo", "the AReaL form: one token stream per episode, token-level "
+              "PPO with a centralised token-level critic", advantage_level="token",
+              policy_level="token", critic=True, context_mode="shared_stream"),
+)}
+DEFAULT_NUM_ROLES = 2
+DEFAULT_CONTEXT_MODE = "per_agent"
+
+
+def get(name: str) -> Algorithm:
+  if name not in ALGORITHMS:
+    raise ValueError(f"algorithm={name!r}: use one of {tuple(ALGORITHMS)}")
+  return ALGORITHMS[name]
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+  """`config` with every algorithm-owned "auto" key filled in from `config.algorithm`.
+
+  Raises:
+    ValueError: naming `algorithm` and the contradicting key, e.g. "loss.policy_level='token'
+      contradicts algorithm='marft_a' (one ratio per turn: 'action')".
+  """
+  a = get(config.algorithm)
+
+  def pick(key: str, value, auto, wanted, why: str):
+    if value == auto or value is None:
+      return wanted
+    if value != wanted:
+      raise ValueError(f"{key}={value!r} contradicts algorithm={a.name!r} ({why}: "
+                       f"{wanted!r}); leave {key} unset to get the algorithm's")
+    return value
+
+  advantage = dataclasses.replace(
+      config.advantage,
+      level=pick("advantage.level", config.advantage.level, "auto", a.advantage_level,
+                 "its advantages"),
+      normalize=pick("advantage.normalize", config.advantage.normalize, None, a.normalize,
+                     "whether the batch's advantages are whitened"))
+  loss = dataclasses.replace(config.loss, policy_level=pick(
+      "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
+      "its policy loss"))
+  critic = _resolve_critic(a, config)
+  rollout = _resolve_rollout(a, config, pick)
+  team = dataclasses.replace(config.team, num_roles=pick(
+      "team.num_roles", config.team.num_roles, 0, a.num_roles or config.team.num_roles or
+      DEFAULT_NUM_ROLES, "its team size"))
+  return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
+                             rollout=rollout, team=team)
+
+
+def _resolve_critic(a: Algorithm, config: TrainConfig):
+  c = config.critic
+  if not a.critic:
+    if c.mode not in ("auto", "none"):
+      raise ValueError(f"critic.mode={c.mode!r} contradicts algorithm={a.name!r} (it has no "
+                       "critic); leave critic.mode unset or set it to 'none'")
+    for key, default in (("lora_rank", 0), ("warmup_iterations", 0)):
+      if getattr(c, key) != default:
+        raise ValueError(f"critic.{key}={getattr(c, key)!r} contradicts algorithm={a.name!r} "
+                         "(it has no critic)")
+    return dataclasses.replace(c, mode="none")
+  if c.mode == "none":
+    raise ValueError(f"critic.mode='none' contradicts algorithm={a.name!r} (it needs a "
+                     "critic: 'shared', 'per_agent_lora' or 'per_agent_head')")
+  return dataclasses.replace(c, mode="shared" if c.mode == "auto" else c.mode)
+
+
+def _resolve_rollout(a: Algorithm, config: TrainConfig, pick):
+  r = config.rollout
+  group_size = r.group_size or a.group_size
+  if group_size < a.min_group_size:
+    raise ValueError(f"rollout.group_size={group_size} contradicts algorithm={a.name!r} (it "
+                     f"needs >= {a.min_group_size} rollouts of each task)")
+  if r.num_envs % group_size:
+    raise ValueError(f"rollout.num_envs={r.num_envs} is not a multiple of "
+                     f"rollout.group_size={group_size}"
+                     + ("" if r.group_size else f" (algorithm={a.name!r}'s default)"))
+  context_mode = pick("rollout.context_mode", r.context_mode, "auto",
+                      a.context_mode or (DEFAULT_CONTEXT_MODE if r.context_mode == "auto"
+                                         else r.context_mode), "its context mode")
+  return dataclasses.replace(r, group_size=group_size, context_mode=context_mode)

@@ -1,0 +1,133 @@
+"""`--config.algorithm=X` on every shipped config file gives exactly X, or is refused naming
+both keys (train/algorithms.py)."""
+
+import glob
+import os
+
+import pytest
+
+from launch.cli import _load_config_file
+from marft_jax.configs import from_config_dict, to_config_dict
+from marft_jax.train import algorithms
+from marft_jax.train.config import CriticSection, RolloutSection, TeamSection, TrainConfig
+from marft_jax.train.update import LossConfig
+from marft_jax.train.advantages import AdvantageConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "configs")
+TRAIN_FILES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+                     if not p.endswith(("__init__.py", "generate.py")))
+# What each algorithm must come out as: (advantage.level, loss.policy_level, critic on,
+# advantage.normalize, context mode or None for any, team size or None for any, min group).
+EXPECTED = {
+    "marft_a": ("action", "action", True, True, None, None, 1),
+    "marft_t": ("token", "token", True, True, None, None, 1),
+    "ppo": ("action", "action", True, True, None, 1, 1),
+    "grpo": ("grpo", "token", False, False, None, None, 2),
+    "shared_stream_ppo": ("token", "token", True, True, "shared_stream", None, 1),
+}
+
+
+def test_the_registry_is_what_this_test_expects():
+  assert set(algorithms.ALGORITHMS) == set(EXPECTED)
+
+
+def _file_config(name, algorithm):
+  config = _load_config_file(os.path.join(CONFIG_DIR, name))
+  config.algorithm = algorithm  # as --config.algorithm=... does
+  return from_config_dict(TrainConfig, config)
+
+
+@pytest.mark.parametrize("algorithm", sorted(EXPECTED))
+@pytest.mark.parametrize("name", TRAIN_FILES)
+def test_every_algorithm_on_every_config_file(name, algorithm):
+  typed = _file_config(name, algorithm)
+  level, policy, critic, normalize, context, roles, group = EXPECTED[algorithm]
+  try:
+    resolved = algorithms.resolve(typed)
+  except ValueError as e:
+    # Refused only for a key the file set against the algorithm, named with it.
+    message = str(e)
+    assert f"algorithm={algorithm!r}" in message
+    key = message.split("=")[0]
+    section, field = key.split(".")
+    file_value = getattr(getattr(typed, section), field)
+    default_value = getattr(getattr(TrainConfig(), section), field)
+    assert file_value != default_value, (key, "refused although the file left it unset")
+    return
+  assert resolved.algorithm == algorithm
+  assert resolved.advantage.level == level
+  assert resolved.loss.policy_level == policy
+  assert resolved.uses_critic == critic
+  assert (resolved.critic.mode != "none") == critic
+  assert resolved.advantage.normalize == normalize
+  assert resolved.rollout.context_mode == (context or "per_agent")
+  if roles is not None:
+    assert resolved.team.num_roles == roles
+  assert resolved.rollout.group_size >= group
+  # Resolving is idempotent: train() resolves the launch's resolved config again.
+  assert algorithms.resolve(resolved) == resolved
+
+
+def test_the_default_file_trains_what_the_algorithm_flag_says():
+  """The issue's case: --config.algorithm=marft_t on the default file was MARFT-A."""
+  resolved = algorithms.resolve(_file_config("train.py", "marft_t"))
+  assert (resolved.advantage.level, resolved.loss.policy_level) == ("token", "token")
+  resolved = algorithms.resolve(_file_config("train.py", "grpo"))
+  assert resolved.advantage.level == "grpo" and resolved.critic.mode == "none"
+  assert resolved.rollout.group_size == 4 and resolved.advantage.normalize is False
+
+
+@pytest.mark.parametrize("algorithm,changes,keys", [
+    ("marft_a", dict(loss=LossConfig(policy_level="token")), ("loss.policy_level",)),
+    ("marft_a", dict(advantage=AdvantageConfig(level="token")), ("advantage.level",)),
+    ("marft_t", dict(advantage=AdvantageConfig(level="action")), ("advantage.level",)),
+    ("grpo", dict(critic=CriticSection(mode="shared")), ("critic.mode",)),
+    ("grpo", dict(critic=CriticSection(lora_rank=4)), ("critic.lora_rank",)),
+    ("grpo", dict(rollout=RolloutSection(group_size=1)), ("rollout.group_size",)),
+    ("grpo", dict(advantage=AdvantageConfig(normalize=True)), ("advantage.normalize",)),
+    ("marft_a", dict(critic=CriticSection(mode="none")), ("critic.mode",)),
+    ("ppo", dict(team=TeamSection(num_roles=2)), ("team.num_roles",)),
+    ("shared_stream_ppo", dict(rollout=RolloutSection(context_mode="per_agent")),
+     ("rollout.context_mode",)),
+    ("grpo", dict(rollout=RolloutSection(num_envs=6)), ("rollout.num_envs", "group_size")),
+])
+def test_a_contradiction_is_refused_naming_both_keys(algorithm, changes, keys):
+  with pytest.raises(ValueError) as info:
+    algorithms.resolve(TrainConfig(algorithm=algorithm, **changes))
+  for key in keys:
+    assert key in str(info.value)
+  if "rollout.num_envs" not in keys:
+    assert f"algorithm={algorithm!r}" in str(info.value)
+
+
+def test_explicit_agreeing_values_and_free_choices_are_kept():
+  config = TrainConfig(algorithm="marft_t", loss=LossConfig(policy_level="token"),
+                       critic=CriticSection(mode="per_agent_head"),
+                       rollout=RolloutSection(context_mode="shared_stream", group_size=2))
+  resolved = algorithms.resolve(config)
+  assert resolved.critic.mode == "per_agent_head"
+  assert resolved.rollout.context_mode == "shared_stream"
+  assert resolved.rollout.group_size == 2
+
+
+def test_the_launch_refuses_a_contradiction_before_loading_a_model(tmp_path):
+  """One line naming both keys and exit status 2, from the CLI (no model is loaded)."""
+  import subprocess
+  import sys
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}",
+       "--config.algorithm=grpo", "--config.critic.mode=shared"],
+      capture_output=True, text=True, cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
+      timeout=120)
+  assert out.returncode == 2, out.stderr
+  assert "config.critic.mode='shared' contradicts algorithm='grpo'" in out.stderr
+  assert not os.listdir(tmp_path)
+
+
+def test_the_checkpointed_config_is_the_resolved_one():
+  """What a run records (checkpoint meta, config.json) names every decided key."""
+  resolved = to_config_dict(algorithms.resolve(TrainConfig(algorithm="marft_t"))).to_dict()
+  assert resolved["advantage"]["level"] == "token"
+  assert resolved["loss"]["policy_level"] == "token"
+  assert resolved["critic"]["mode"] == "shared"
+  assert "auto" not in str(resolved["rollout"]) and resolved["rollout"]["group_size"] == 1
