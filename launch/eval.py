@@ -22,6 +22,7 @@ import os
 from absl import flags
 
 from launch import cli
+from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import loop
@@ -60,4 +61,4 @@ def main(config: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-  cli.run(main, _CONFIG, TrainConfig)
+  cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)
