@@ -15,9 +15,10 @@ An `id` (or MATH-500's `unique_id`) key names the problem; without one the id is
 are skipped. A malformed line raises `ValueError("<path>:<line>: <what is wrong>")`.
 
 `ProblemSet.problem_for_seed(seed)` maps env seeds to problems: consecutive seeds walk through
-a shuffled order that visits every problem once per epoch (so a batch of envs seeded
-`base + i` sees no repeats until the set is used up), and the same seed always gives the same
-problem.
+a shuffled order that visits every problem once per epoch, and the same seed always gives the
+same problem (`shuffle=False`: seed s is problem s % n, file order). The trainer's `EnvBatch`
+keeps the epoch order itself (`EnvBatch(num_tasks=n)`: each problem once per epoch, in an
+order seeded by the run, which resume continues) and hands the set task indices.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ import numpy as np
 
 PathLike = Union[str, os.PathLike]
 
-# Small problem files written for this package (tests, examples, smoke runs).
-BUNDLED = ("gsm8k_style.jsonl", "math_style.jsonl")
+# Small problem files written for this package (tests, examples, smoke runs): GSM8K form; MATH
+# forms mixed; MATH-500 records (problem, solution, answer, subject, level, unique_id), e.g.
+# a test file beside math_style.jsonl.
+BUNDLED = ("gsm8k_style.jsonl", "math_style.jsonl", "math500_style.jsonl")
 
 # A number written with thousands separators: 1,200 or -12,345.5.
 _GROUPED_NUMBER = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")

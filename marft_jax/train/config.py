@@ -52,6 +52,9 @@ class ModelSection:
 class TaskSection:
   name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
   path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
+  # Their held-out problems (heldout/ metrics, launch/eval.py); "" = a fixed, seeded 10 % of
+  # `path` is held out and never trained on (envs/splits.py).
+  test_path: str = ""
   level: int = 1  # arithmetic difficulty, 1 (one operation) to 5
   horizon: int = 1  # env steps per episode (math: retries after a judge line)
   eval_problems: int = 300  # held-out problems for launch/eval.py
@@ -63,6 +66,9 @@ class TaskSection:
     check_int("horizon", self.horizon, 1)
     check_int("eval_problems", self.eval_problems, 1)
     check_int("echo_high", self.echo_high, 1)
+    if self.test_path and self.name not in ("math_jsonl", "code"):
+      raise ValueError(f"test_path={self.test_path!r}: only the file tasks 'math_jsonl' and "
+                       f"'code' read one, not name={self.name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """Held-out evaluation: the team, greedy, on problems training never sees.
 
 `evaluate(config, model, policy)` plays `config.task.eval_problems` episodes of the config's
-task and agent graph on its held-out split (generated arithmetic: `split="test"`, whose
-problems the training split never produces; JSONL tasks: the file at `task.path`, so point it
-at your test file) with every agent decoding greedily, and returns
+task and agent graph on its held-out split with every agent decoding greedily: generated
+arithmetic's `split="test"`, whose problems the training split never produces; for the file
+tasks (math_jsonl, code) `task.test_path`, or when none is given the fixed held-out part of
+`task.path` (`envs.splits`), never a problem training draws. A file's held-out set is played
+once, each problem one episode, when it holds fewer problems than asked for. It returns
 
   accuracy                    the mean final score of an episode (the environment's reward)
   accuracy/<role>             the fraction of episodes whose graded <role> answered right
@@ -67,6 +69,8 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
   envs = build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
                     num_envs=batch_size, group_size=1)
+  if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
+    total = envs.num_tasks
   settings = RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
                            max_context=config.rollout.max_context or None)
   episodes = []

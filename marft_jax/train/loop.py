@@ -106,30 +106,38 @@ def build_team(config: TrainConfig):
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
                owned: Optional[range] = None, num_envs: Optional[int] = None,
                group_size: Optional[int] = None):
-  """An `EnvBatch` of the task (a shared grading worker for math); `owned`: the environments
-  this process builds and steps (default all); `num_envs`, `group_size`: instead of the
-  config's rollout section (an evaluation plays one episode per task)."""
+  """An `EnvBatch` of the task's `split` ("train" or "test"; for problem files, the disjoint
+  parts of `envs.splits.task_problems`, each problem once per epoch in a seeded order), with
+  one grading worker or sandbox shared by its environments; `owned`: the environments this
+  process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
+  rollout section (an evaluation plays one episode per task)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
+  num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
   elif task.name == "code":
-    from marft_jax.envs import code_env
-    problems = code_env.load_problems(task.path or code_env.bundled_path())
-    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded)
+    from marft_jax.envs import code_env, sandbox, splits
+    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
+    num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
+    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
+                                      test_timeout_s=5.0, shuffle=False)
   else:
-    from marft_jax.envs import arithmetic, problems as problems_lib
+    from marft_jax.envs import arithmetic, problems as problems_lib, splits
     from marft_jax.envs.math_env import MathEnv
     from marft_jax.envs.math_grading import Grader
     if task.name == "arithmetic":
       source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
     else:
-      source = problems_lib.read_problems(task.path or problems_lib.bundled_path(
-          "gsm8k_style.jsonl"))
-    grader = Grader()
-    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon, grader=grader)
+      part = splits.task_problems("math_jsonl", task.path, task.test_path)[split == "test"]
+      source = problems_lib.ProblemSet(part, name=split, shuffle=False)
+      num_tasks = len(source)
+    shared = (Grader(),)
+    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon,
+                             grader=shared[0])
   return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
-                           group_size=group_size or config.rollout.group_size, owned=owned)
+                           group_size=group_size or config.rollout.group_size, owned=owned,
+                           num_tasks=num_tasks, closing=shared)
 
 
 def load(config: TrainConfig) -> Model:

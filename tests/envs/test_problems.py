@@ -101,14 +101,19 @@ def test_last_boxed_matches_braces():
 GSM8K_STYLE_ANSWERS = ["12", "99", "21", "6", "270", "45", "85", "550", "1380", "40", "27", "-4"]
 MATH_STYLE_ANSWERS = ["\\frac{3}{4}", "5\\sqrt{2}", "6", "2", "9", "5", "15", "720",
                       "\\frac{7}{12}", "(4, 3)", "6", "\\frac{1}{3}"]
+MATH500_STYLE_ANSWERS = ["42", "10", "60", "24", "\\frac{13}{24}", "7"]
 
 
 def test_bundled_files_read_to_the_hand_checked_answers():
-  assert BUNDLED == ("gsm8k_style.jsonl", "math_style.jsonl")
+  assert BUNDLED == ("gsm8k_style.jsonl", "math_style.jsonl", "math500_style.jsonl")
   gsm = read_problems(bundled_path("gsm8k_style.jsonl"))
   math = read_problems(bundled_path("math_style.jsonl"))
+  math500 = read_problems(bundled_path("math500_style.jsonl"))
   assert [p.answer for p in gsm] == GSM8K_STYLE_ANSWERS
   assert [p.answer for p in math] == MATH_STYLE_ANSWERS
+  assert [p.answer for p in math500] == MATH500_STYLE_ANSWERS
+  for p in math500:  # the gold answer is the boxed one of the worked solution
+    assert last_boxed(p.meta["solution"]) == p.answer and p.id.startswith("ours/")
   assert gsm[0].question.startswith("A baker makes 24 rolls")
   assert math[4].id == "ours/number_theory/divisors_36.json"
   assert gsm.name == "gsm8k_style"

@@ -79,7 +79,7 @@ def _config(source="smollm2", **task):
       base, model=config_lib.ModelSection(source=source),
       task=config_lib.TaskSection(**{"name": "echo", "echo_high": 2, "eval_problems": 10,
                                      **task}),
-      team=config_lib.TeamSection(max_new_tokens=4, last_max_new_tokens=4),
+      team=dataclasses.replace(base.team, max_new_tokens=4, last_max_new_tokens=4),
       rollout=dataclasses.replace(base.rollout, max_context=256))
 
 
@@ -114,8 +114,9 @@ def test_accuracy_is_the_share_of_tasks_showing_the_scripted_answer():
 
 def test_arithmetic_is_evaluated_on_the_test_split_with_the_answer_format():
   model = scripted_model(BOXED_1)
-  config = dataclasses.replace(_config(name="arithmetic", level=1), team=config_lib.TeamSection(
-      max_new_tokens=12, last_max_new_tokens=12))
+  config = _config(name="arithmetic", level=1)
+  config = dataclasses.replace(config, team=dataclasses.replace(
+      config.team, max_new_tokens=12, last_max_new_tokens=12))
   episodes = evaluate_lib.play(config, model, num_problems=4, batch_size=4)
   assert _replies(episodes) == {("reasoner", "\\boxed{1}"), ("actor", "\\boxed{1}")}
   infos = [e.infos[-1] for e in episodes]
@@ -123,6 +124,23 @@ def test_arithmetic_is_evaluated_on_the_test_split_with_the_answer_format():
   summary = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
   assert summary["answer_format_rate/actor"] == 1.0
   assert summary["accuracy/actor"] == sum(i["gold"] == "1" for i in infos) / 4
+
+
+def test_a_problem_file_is_scored_on_its_held_out_part_only(tmp_path):
+  """No test file: the fixed held-out 10 % of task.path, each problem once (fewer than
+  asked for), none of them a problem the training envs draw."""
+  from marft_jax.envs import splits
+  path = tmp_path / "problems.jsonl"
+  path.write_text("".join(json.dumps({"question": f"What is {n} + 0?", "answer": f"#### {n}"})
+                          + "\n" for n in range(20)))
+  config = _config(name="math_jsonl", path=str(path))
+  config = dataclasses.replace(config, team=dataclasses.replace(
+      config.team, max_new_tokens=12, last_max_new_tokens=12))
+  episodes = evaluate_lib.play(config, scripted_model(BOXED_1), num_problems=10)
+  played = [e.infos[-1]["problem_id"] for e in episodes]
+  train, test = splits.task_problems("math_jsonl", str(path))
+  assert sorted(played) == sorted(p.id for p in test) and len(played) == 2
+  assert set(played).isdisjoint(p.id for p in train)
 
 
 def test_a_grpo_team_is_evaluated_one_episode_per_task():
