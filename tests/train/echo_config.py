@@ -27,3 +27,31 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
 
 def get_config():
   return to_config_dict(echo_config())
+
+
+def echo_flags(algorithm: str, num_envs: int = 8, iterations: int = 2) -> dict:
+  """`echo_config` as command-line overrides of the default file launch/configs/train.py:
+  what a user types after `python -m launch.train`, including `--config.algorithm`."""
+  return {"algorithm": algorithm, "iterations": iterations, "eval_every": 0,
+          "checkpoint_every": 1000, "task.name": "echo", "task.echo_high": 1,
+          "team.max_new_tokens": 3, "team.last_max_new_tokens": 3, "team.temperature": 0.7,
+          "rollout.num_envs": num_envs, "rollout.max_context": 256, "lora.rank": 8,
+          "lora.alpha": 16.0, "critic.hidden": (64,), "critic.lr": 3e-3,
+          "optimizer.lr": 5e-3, "optimizer.epochs": 2, "optimizer.minibatches": 2}
+
+
+def from_default_file(flags: dict) -> config_lib.TrainConfig:
+  """The typed, resolved config `launch.train` builds from the default file and `flags`
+  (dotted keys, as `--config.<key>=<value>`)."""
+  import os
+  from launch.cli import CONFIG_DIR, _load_config_file
+  from marft_jax.configs import from_config_dict
+  from marft_jax.train import algorithms
+  config = _load_config_file(os.path.join(CONFIG_DIR, "train.py"))
+  for key, value in flags.items():
+    *sections, field = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return algorithms.resolve(from_config_dict(config_lib.TrainConfig, config))

@@ -20,7 +20,8 @@ from marft_jax.models.config import tiny_config
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import loop
-from tests.train.echo_config import echo_config
+from marft_jax.train import algorithms
+from tests.train.echo_config import echo_config, echo_flags, from_default_file
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,10 @@ def _assert_trees_equal(a, b):
 
 @pytest.mark.parametrize("algorithm", ["marft_a", "marft_t", "grpo"])
 def test_reward_rises_from_chance_on_the_echo_task(model, tmp_path, algorithm):
-  train_config = _echo_config(algorithm)
+  """Launched as a user does: the default file with `--config.algorithm=<algorithm>` and the
+  echo task's overrides; the run records the algorithm it resolved."""
+  train_config = from_default_file(echo_flags(algorithm, num_envs=64, iterations=14))
+  assert train_config == algorithms.resolve(_echo_config(algorithm))
   seen = []
 
   def stop_once_learned(iteration, metrics):  # the later iterations would only cost time
@@ -78,6 +82,10 @@ def test_reward_rises_from_chance_on_the_echo_task(model, tmp_path, algorithm):
   # Every update trained the policy that sampled: same adapters, temperature, tokens.
   gaps = [m["logp/sampler_learner_max_gap"] for m in _metrics(tmp_path)]
   assert max(gaps) < 1e-4, gaps
+  with open(os.path.join(tmp_path, "config.json")) as f:
+    recorded = json.load(f)
+  level = {"marft_a": "action", "marft_t": "token", "grpo": "grpo"}[algorithm]
+  assert (recorded["algorithm"], recorded["advantage"]["level"]) == (algorithm, level)
 
 
 class _Kill(Exception):
