@@ -1,14 +1,10 @@
 """`TrainConfig`: everything a training run needs, as frozen dataclasses (the launch configs in
 `launch/configs/` are these defaults plus their changes, overridable on the command line).
 
-Algorithms (`algorithm.name`), each a preset of the sections below:
-
-  marft_a            action-level PPO (one ratio per agent turn) with an action-level critic
-  marft_t            token-level PPO with the token-level backup (γ_token = λ_token = 1)
-  ppo                single-agent PPO: the baseline, a team of one (action level)
-  grpo               no critic: G rollouts per task, advantages normalised per task and agent
-  shared_stream_ppo  the AReaL-style form: one shared token stream per episode, token-level
-                     PPO with a centralised token-level critic
+Algorithms (`algorithm`) are declared once, in `train/algorithms.py`: marft_a, marft_t, ppo,
+grpo, shared_stream_ppo. The keys an algorithm decides default to "auto" (or 0 / None) here
+and are filled in by `algorithms.resolve`, which refuses a value that contradicts the
+algorithm, naming both keys.
 
 Every field is checked when the dataclass is built, so a wrong key or value fails before any
 model loads, naming it.
@@ -21,10 +17,10 @@ from typing import Optional
 
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
+from marft_jax.train.algorithms import ALGORITHMS, resolve
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-ALGORITHMS = ("marft_a", "marft_t", "ppo", "grpo", "shared_stream_ppo")
 TASKS = ("arithmetic", "math_jsonl", "code", "echo")
 
 
@@ -73,7 +69,7 @@ class TaskSection:
 
 @dataclasses.dataclass(frozen=True)
 class TeamSection:
-  num_roles: int = 2  # math: 1-4 (1: a single solver), code: 2-3
+  num_roles: int = 0  # math: 1-4 (1: a single solver), code: 2-3; 0: the algorithm's (ppo 1, else 2)
   max_new_tokens: int = 48  # per turn, every role but the last
   last_max_new_tokens: int = 16  # the graded (last) role's turn
   # Below 1: a 135M model's samples at temperature 1 are mostly gibberish. The untuned SmolLM2
@@ -88,7 +84,7 @@ class TeamSection:
   orchestrator_max_new_tokens: int = 32  # per routing turn
 
   def __post_init__(self):
-    check_int("num_roles", self.num_roles, 1, 4)
+    check_int("num_roles", self.num_roles, 0, 4)
     check_int("max_new_tokens", self.max_new_tokens, 1)
     check_int("last_max_new_tokens", self.last_max_new_tokens, 1)
     check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
@@ -101,21 +97,18 @@ class TeamSection:
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
   num_envs: int = 16  # episodes per iteration (with GRPO: tasks × group_size)
-  group_size: int = 1  # GRPO: rollouts of each task
-  context_mode: str = "per_agent"  # or "shared_stream"
+  group_size: int = 0  # rollouts of each task; 0: the algorithm's (grpo 4, else 1)
+  context_mode: str = "auto"  # "per_agent" or "shared_stream"; "auto": the algorithm's
   max_context: int = 0  # positions an episode's sequence may reach; 0: all the model's
 
   def __post_init__(self):
     check_int("num_envs", self.num_envs, 1)
-    check_int("group_size", self.group_size, 1)
-    _one_of("context_mode", self.context_mode, ("per_agent", "shared_stream"))
+    check_int("group_size", self.group_size, 0)
+    _one_of("context_mode", self.context_mode, ("auto", "per_agent", "shared_stream"))
     check_int("max_context", self.max_context, 0)
     if 0 < self.max_context < 16:
       raise ValueError(f"max_context={self.max_context}: use 0 (the model's positions) or "
                        ">= 16")
-    if self.num_envs % self.group_size:
-      raise ValueError(f"num_envs={self.num_envs} is not a multiple of "
-                       f"group_size={self.group_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,14 +124,16 @@ class LoraSection:
 
 @dataclasses.dataclass(frozen=True)
 class CriticSection:
-  mode: str = "shared"  # "shared", "per_agent_lora", "per_agent_head", or "none"
+  # "shared", "per_agent_lora", "per_agent_head", or "none"; "auto": the algorithm's
+  # ("shared", or "none" without a critic)
+  mode: str = "auto"
   lora_rank: int = 0  # a critic LoRA of this rank (0: the frozen base, the fast path)
   hidden: tuple[int, ...] = (1024, 512)
   lr: float = 1e-4
   warmup_iterations: int = 0  # iterations that train only the critic
 
   def __post_init__(self):
-    _one_of("mode", self.mode, ("shared", "per_agent_lora", "per_agent_head", "none"))
+    _one_of("mode", self.mode, ("auto", "shared", "per_agent_lora", "per_agent_head", "none"))
     check_int("lora_rank", self.lora_rank, 0)
     check_positive("lr", self.lr)
     check_int("warmup_iterations", self.warmup_iterations, 0)
@@ -213,48 +208,31 @@ class TrainConfig:
   init_from: str = ""  # comma-separated PEFT adapter folders, one per adapter
 
   def __post_init__(self):
-    _one_of("algorithm", self.algorithm, ALGORITHMS)
+    _one_of("algorithm", self.algorithm, tuple(ALGORITHMS))
     for key in ("iterations", "checkpoint_every", "max_to_keep", "eval_episodes"):
       check_int(key, getattr(self, key), 1)
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed)
-    if self.algorithm == "ppo" and self.team.num_roles != 1:
-      raise ValueError(f"algorithm='ppo' is the single-agent baseline: team.num_roles must "
-                       f"be 1, got {self.team.num_roles}")
-    if self.algorithm == "grpo" and self.rollout.group_size < 2:
-      raise ValueError("algorithm='grpo' needs rollout.group_size >= 2 (rollouts per task)")
-    if self.algorithm == "shared_stream_ppo" and self.rollout.context_mode != "shared_stream":
-      raise ValueError("algorithm='shared_stream_ppo' needs rollout.context_mode="
-                       "'shared_stream'")
-    if self.uses_critic and self.critic.mode == "none":
-      raise ValueError(f"algorithm={self.algorithm!r} needs a critic: critic.mode != 'none'")
 
   @property
   def uses_critic(self) -> bool:
-    return self.algorithm != "grpo"
+    return ALGORITHMS[self.algorithm].critic
 
   @property
   def num_adapters(self) -> int:
+    """Policy adapters (of a resolved config: `algorithms.resolve` sets team.num_roles)."""
+    if not self.team.num_roles:
+      raise ValueError("team.num_roles=0 ('auto'): resolve the config first "
+                       "(marft_jax.train.algorithms.resolve)")
     return 1 if self.team.shared_adapter else self.team.num_roles + (
         1 if self.team.graph == "orchestrator" else 0)
 
 
 def preset(algorithm: str, **changes) -> TrainConfig:
-  """A `TrainConfig` with `algorithm`'s sections set as the module docstring says."""
-  level = {"marft_a": "action", "ppo": "action", "marft_t": "token", "grpo": "grpo",
-           "shared_stream_ppo": "token"}[algorithm]
-  advantage = AdvantageConfig(level=level, normalize=algorithm != "grpo")
-  loss = LossConfig(policy_level="action" if level == "action" else "token")
-  defaults = dict(algorithm=algorithm, advantage=advantage, loss=loss)
-  if algorithm == "ppo":
-    defaults["team"] = TeamSection(num_roles=1)
-  if algorithm == "grpo":
-    defaults["critic"] = CriticSection(mode="none")
-    defaults["rollout"] = RolloutSection(group_size=4)
-  if algorithm == "shared_stream_ppo":
-    defaults["rollout"] = RolloutSection(context_mode="shared_stream")
-  defaults.update(changes)
-  return TrainConfig(**defaults)
+  """The resolved `TrainConfig` of `algorithm` with `changes` (library use and tests; config
+  files build an unresolved `TrainConfig(algorithm=...)`, so that `--config.algorithm`
+  still chooses)."""
+  return resolve(TrainConfig(algorithm=algorithm, **changes))
 
 
 def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],

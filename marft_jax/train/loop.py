@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ from marft_jax.configs import to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
 from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
+from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import optim
@@ -213,7 +215,9 @@ def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
 def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
           progress: bool = True, on_iteration: Optional[Callable] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
-  tiny one); default: `config.model.source`."""
+  tiny one); default: `config.model.source`. The config is resolved first
+  (`algorithms.resolve`: the algorithm's keys filled in, contradictions refused)."""
+  config = algorithms.resolve(config)
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
@@ -260,12 +264,13 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
     state, meta = checkpointer.restore(state, config=config_dict,
                                        may_differ=("iterations", "checkpoint_every", "mesh",
                                                    "eval_every", "eval_episodes"),
-                                       defaults=to_config_dict(TrainConfig()).to_dict())
+                                       defaults=_resolved_defaults(config))
     start = int(meta["iteration"])
     envs.load_state_dict(meta["envs"])
     logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
                     workdir, start, config.iterations)
   writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
+  _record_config(writer, workdir, start, config_dict)
   rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   pad = model.tokenizer.pad_token_id
   pad = model.tokenizer.eos_token_id if pad is None else pad
@@ -278,6 +283,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
       old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
+      agent_layers=envs_lib.agent_layers(structure, team),
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
   heldout = functools.partial(_heldout, config=config, model=model,
@@ -337,7 +343,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
-           old_values_fn, envs, num_roles, num_rows, mesh, layout):
+           old_values_fn, envs, num_roles, num_rows, mesh, layout, agent_layers):
   """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)
 
   The batch goes to the devices with its rows split over the mesh; advantages are computed on
@@ -363,7 +369,8 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
     old_values = old_values_fn(state.critic, model.params, on_devices, extras)
     batch = batch.replace(act_old_value=read(old_values))
   groups = [envs.group(e.env_index) for e in kept]
-  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks)
+  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks,
+                             agent_layers=agent_layers)
   state, metrics = update(
       state, model.params, placed(batch), extras,
       jnp.asarray(active_adapters(config, iteration)),
@@ -377,6 +384,24 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   # Tokens through the learner's forward + backward: every real token, every epoch.
   metrics["update_tokens"] = tokens * config.optimizer.epochs
   return state, metrics
+
+
+def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: dict) -> None:
+  """The resolved config (the algorithm that actually runs, every key it decided filled in):
+  `config.json` in the run folder and a "config" text in the metrics (TensorBoard's text tab
+  and texts.jsonl) at the step the launch starts from."""
+  if not multihost.is_primary():
+    return
+  text = json.dumps(config_dict, indent=2, sort_keys=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(text + "\n")
+  writer.write_text(step, "config", text)
+
+
+def _resolved_defaults(config: TrainConfig) -> dict:
+  """The algorithm's resolved defaults: what a key missing from an older checkpoint's config
+  meant when that checkpoint was written (its fields predate the key)."""
+  return to_config_dict(algorithms.resolve(TrainConfig(algorithm=config.algorithm))).to_dict()
 
 
 def _eval_due(config: TrainConfig, iteration: int) -> bool:
