@@ -104,8 +104,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
       keys up to its last query only, which skips most scores a causal mask discards (a
       quarter of them at two blocks). Exact only for a causal `allowed` (no key after its
       query): the caller that built the mask says so. 0: one block. Static. n > 0 also
-      tells the fused kernels that `allowed` is causal (cuDNN then skips the scores above
-      the diagonal).
+      tells the fused kernels that `allowed` is exactly "u is real and u ≤ t" (what
+      `transformer` builds; see `_fused_attention`).
     kernel: without a cache, "auto" (`self_attention_kernel`'s choice for this backend),
       "reference" (the hand-written path, CPU's), "xla_fused" (`jax.nn.dot_product_attention`
       with implementation "xla": runs anywhere, so tests check it on CPU) or "cudnn"
@@ -115,7 +115,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
   """
   if cached is None:
     if kernel == "auto":
-      kernel = self_attention_kernel(q.dtype, q.shape[-1], q.shape[3])
+      kernel = self_attention_kernel(q.dtype, q.shape[-1])
     if kernel != "reference":
       return _fused_attention(q, k, v, allowed, query_block > 0, kernel)
     return _self_attention(query_blocks(q.shape[3], query_block), q, k, v, allowed)
@@ -125,14 +125,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, allowed: jax.Array,
 KERNELS = ("auto", "reference", "xla_fused", "cudnn")
 
 
-def self_attention_kernel(dtype, head_dim: int, T: int) -> str:
+def self_attention_kernel(dtype, head_dim: int) -> str:
   """The kernel `attention(kernel="auto")` runs without a cache, by `jax.default_backend()`.
 
     cpu   "reference": the hand-written path, tuned on XLA:CPU (its backward keeps no
           [T, T] probabilities and skips the blocks a causal mask discards).
     gpu   "cudnn" on NVIDIA where cuDNN's flash attention takes the call: bf16 or f16, head
-          dim a multiple of 8 up to 128, an even T (the padding mask reaches cuDNN as a bias,
-          which its training kernel takes only for even lengths). Measured on an H200
+          dim a multiple of 8 up to 128 (JAX's own checks; a cuDNN that still refuses the
+          call falls back to "xla_fused" when it is traced). Measured on an H200
           (bf16, B 4 × T 1024 × 12 heads × E 128, causal): forward + backward 0.75 ms
           against 1.11 ms for "xla_fused". Otherwise (f32, other shapes, ROCm) "xla_fused".
     tpu   "xla_fused" (unmeasured): XLA's fusion of the textbook attention. It keeps the
@@ -142,44 +142,66 @@ def self_attention_kernel(dtype, head_dim: int, T: int) -> str:
   backend = jax.default_backend()
   if backend == "cpu":
     return "reference"
-  if backend == "gpu" and _cudnn_takes(dtype, head_dim, T):
+  if backend == "gpu" and _cudnn_takes(dtype, head_dim):
     return "cudnn"
   return "xla_fused"
 
 
-def _cudnn_takes(dtype, head_dim: int, T: int) -> bool:
+def _cudnn_takes(dtype, head_dim: int) -> bool:
   """An NVIDIA GPU, and a call within cuDNN flash attention's constraints (JAX's checks)."""
   from jax.extend import backend as jex_backend
   if "cuda" not in jex_backend.get_backend().platform_version.lower():
     return False
   return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and head_dim % 8 == 0 and head_dim <= 128 and T % 2 == 0)
+          and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def _fused_attention(q, k, v, allowed, causal: bool, kernel: str):
   """`jax.nn.dot_product_attention` on our [B, K, G, T, E] layout.
 
   Its layout is [B, T, N, E] with query head n = k·G + g reading kv head k: our [K, G]
-  axes flattened. `allowed` goes in as a [B, 1, T, T] mask (cuDNN adds it as a bias of
-  0 / -2⁴¹, and skips the blocks above the diagonal when `causal`). A padding query sees
-  every score masked: "xla_fused" then averages all values, cuDNN those up to the query.
+  axes flattened. A causal `allowed` is read as what `transformer` builds, "key u is real
+  and u ≤ t" (the real tokens: its diagonal). Each row's real tokens are then moved first,
+  in order, and the kernel runs plain causal attention with no mask: a real query's keys
+  are exactly the real tokens up to it, so cuDNN needs no bias (whose gradient it would
+  compute: a [B, 1, T, T] pass per layer) and skips the blocks above the diagonal. A padding
+  query lands after the real ones and attends what precedes it: finite, and read by nothing.
+  A non-causal `allowed` goes to XLA's implementation as a mask.
   """
   if kernel not in ("xla_fused", "cudnn"):
     raise ValueError(f"attention kernel={kernel!r}: must be one of {KERNELS}")
   B, K, G, T, E = q.shape
-  heads_after_time = lambda x: jnp.moveaxis(x, -2, 1)  # [B, ..., T, E] -> [B, T, ..., E]
-  fused = functools.partial(
-      jax.nn.dot_product_attention, heads_after_time(q).reshape(B, T, K * G, E),
-      heads_after_time(k), heads_after_time(v.astype(k.dtype)), mask=allowed[:, None],
-      is_causal=causal)
-  if kernel == "cudnn":
+  time_first = lambda x: jnp.moveaxis(x, -2, 1)  # [B, ..., T, E] -> [B, T, ..., E]
+  q, k, v = time_first(q).reshape(B, T, K * G, E), time_first(k), time_first(v.astype(k.dtype))
+  if not causal:
+    out = jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation="xla")
+  else:
+    real = jnp.diagonal(allowed, axis1=1, axis2=2)  # [B, T]
+    order = jnp.argsort(~real, axis=1, stable=True).astype(jnp.int32)  # real tokens first
+    inverse = jnp.argsort(order, axis=1).astype(jnp.int32)
+    q, k, v = (_permute_time(x, order, inverse) for x in (q, k, v))
+    fused = functools.partial(jax.nn.dot_product_attention, q, k, v, is_causal=True)
     try:
-      out = fused(implementation="cudnn")
+      out = fused(implementation="cudnn" if kernel == "cudnn" else "xla")
     except NotImplementedError:  # a GPU or cuDNN version without this case: XLA's
       out = fused(implementation="xla")
-  else:
-    out = fused(implementation="xla")
-  return jnp.moveaxis(out.reshape(B, T, K, G, E), 1, -2).astype(q.dtype)
+    out = _permute_time(out, inverse, order)
+  return jnp.moveaxis(out.reshape(B, T, K, G, E), 1, -2)
+
+
+@jax.custom_vjp
+def _permute_time(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x [B, T, ...] with row b's time steps taken in `order[b]` ([B, T] int, a permutation;
+  `inverse` its inverse). The gradient is the inverse gather, not a scatter-add."""
+  return _take_time(x, order)
+
+
+def _take_time(x, order):
+  return jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+_permute_time.defvjp(lambda x, order, inverse: (_take_time(x, order), (order, inverse)),
+                     lambda res, g: (_take_time(g, res[1]), None, None))
 
 
 def query_blocks(T: int, size: int) -> tuple[tuple[int, int], ...]:
