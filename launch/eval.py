@@ -5,10 +5,17 @@ r"""Evaluate a team on held-out problems: a run's latest checkpoint, or the untu
   python -m launch.eval --config=launch/configs/marft_t.py --workdir=runs/marft_t
   python -m launch.eval --workdir=runs/default --problems=50  # fewer than task.eval_problems
 
-Pass the config the run was trained with (the same --config and --config.* flags): the
-checkpoint's saved config is compared with it, and a difference is an error naming the keys
-(`iterations`, `checkpoint_every`, `task.eval_problems` and `task.path`, e.g. a JSONL test
-file, may differ). Every agent decodes greedily. Prints `name=value` lines (accuracy overall
+Score a run on any task and data set: the model, the adapters' shape and the team must be
+those the run trained (model.source, lora.rank/alpha/targets, team.num_roles/shared_adapter/
+graph and the roles they make; a difference is an error naming the keys), anything else may
+differ. So a run trained on the generated arithmetic is scored on a benchmark file with
+
+  python -m launch.eval --workdir=runs/default --config.task.name=math_jsonl \
+      --config.task.test_path=test.jsonl
+
+`task.test_path` is scored whole (each problem once); without one the held-out part of
+`task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Every agent
+decodes greedily. Prints `name=value` lines (accuracy overall
 and per graded role, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
 <workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl).

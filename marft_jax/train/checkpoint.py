@@ -162,6 +162,14 @@ class Checkpointer:
     """The newest finalised step, or None for a fresh workdir."""
     return self._manager.latest_step()
 
+  def read_meta(self, step: int) -> dict:
+    """The meta saved with `step` (its config, data cursor, ...), without the state."""
+    if step not in self.all_steps():
+      raise FileNotFoundError(f"{self.directory}: no checkpoint for step {step} "
+                              f"(steps present: {self.all_steps() or 'none'})")
+    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(meta["meta"])
+
   # --- save ---
 
   def save(self, step: int, state: Any, meta: Optional[Mapping[str, Any]] = None,

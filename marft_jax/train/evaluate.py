@@ -16,12 +16,15 @@ once, each problem one episode, when it holds fewer problems than asked for. It 
 
 Every rate is over all episodes played: a dropped episode counts as wrong.
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
-`restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint.
+`restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
+be scored on any task and data set: only the model, the adapters' shape and the team must be
+those the run trained (`MUST_MATCH`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Optional
 
@@ -29,17 +32,19 @@ import jax
 import numpy as np
 
 from marft_jax import envs as envs_lib
-from marft_jax.configs import to_config_dict
+from marft_jax.configs import from_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import RolloutConfig, rollout
-from marft_jax.train.checkpoint import Checkpointer
+from marft_jax.train import algorithms
+from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 from marft_jax.train.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
-# Config keys that may differ between the run that wrote a checkpoint and its evaluation:
-# how long it trained and checkpointed, and what to evaluate on (task.path: a test file).
-MAY_DIFFER = ("iterations", "checkpoint_every", "max_to_keep", "eval_every", "eval_episodes",
-              "task.eval_problems", "task.path", "rollout.num_envs")
+# Config keys a checkpoint's evaluation must share with the run that wrote it: the base model
+# and the adapters' shape, and the team running them (`restore_policy` also compares the roles
+# and adapters `build_team` makes). Everything else, the task and data above all, may differ.
+MUST_MATCH = ("model.source", "lora.rank", "lora.alpha", "lora.targets", "team.num_roles",
+              "team.shared_adapter", "team.graph")
 
 
 def greedy_team(config: TrainConfig):
@@ -122,27 +127,64 @@ def summarize(episodes, team) -> dict:
 
 
 def restore_policy(config: TrainConfig, model, workdir: str):
-  """(the policy adapters of `workdir`'s latest checkpoint, its step).
+  """(the policy adapters of `workdir`'s latest checkpoint, its step), for evaluating them
+  under `config`, on any task and data.
 
-  The checkpoint's saved config must equal `config` but for the keys of `MAY_DIFFER`; any
-  other difference is an error naming the keys.
+  Only what shapes the adapters and the team that runs them must match the run that wrote
+  the checkpoint: the keys of `MUST_MATCH` and the team `build_team` makes (each role's name
+  and adapter, the orchestrator's adapter); anything else (task, data files, seed, sampling
+  budgets, algorithm, critic, ...) may differ. The checkpoint is read into a state shaped by
+  its own saved config. A difference is a `CheckpointMismatchError` naming the keys.
   """
-  # TODO(loop.py owner): train() builds this same template inline; a shared
-  # `loop.state_template(config, model)` (and a public `_optimizers`) would keep them in step.
-  from marft_jax.train.loop import _optimizers, build_team, init_state
+  from marft_jax.train.loop import _optimizers, init_state
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise FileNotFoundError(f"{workdir}: no checkpoints folder to evaluate (train first, or "
                             "evaluate the untuned model)")
-  team, structure = build_team(config)
-  template = init_state(config, model, len(team) + (structure is not None), *_optimizers(config))
   # read_only: the run may still be training and writing there
   with Checkpointer(workdir, read_only=True) as checkpointer:
     step = checkpointer.latest_step()
     if step is None:
       raise FileNotFoundError(f"{workdir}: no checkpoint to evaluate (train first, or "
                               "evaluate the untuned model)")
-    state, _ = checkpointer.restore(template, step=step,
-                                    config=to_config_dict(config).to_dict(),
-                                    may_differ=MAY_DIFFER,
-                                    defaults=to_config_dict(TrainConfig()).to_dict())
+    saved = _saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
+    _check_same_adapters(saved, config, f"{workdir}: step {step}")
+    team, structure = greedy_team(saved)
+    template = init_state(dataclasses.replace(saved, init_from=""), model,
+                          len(team) + (structure is not None), *_optimizers(saved))
+    state, _ = checkpointer.restore(template, step=step)
   return state.policy, step
+
+
+def _saved_config(meta: dict, where: str) -> TrainConfig:
+  if "config" not in meta:
+    raise CheckpointMismatchError(f"{where} has no saved config (the run that wrote it did "
+                                  "not store meta['config'])")
+  try:
+    return algorithms.resolve(from_config_dict(TrainConfig, meta["config"]))
+  except ValueError as e:
+    raise CheckpointMismatchError(f"{where}: its saved config does not load: {e}") from None
+
+
+def _team_shape(config: TrainConfig) -> tuple:
+  """(role, adapter) per agent, the orchestrator's adapter (or None), the adapter count."""
+  team, structure = greedy_team(config)
+  roles = tuple((p.role, envs_lib.adapter_index(team, i)) for i, p in enumerate(team))
+  router = None if structure is None else structure.profile.adapter
+  return roles, router, config.num_adapters
+
+
+def _check_same_adapters(saved: TrainConfig, config: TrainConfig, where: str) -> None:
+  """CheckpointMismatchError naming every `MUST_MATCH` key and team shape that differ."""
+  get = lambda c, key: functools.reduce(getattr, key.split("."), c)
+  differing = [f"{key}: saved {get(saved, key)!r}, now {get(config, key)!r}"
+               for key in MUST_MATCH if get(saved, key) != get(config, key)]
+  if not differing:
+    for name, was, now in zip(("team roles (role, adapter)", "orchestrator adapter",
+                               "adapters"), _team_shape(saved), _team_shape(config)):
+      if was != now:
+        differing.append(f"{name}: saved {was!r}, now {now!r}")
+  if differing:
+    raise CheckpointMismatchError(
+        f"{where} holds adapters of another shape or team ({'; '.join(differing)}). Evaluate "
+        "with the model, LoRA and team settings the run was trained with; the task, data and "
+        "sampling may differ.")

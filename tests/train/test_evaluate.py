@@ -177,27 +177,77 @@ def run(tmp_path_factory):
   config = _config(source=folder)
   model = loop.load(config)
   policy = answer_zero_adapters(config, model, adapter=1)
-  state = loop.init_state(config, model, 2, *loop._optimizers(config)).replace(policy=policy)
   workdir = str(root / "run")
+  _checkpoint(workdir, config, model, policy)
+  return workdir, config, model, policy
+
+
+def _checkpoint(workdir, config, model, policy):
+  """Writes `policy` as the trainer would: a checkpoint with its config in the meta."""
+  team, structure = loop.build_team(config)
+  state = loop.init_state(config, model, len(team) + (structure is not None),
+                          *loop._optimizers(config)).replace(policy=policy)
   with Checkpointer(workdir) as checkpointer:
     checkpointer.save(3, state, {"iteration": 3, "config": to_config_dict(config).to_dict()},
                       force=True)
+
+
+@pytest.fixture(scope="module")
+def arithmetic_run(run, tmp_path_factory):
+  """A checkpoint of the same base and adapters, trained (so its config says) on arithmetic:
+  the math team, whose actor (adapter 1) replies "0"."""
+  _, echo_config, model, policy = run
+  config = dataclasses.replace(echo_config, task=config_lib.TaskSection(name="arithmetic"))
+  workdir = str(tmp_path_factory.mktemp("arithmetic") / "run")
+  _checkpoint(workdir, config, model, policy)
   return workdir, config, model, policy
 
 
 def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key(run):
   workdir, config, model, policy = run
-  restored, step = evaluate_lib.restore_policy(
-      dataclasses.replace(config, iterations=50, task=dataclasses.replace(
-          config.task, eval_problems=3, path="/elsewhere/test.jsonl")), model, workdir)
-  assert step == 3
-  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(policy)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  with pytest.raises(CheckpointMismatchError, match=r"seed: saved 0, now 5"):
-    evaluate_lib.restore_policy(dataclasses.replace(config, seed=5), model, workdir)
+  elsewhere = dataclasses.replace(
+      config, iterations=50, seed=5, task=dataclasses.replace(
+          config.task, eval_problems=3, path="/elsewhere/test.jsonl"),
+      team=dataclasses.replace(config.team, max_new_tokens=7, temperature=0.9))
+  grpo = config_lib.preset("grpo", model=config.model, task=config.task, team=config.team)
+  for evaluated in (elsewhere, grpo):  # another task, seed, sampling, algorithm and critic
+    restored, step = evaluate_lib.restore_policy(evaluated, model, workdir)
+    assert step == 3
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(policy)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(CheckpointMismatchError, match=r"lora.rank: saved 8, now 4"):
+    evaluate_lib.restore_policy(dataclasses.replace(
+        config, lora=dataclasses.replace(config.lora, rank=4)), model, workdir)
+  with pytest.raises(CheckpointMismatchError, match=r"team.shared_adapter: saved False"):
+    evaluate_lib.restore_policy(dataclasses.replace(
+        config, team=dataclasses.replace(config.team, shared_adapter=True)), model, workdir)
+  with pytest.raises(CheckpointMismatchError, match=r"team roles .*'repeater'.*'actor'"):
+    evaluate_lib.restore_policy(dataclasses.replace(  # the math team: other roles
+        config, task=config_lib.TaskSection(name="arithmetic")), model, workdir)
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
     evaluate_lib.restore_policy(config, model, os.path.join(workdir, "nothing"))
   assert not os.path.exists(os.path.join(workdir, "nothing"))  # read only: nothing created
+
+
+def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp_path):
+  """Trained on generated arithmetic, scored on a JSONL test file: the task section differs
+  from the checkpoint's, the model, LoRA and team do not."""
+  workdir, config, _, _ = arithmetic_run
+  golds = [0, 0, 1, 2]
+  test_file = tmp_path / "test.jsonl"
+  test_file.write_text("".join(json.dumps({"question": f"What is {g} + 0?", "answer": f"#### {g}"})
+                               + "\n" for g in golds))
+  flags = [f"--workdir={workdir}", f"--config.model.source={config.model.source}",
+           "--config.task.name=math_jsonl", f"--config.task.test_path={test_file}",
+           "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
+           "--config.rollout.max_context=256"]
+  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(workdir, "eval.json")) as f:
+    written = json.load(f)
+  assert written["episodes"] == 4 and written["checkpoint_step"] == 3  # the file, once
+  assert written["accuracy"] == written["accuracy/actor"] == golds.count(0) / 4  # adapters on
 
 
 def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
