@@ -6,21 +6,25 @@ sandbox started may be left: every sandboxed interpreter carries the boot code, 
 start mark, on its command line (`_leftovers`).
 """
 
+import ast
 import dataclasses
 import functools
 import glob
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
 
 import pytest
 
-from marft_jax.envs.sandbox import Job, Limits, Sandbox, Status
+from marft_jax.envs.code_env import CodeEnv, CodeProblem, CodeTest
+from marft_jax.envs.sandbox import Job, Limits, Plan, Sandbox, Status, boot, isolation
 
 LIMITS = Limits(wall_s=2.0, memory_mb=256, processes=4, file_mb=1, stdout_bytes=10_000,
                 stderr_bytes=2_000)
@@ -370,16 +374,10 @@ def test_the_trainer_never_forks_with_python_code_in_the_child(box):
 
 # --- the boot program, a module of its own ---
 
-from marft_jax.envs.sandbox import boot, isolation  # noqa: E402  (after the fixtures above)
-from marft_jax.envs.sandbox.isolation import Plan  # noqa: E402
-
-
 @pytest.mark.parametrize("name", ["boot", "kill_uid"])
 def test_helper_programs_use_the_standard_library_only(name):
   """They run in `python -I -S`, as another uid or inside bwrap: no site-packages, and
   this package's folder may be invisible there."""
-  import ast  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   tree = ast.parse(isolation.program_source(name))
   imported = {alias.name.split(".")[0] for node in ast.walk(tree)
               if isinstance(node, ast.Import) for alias in node.names}
@@ -428,7 +426,6 @@ def test_a_link_out_of_the_work_directory_is_outside(tmp_path):
 
 
 def test_set_limits_stays_under_the_hard_ceiling(monkeypatch):
-  import resource  # pylint: disable=import-outside-toplevel
   ceilings = {resource.RLIMIT_AS: (100, 100), resource.RLIMIT_CPU: (5, resource.RLIM_INFINITY)}
   calls = {}
   monkeypatch.setattr(boot.resource, "getrlimit", lambda which: ceilings[which])
@@ -441,7 +438,6 @@ def _boot_from_its_file(tmp_path, source, function=None, stdin=""):
   (tmp_path / "main.py").write_text(source)
   config = dict(rlimits=[["RLIMIT_CORE", 0, 0]], uid=None, init=False, guard=True,
                 function=function)
-  import sys  # pylint: disable=import-outside-toplevel
   return subprocess.run([sys.executable, "-I", "-S", "-B", boot.__file__, json.dumps(config)],
                         cwd=tmp_path, input=stdin.encode(), capture_output=True, timeout=30,
                         check=False)
@@ -473,7 +469,6 @@ def test_fallback_names_what_a_weaker_plan_loses():
 
 
 def test_a_fallback_is_a_warning_and_a_metric(monkeypatch, caplog):
-  from marft_jax.envs.code_env import CodeEnv, CodeProblem, CodeTest  # pylint: disable=import-outside-toplevel
   which = shutil.which
   monkeypatch.setattr(isolation.shutil, "which",
                       lambda name, **kw: None if name == "bwrap" else which(name, **kw))

@@ -158,7 +158,8 @@ def test_resume_continues_the_same_order():
   resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # as a checkpoint
   assert head + _play(resumed, rounds=4) == straight
   with pytest.raises(ValueError, match="tasks"):
-    EnvBatch(lambda i: EchoEnv(graded=("a",)), 4, seed=3, num_tasks=8).load_state_dict(first.state_dict())
+    EnvBatch(lambda i: EchoEnv(graded=("a",)), 4, seed=3, num_tasks=8).load_state_dict(
+        first.state_dict())
 
 
 def test_training_envs_see_each_problem_once_per_epoch(tmp_path):
