@@ -273,3 +273,34 @@ def test_info_is_json_for_transcripts(sandbox):
 def test_env_refuses_bad_arguments_by_name(kwargs, key):
   with pytest.raises(ValueError, match=key):
     CodeEnv(**kwargs)
+
+
+def test_the_fallback_metric_reaches_the_rollouts_metrics(tmp_path):
+  """Through `loop.build_envs` (a user's problem file, one sandbox for the batch) and a
+  rollout of the tiny model: the trainer's metrics are the rollout's."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from marft_jax.models import tiny  # pylint: disable=import-outside-toplevel
+  from marft_jax.rollout import RolloutConfig, rollout  # pylint: disable=import-outside-toplevel
+  from marft_jax.train import config as config_lib, loop  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "problems.jsonl"
+  path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Print {i}.",
+                                      "tests": [{"input": "", "output": f"{i}\n"}]}) + "\n"
+                          for i in range(4)))
+  base = config_lib.preset("marft_a", task=config_lib.TaskSection(name="code", path=str(path)),
+                           rollout=config_lib.RolloutSection(num_envs=2))
+  config = dataclasses.replace(base, team=dataclasses.replace(
+      base.team, max_new_tokens=3, last_max_new_tokens=3))
+  params, model_config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
+  model = loop.Model(params, model_config, tokenizer)
+  team, structure = loop.build_team(config)
+  envs = loop.build_envs(config, team, seed=0)
+  try:
+    result = rollout(envs, team, structure, *loop.rollout_model(model, config), tokenizer,
+                     jax.random.key(0), config=RolloutConfig())
+    sandbox = envs.envs[0].sandbox
+    assert all(env.sandbox is sandbox for env in envs.envs)  # one sandbox for the batch
+    assert result.metrics["dropped"] == 0
+    assert result.metrics["env/code_sandbox_fallback"] == float(sandbox.fallback is not None)
+  finally:
+    envs.close()
