@@ -57,6 +57,8 @@ from marft_jax.models import layout, sampler, tiny
 from marft_jax.models.loading import load_model
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import RolloutConfig, rollout
+from marft_jax.train import teams
+from marft_jax.train.config import TeamSection
 
 _TINY = flags.DEFINE_bool("tiny", False, "smoke run on the tiny test model (figures mean nothing)")
 _TORCH = flags.DEFINE_bool("torch", True, "also time the torch + PEFT reference")
@@ -76,7 +78,8 @@ def load(tiny_run: bool):
 
 
 def make_team(reasoner_tokens: int, actor_tokens: int):
-  reasoner, actor = envs.math_team(2)
+  reasoner, actor = teams.build_team(TeamSection(**teams.shipped("arithmetic", 2)),
+                                     "arithmetic")[0]
   limit = lambda p, n: dataclasses.replace(p, sampling=SamplingConfig(max_new_tokens=n,
                                                                       temperature=1.0))
   return limit(reasoner, reasoner_tokens), limit(actor, actor_tokens)

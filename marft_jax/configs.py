@@ -6,6 +6,12 @@ launch script turns it back into the dataclass (`from_config_dict`). The datacla
 source of defaults, types and allowed values; library code only ever sees dataclasses.
 Unknown keys, missing keys and wrong types fail here with the dotted key named, before
 anything is compiled or loaded.
+
+Named sections: a field typed `tuple[Section, ...]` whose dataclass has a `name` field (a
+team's roles) is, in the `ConfigDict`, a mapping from each name to the rest of its section, so
+that the command line reaches one by name: `--config.team.roles.solver.temperature=0.5`. A
+`ConfigDict` keeps its keys sorted, so the tuple comes back in name order: keep any order that
+matters in a field of its own (a team's `order`).
 """
 
 from __future__ import annotations
@@ -59,10 +65,23 @@ def to_config_dict(instance: Any) -> ml_collections.ConfigDict:
     value = getattr(instance, field.name)
     if dataclasses.is_dataclass(value):
       value = to_config_dict(value)
+    elif _named_sections(hints[field.name]) is not None:
+      value = ml_collections.ConfigDict(
+          {v.name: {k: x for k, x in to_config_dict(v).items() if k != "name"} for v in value})
     elif value is None:
       value = config_dict.placeholder(_placeholder_type(hints[field.name]))
     out[field.name] = value
   return out
+
+
+def _named_sections(hint: Any):
+  """The section dataclass of a `tuple[Section, ...]` hint whose Section has a `name` field,
+  else None (see the module docstring)."""
+  args = typing.get_args(hint)
+  if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis and \
+      dataclasses.is_dataclass(args[0]) and "name" in {f.name for f in dataclasses.fields(args[0])}:
+    return args[0]
+  return None
 
 
 def _required(field: dataclasses.Field) -> bool:
@@ -81,6 +100,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if not hasattr(value, "items"):
       raise ValueError(f"{key}: expected a nested config, got {value!r}")
     return from_config_dict(hint, value, key)
+  section = _named_sections(hint)
+  if section is not None and hasattr(value, "items"):
+    return tuple(from_config_dict(section, {**dict(v.items()), "name": name}, f"{key}.{name}")
+                 for name, v in sorted(value.items()))
   origin = typing.get_origin(hint)
   if origin in (typing.Union, types.UnionType):
     args = typing.get_args(hint)

@@ -69,8 +69,15 @@ def test_generate_config_file_holds_the_dataclass_defaults():
 
 def test_train_config_file_is_the_embedded_default():
   from marft_jax.train.config import TrainConfig
+  from marft_jax.train import algorithms, teams
   typed = from_config_dict(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
-  assert typed == dataclasses.replace(TrainConfig(), eval_every=8, eval_episodes=64)
+  shipped = dataclasses.replace(TrainConfig().team, **teams.shipped("arithmetic", 2))
+  assert typed == dataclasses.replace(TrainConfig(), team=shipped, eval_every=8,
+                                      eval_episodes=64)
+  # The file spells out the team the library's defaults would build.
+  library = algorithms.resolve(TrainConfig())
+  assert teams.build_team(algorithms.resolve(typed).team, "arithmetic") == \
+      teams.build_team(library.team, "arithmetic")
 
 
 @pytest.mark.parametrize("name,algorithm,roles,task", [

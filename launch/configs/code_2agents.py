@@ -2,6 +2,7 @@
 (reward: the fraction of tests passed in the sandbox)."""
 
 from marft_jax.configs import to_config_dict
+from marft_jax.train import teams
 from marft_jax.train.config import (RolloutSection, TaskSection, TeamSection,
                                      TrainConfig)
 
@@ -10,6 +11,6 @@ def get_config():
   return to_config_dict(TrainConfig(
       algorithm="marft_a",
       task=TaskSection(name="code"),
-      team=TeamSection(max_new_tokens=128, last_max_new_tokens=256),
+      team=TeamSection(**teams.shipped("code", 2), max_new_tokens=128, last_max_new_tokens=256),
       rollout=RolloutSection(max_context=2048),
   ))

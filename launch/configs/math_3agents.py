@@ -1,6 +1,7 @@
 """MARFT-A, reasoner → actor → verifier, on GSM8K-style problems (task.path)."""
 
 from marft_jax.configs import to_config_dict
+from marft_jax.train import teams
 from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
 
 
@@ -8,5 +9,5 @@ def get_config():
   return to_config_dict(TrainConfig(
       algorithm="marft_a",
       task=TaskSection(name="math_jsonl"),
-      team=TeamSection(num_roles=3),
+      team=TeamSection(**teams.shipped("math_jsonl", 3)),
   ))

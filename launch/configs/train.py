@@ -6,8 +6,11 @@ tokens), plus the greedy held-out accuracy on 64 problems before training, after
 and at the end (the "heldout/" metrics, on the progress bar and in learning_curve.png)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train.config import TrainConfig
+from marft_jax.train import teams
+from marft_jax.train.config import TeamSection, TrainConfig
 
 
 def get_config():
-  return to_config_dict(TrainConfig(algorithm="marft_a", eval_every=8, eval_episodes=64))
+  return to_config_dict(TrainConfig(algorithm="marft_a",
+                                    team=TeamSection(**teams.shipped("arithmetic", 2)),
+                                    eval_every=8, eval_episodes=64))

@@ -2,15 +2,15 @@
 
   base      Environment (reset(seed) / step(actions)), Observation, Step.
   batch     EnvBatch: E environments with a seeded, reproducible task order.
-  profiles  AgentProfile; shipped math and code teams.
+  profiles  AgentProfile (the shipped teams are config data: marft_jax/train/teams.py).
   graph     AgentGraph (chain, DAG) and Orchestrator (dynamic routing); Schedule.
-  toy       EchoEnv: repeat the number shown (a task whose best answer is known); echo_team.
+  toy       EchoEnv: repeat the number shown (a task whose best answer is known).
 """
 
 from marft_jax.envs.base import Environment, Observation, Step
 from marft_jax.envs.batch import EnvBatch
 from marft_jax.envs.graph import (AgentGraph, Orchestrator, Schedule, agent_layers,
                                   orchestrator_profile, parse_route)
-from marft_jax.envs.profiles import (AgentProfile, adapter_index, check_team, code_team, math_team,
-                                     shared_adapter, with_sampling)
-from marft_jax.envs.toy import EchoEnv, echo_team
+from marft_jax.envs.profiles import (AgentProfile, adapter_index, check_team, shared_adapter,
+                                     with_sampling)
+from marft_jax.envs.toy import EchoEnv

@@ -86,10 +86,12 @@ class Orchestrator:
 
   profile: AgentProfile
   max_calls: int = 5
+  menu: tuple[str, ...] = ()  # the roles it may call; () every role of the team
 
   def __post_init__(self):
     if not isinstance(self.max_calls, int) or self.max_calls < 1:
       raise ValueError(f"orchestrator max_calls={self.max_calls!r}: use an int >= 1")
+    object.__setattr__(self, "menu", tuple(self.menu))
 
 
 def orchestrator_profile(team: Sequence[AgentProfile], adapter: Optional[int] = None,
@@ -156,7 +158,7 @@ class Schedule:
     if agent != orchestrator:
       self._pending = [orchestrator]
       return
-    route = parse_route(text, self._roles)
+    route = parse_route(text, self._structure.menu or self._roles)
     if route is None or route == "done" or self._calls >= self._structure.max_calls:
       self._over = True
       return

@@ -12,7 +12,6 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from marft_jax.envs.base import Environment, Observation, Step
-from marft_jax.envs.profiles import AgentProfile
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -37,11 +36,3 @@ class EchoEnv(Environment):
     score = float(np.mean(list(hits.values())))
     return Step(observation=None, rewards={role: score for role in actions}, done=True,
                 info={"correct": hits, "metrics": {"accuracy": score}})
-
-
-def echo_team(num_roles: int = 2) -> tuple[AgentProfile, ...]:
-  """A team for `EchoEnv` with one-line prompts (short sequences keep tests fast): helpers
-  then a graded repeater."""
-  helpers = tuple(AgentProfile(f"helper{i}", "Say the number.", "Says the number.")
-                  for i in range(num_roles - 1))
-  return helpers + (AgentProfile("repeater", "Repeat the number.", "Repeats it.", graded=True),)

@@ -110,11 +110,21 @@ def resolve(config: TrainConfig) -> TrainConfig:
       "its policy loss"))
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
-  team = dataclasses.replace(config.team, num_roles=pick(
-      "team.num_roles", config.team.num_roles, 0, a.num_roles or config.team.num_roles or
-      DEFAULT_NUM_ROLES, "its team size"))
+  team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
   return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
                              rollout=rollout, team=team)
+
+
+def _team_size(a: Algorithm, team, pick) -> int:
+  """team.num_roles: the declared roles' count, else the algorithm's (or the default) size."""
+  declared = len(team.role_order)
+  if declared:
+    if a.num_roles and declared != a.num_roles:
+      raise ValueError(f"team.order={team.order!r} has {declared} roles: contradicts "
+                       f"algorithm={a.name!r} (its team size: {a.num_roles})")
+    return declared
+  return pick("team.num_roles", team.num_roles, 0, a.num_roles or team.num_roles or
+              DEFAULT_NUM_ROLES, "its team size")
 
 
 def _resolve_critic(a: Algorithm, config: TrainConfig):

@@ -67,9 +67,51 @@ class TaskSection:
                        f"'code' read one, not name={self.name!r}")
 
 
+ROLE_ADAPTERS = ("own", "shared", "base")
+GRAPHS = ("chain", "dag", "orchestrator")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSection:
+  """One role of a team, as a config file declares it (`team.roles.<name>.<key>`)."""
+
+  name: str  # unique in the team; shown to the other agents (`team.roles` is keyed by it)
+  system_prompt: str = ""
+  description: str = ""  # one line: the orchestrator's menu, the transition turns
+  graded: bool = False  # its reply is what the environment scores
+  # "own": an adapter of its own; "shared": the one adapter of every "shared" role; "base": no
+  # adapter (the frozen base model speaks, and is not trained)
+  adapter: str = "own"
+  max_new_tokens: int = 0  # 0: team.max_new_tokens (team.last_max_new_tokens if last in order)
+  temperature: float = -1.0  # < 0: team.temperature
+  top_p: float = 0.0  # 0: team.top_p
+
+  def __post_init__(self):
+    if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+      raise ValueError(f"{self.name!r}: a role name uses letters, digits, '-' or '_'")
+    check_bool("graded", self.graded)
+    _one_of("adapter", self.adapter, ROLE_ADAPTERS)
+    check_int("max_new_tokens", self.max_new_tokens, 0)
+    if self.temperature >= 0:
+      check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
+    check_range("top_p", self.top_p, 0.0, 1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class TeamSection:
-  num_roles: int = 0  # math: 1-4 (1: a single solver), code: 2-3; 0: the algorithm's (ppo 1, else 2)
+  """The team: its roles (each role's prompt, adapter and sampling), the graph they act in and
+  the team-wide sampling defaults. With no `roles`, the task's shipped team of `num_roles`
+  (train/teams.py); config files spell their team out, so `--config.team.roles.<name>.<key>`
+  reaches every role."""
+
+  # Every role by name (a config file's `team.roles.<name>`); () = the task's shipped team.
+  roles: tuple[RoleSection, ...] = ()
+  # The roles' order, comma-separated: agent ids, the speaking order of a chain, and which
+  # role is "last" (team.last_max_new_tokens). Required with `roles`.
+  order: str = ""
+  # The shipped team's size without `roles` (math 1-4, 1: a single solver; code 2-3); 0: the
+  # algorithm's (ppo 1, else 2). With `roles`: their number.
+  num_roles: int = 0
   max_new_tokens: int = 48  # per turn, every role but the last
   last_max_new_tokens: int = 16  # the graded (last) role's turn
   # Below 1: a 135M model's samples at temperature 1 are mostly gibberish. The untuned SmolLM2
@@ -78,20 +120,82 @@ class TeamSection:
   # ratio stays exact.
   temperature: float = 0.3
   top_p: float = 1.0
-  shared_adapter: bool = False  # every role runs adapter 0 (else one adapter per role)
-  graph: str = "chain"  # "chain" or "orchestrator"
+  shared_adapter: bool = False  # every role runs adapter 0 (overrides each role's adapter)
+  graph: str = "chain"  # "chain" (in order), "dag" (team.edges) or "orchestrator"
+  # graph "dag": "a>b, a>c, b>d, c>d" (b and c see a's reply and run in parallel; d joins)
+  edges: str = ""
+  menu: str = ""  # graph "orchestrator": the roles it may call, comma-separated ("" every role)
   orchestrator_max_calls: int = 4
   orchestrator_max_new_tokens: int = 32  # per routing turn
+  # The ablation arm: the same team with neutral names (agent1, agent2, ...) and no system
+  # prompts, to show what the roles contribute.
+  anonymous: bool = False
 
   def __post_init__(self):
-    check_int("num_roles", self.num_roles, 0, 4)
+    # Name order, as a ConfigDict holds them (the speaking order is `order`'s).
+    object.__setattr__(self, "roles", tuple(sorted(self.roles, key=lambda r: r.name)))
+    check_int("num_roles", self.num_roles, 0, 8 if self.roles else 4)
     check_int("max_new_tokens", self.max_new_tokens, 1)
     check_int("last_max_new_tokens", self.last_max_new_tokens, 1)
     check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
     check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-    _one_of("graph", self.graph, ("chain", "orchestrator"))
+    _one_of("graph", self.graph, GRAPHS)
     check_int("orchestrator_max_calls", self.orchestrator_max_calls, 1)
     check_int("orchestrator_max_new_tokens", self.orchestrator_max_new_tokens, 1)
+    check_bool("anonymous", self.anonymous)
+    self._check_roles()
+
+  @property
+  def role_order(self) -> tuple[str, ...]:
+    return tuple(name.strip() for name in self.order.split(",") if name.strip())
+
+  @property
+  def edge_pairs(self) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for edge in (e.strip() for e in self.edges.split(",") if e.strip()):
+      ends = [x.strip() for x in edge.split(">")]
+      if len(ends) != 2 or not all(ends):
+        raise ValueError(f"edges={self.edges!r}: {edge!r} is not 'from>to'")
+      pairs.append((ends[0], ends[1]))
+    return tuple(pairs)
+
+  @property
+  def menu_roles(self) -> tuple[str, ...]:
+    return tuple(name.strip() for name in self.menu.split(",") if name.strip())
+
+  def _check_roles(self):
+    names = [r.name for r in self.roles]
+    if len(set(names)) != len(names):
+      raise ValueError(f"roles: repeated role names {names}")
+    order = self.role_order
+    if self.roles:
+      if sorted(order) != sorted(names):
+        raise ValueError(f"order={self.order!r} must list each of roles {sorted(names)} once")
+      if self.num_roles not in (0, len(order)):
+        raise ValueError(f"num_roles={self.num_roles} but order={self.order!r} has "
+                         f"{len(order)} roles: leave num_roles unset with explicit roles")
+      if all(r.adapter == "base" for r in self.roles) and not self.shared_adapter:
+        raise ValueError("roles: every role has adapter='base': nothing would be trained")
+      if not any(r.graded for r in self.roles):
+        raise ValueError(f"roles: none of {sorted(names)} is graded (set "
+                         "roles.<name>.graded=True on the one whose answer counts)")
+    elif self.order:
+      raise ValueError(f"order={self.order!r} without roles: declare team.roles too")
+    known = set(names) if self.roles else None
+    for key, refs in (("edges", [x for pair in self.edge_pairs for x in pair]),
+                      ("menu", self.menu_roles)):
+      unknown = sorted({r for r in refs if known is not None and r not in known})
+      if unknown:
+        raise ValueError(f"{key}={getattr(self, key)!r}: unknown role(s) {unknown}; roles: "
+                         f"{list(order)}")
+    if self.graph == "dag" and not self.edges:
+      raise ValueError("graph='dag' needs edges ('a>b, a>c, ...')")
+    if self.edges and self.graph != "dag":
+      raise ValueError(f"edges={self.edges!r} are read with graph='dag' only, not "
+                       f"graph={self.graph!r}")
+    if self.menu and self.graph != "orchestrator":
+      raise ValueError(f"menu={self.menu!r} is read with graph='orchestrator' only, not "
+                       f"graph={self.graph!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,11 +325,11 @@ class TrainConfig:
   @property
   def num_adapters(self) -> int:
     """Policy adapters (of a resolved config: `algorithms.resolve` sets team.num_roles)."""
-    if not self.team.num_roles:
+    if not self.team.roles and not self.team.num_roles:
       raise ValueError("team.num_roles=0 ('auto'): resolve the config first "
                        "(marft_jax.train.algorithms.resolve)")
-    return 1 if self.team.shared_adapter else self.team.num_roles + (
-        1 if self.team.graph == "orchestrator" else 0)
+    from marft_jax.train import teams  # teams imports this module
+    return teams.num_adapters(self.team, self.task.name)
 
 
 def preset(algorithm: str, **changes) -> TrainConfig:

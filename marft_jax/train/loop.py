@@ -53,6 +53,7 @@ from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import optim
+from marft_jax.train import teams
 from marft_jax.train.advantages import Blocks, compute_advantages
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
@@ -75,34 +76,9 @@ class Model:
 
 
 def build_team(config: TrainConfig):
-  """(team profiles, schedule structure) from the config's task and team sections."""
-  t = config.team
-  if config.task.name == "code":
-    team = envs_lib.code_team(t.num_roles, temperature=t.temperature)
-  elif config.task.name == "echo":
-    team = envs_lib.echo_team(t.num_roles)
-  elif t.num_roles == 1:
-    team = (envs_lib.AgentProfile(
-        # SmolLM2-135M ignores "step by step" and rambles past its cap (see math_team)
-        "solver", "You are good at arithmetic. Answer in one line: the calculation and the "
-        "result, e.g. 7 + 5 = 12.", "Solves the problem.", graded=True),)
-  else:
-    team = envs_lib.math_team(t.num_roles, temperature=t.temperature)
-  sampling = lambda p, last: dataclasses.replace(p.sampling, top_p=t.top_p,
-                                                 temperature=t.temperature,
-                                                 max_new_tokens=t.last_max_new_tokens if last
-                                                 else t.max_new_tokens)
-  team = tuple(dataclasses.replace(p, sampling=sampling(p, i == len(team) - 1))
-               for i, p in enumerate(team))
-  if t.shared_adapter:
-    team = envs_lib.shared_adapter(team)
-  structure = None
-  if t.graph == "orchestrator":
-    profile = envs_lib.orchestrator_profile(team, adapter=0 if t.shared_adapter else None,
-                                            temperature=t.temperature, top_p=t.top_p,
-                                            max_new_tokens=t.orchestrator_max_new_tokens)
-    structure = envs_lib.Orchestrator(profile, max_calls=t.orchestrator_max_calls)
-  return team, structure
+  """(team profiles, schedule structure) from the config's team section (`teams.build_team`:
+  the declared roles, or the task's shipped team)."""
+  return teams.build_team(config.team, config.task.name)
 
 
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
@@ -329,8 +305,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
             bar.set_postfix(_postfix(metrics, shown))
         stop = multihost.any_process(preempt.requested)
         if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
-          _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, team, writer,
-                      workdir, config)
+          _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, writer, workdir,
+                      config)
         if stop:
           logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
           break
@@ -437,18 +413,15 @@ def _per_row_adapters(batch, layout):
   return batch
 
 
-def _checkpoint(checkpointer, step, state, envs, config_dict, team, writer, workdir, config):
+def _checkpoint(checkpointer, step, state, envs, config_dict, writer, workdir, config):
   meta = {"iteration": step, "envs": _env_cursor(envs), "config": config_dict,
           "policy_version": step}
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
-  names = [p.role for p in team] if not config.team.shared_adapter else ["shared"]
-  if len(names) < state.policy.num_adapters:
-    names.append("orchestrator")
+  names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part
   if not multihost.is_primary():
     return
-  checkpointer.export_peft(step, adapters, names[:state.policy.num_adapters],
-                           config.model.source)
+  checkpointer.export_peft(step, adapters, names, config.model.source)
   writer.flush()
   plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
                        os.path.join(workdir, "learning_curve.png"),
@@ -470,7 +443,10 @@ def _turns_per_episode(config: TrainConfig, structure) -> int:
   """Rows a per-agent-view episode can fill (one per turn); 1 for a shared stream."""
   if config.rollout.context_mode == "shared_stream":
     return 1
-  per_step = config.team.num_roles if structure is None else 2 * structure.max_calls + 1
+  if isinstance(structure, envs_lib.Orchestrator):
+    per_step = 2 * structure.max_calls + 1
+  else:  # a chain or a DAG: each role once
+    per_step = config.team.num_roles
   return per_step * config.task.horizon
 
 

@@ -1,0 +1,179 @@
+"""Teams as config data: the shipped teams, and a `TeamSection` turned into the agents a rollout
+plays (`build_team`).
+
+A config file declares its team in `team.roles` (one `RoleSection` per role: prompt,
+description, graded flag, adapter, sampling), `team.order` and `team.graph`; the shipped
+teams below are such data, which a config file copies in with `shipped(task, num_roles)`:
+
+  arithmetic / math_jsonl, 1 role:  solver
+  2 roles: reasoner → actor                 (the actor's answer is graded)
+  3 roles: reasoner → actor → verifier      (the verifier restates or fixes it; graded)
+  4 roles: analyst → planner → solver → verifier
+  code, 2 roles: planner → coder            (the coder's program is graded)
+  code, 3 roles: planner → coder → reviewer (the reviewer returns the final program)
+  echo (tests), n roles: helper0 … → repeater
+
+Adapters: each "own" role gets its own adapter, in `order`; every "shared" role runs one more
+adapter; a "base" role runs none (the frozen model speaks for it and it is not trained); an
+orchestrator gets the next adapter. `team.shared_adapter` puts every agent on adapter 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from marft_jax import envs as envs_lib
+from marft_jax.envs.profiles import NO_ADAPTER, AgentProfile
+from marft_jax.models.sampling import SamplingConfig
+from marft_jax.train.config import RoleSection, TeamSection
+
+_BOXED = "Put the final answer, a number, in \\boxed{}."
+_FENCE = "Write the whole program in one ```python fenced block; it reads stdin, prints stdout."
+# Both short and with a worked form: SmolLM2-135M follows "answer in one line, e.g. ..." but
+# ignores "step by step" requests, rambling past its token cap (untuned reasoner → actor,
+# level-1 arithmetic, greedy: 2 % with "step by step", 12.5 % with these; 32 held-out
+# problems; docs/results.md). The actor is short on purpose: its turn stays cheap.
+_SINGLE_SOLVER = RoleSection(
+    "solver", "You are good at arithmetic. Answer in one line: the calculation and the result, "
+    "e.g. 7 + 5 = 12.", "Solves the problem.", graded=True)
+_MATH_ROLES = {r.name: r for r in (
+    RoleSection("reasoner", "You are the Reasoner of a small math team. You are good at "
+                "arithmetic. Answer in one line: the calculation and the result, e.g. "
+                "7 + 5 = 12.", "Writes the calculation and its result."),
+    RoleSection("actor", "You are the Actor of a small math team. Reply with only the result "
+                "of the Reasoner's calculation, in \\boxed{}, e.g. \\boxed{12}.",
+                "States the final answer."),
+    RoleSection("verifier", "You are the Verifier of a small math team. Check the work written "
+                f"before you step by step. If it is right, restate the answer; if not, correct "
+                f"it. {_BOXED}", "Checks the answer and gives the corrected final answer."),
+    RoleSection("analyst", "You are the Analyst of a math team. Restate the problem in your own "
+                "words and list every number it gives with what it means. Do not solve it.",
+                "Restates the problem and lists its quantities."),
+    RoleSection("planner", "You are the Planner of a math team. From the analysis before you, "
+                "write a short numbered plan of calculations. Do not carry them out.",
+                "Writes a numbered plan of calculations."),
+    RoleSection("solver", "You are the Solver of a math team. Carry out the plan before "
+                f"you step by step. {_BOXED}", "Carries out the plan and computes the answer."),
+)}
+_CODE_ROLES = {r.name: r for r in (
+    RoleSection("planner", "You are the Planner of a programming team. Read the task, note the "
+                "input and output formats and the edge cases, and write a step-by-step "
+                "algorithm. Write no code.", "Writes an algorithm plan, without code."),
+    RoleSection("coder", f"You are the Coder of a programming team. Implement the plan before "
+                f"you in Python. {_FENCE}", "Implements the plan as a Python program."),
+    RoleSection("reviewer", "You are the Reviewer of a programming team. Read the program "
+                "before you, look for bugs and missed edge cases, and give the final program, "
+                f"corrected if needed. {_FENCE}", "Reviews the program and gives the final "
+                "version."),
+)}
+_MATH_TEAMS = {1: ("solver",), 2: ("reasoner", "actor"), 3: ("reasoner", "actor", "verifier"),
+               4: ("analyst", "planner", "solver", "verifier")}
+_CODE_TEAMS = {2: ("planner", "coder"), 3: ("planner", "coder", "reviewer")}
+
+
+def shipped(task: str, num_roles: int) -> dict:
+  """The shipped team of `task` with `num_roles` roles, as `TeamSection` fields (roles,
+  order): the last role in order is graded. A config file writes
+  `TeamSection(**shipped("arithmetic", 2), ...)`."""
+  if task == "echo":
+    names = tuple(f"helper{i}" for i in range(num_roles - 1)) + ("repeater",)
+    roles = {n: RoleSection(n, "Say the number." if n != "repeater" else "Repeat the number.",
+                            "Says the number." if n != "repeater" else "Repeats it.")
+             for n in names}
+  else:
+    roles, teams = (_CODE_ROLES, _CODE_TEAMS) if task == "code" else (_MATH_ROLES, _MATH_TEAMS)
+    if task != "code" and num_roles == 1:
+      roles = {"solver": _SINGLE_SOLVER}
+    if num_roles not in teams:
+      raise ValueError(f"team.num_roles={num_roles}: the shipped {task} teams have "
+                       f"{sorted(teams)} roles (or declare team.roles)")
+    names = teams[num_roles]
+  last = names[-1]
+  return {"roles": tuple(dataclasses.replace(roles[n], graded=n == last) for n in names),
+          "order": ",".join(names)}
+
+
+def declared(team: TeamSection, task: str) -> tuple[tuple[RoleSection, ...], tuple[str, ...]]:
+  """(roles in order, order): the config's own, or the task's shipped team of num_roles."""
+  if team.roles:
+    by_name = {r.name: r for r in team.roles}
+    return tuple(by_name[n] for n in team.role_order), team.role_order
+  ship = shipped(task, team.num_roles)
+  return ship["roles"], tuple(ship["order"].split(","))
+
+
+def adapter_ids(team: TeamSection, roles) -> tuple[tuple[int, ...], int]:
+  """(each role's adapter index, the orchestrator's or -1) and the number of adapters."""
+  if team.shared_adapter:
+    return tuple(0 for _ in roles), 0 if team.graph == "orchestrator" else -1, 1
+  ids, next_id = [], 0
+  for r in roles:
+    if r.adapter == "own":
+      ids.append(next_id)
+      next_id += 1
+    else:
+      ids.append(NO_ADAPTER)
+  if any(r.adapter == "shared" for r in roles):
+    ids = [next_id if r.adapter == "shared" else i for r, i in zip(roles, ids)]
+    next_id += 1
+  orchestrator = -1
+  if team.graph == "orchestrator":
+    orchestrator, next_id = next_id, next_id + 1
+  return tuple(ids), orchestrator, next_id
+
+
+def num_adapters(team: TeamSection, task: str) -> int:
+  roles, _ = declared(team, task)
+  return adapter_ids(team, roles)[2]
+
+
+def adapter_names(team: TeamSection, task: str) -> list[str]:
+  """A name per adapter (PEFT exports): its role, "shared", or "orchestrator"."""
+  roles, _ = declared(team, task)
+  ids, orchestrator, count = adapter_ids(team, roles)
+  names = [""] * count
+  for r, i in zip(roles, ids):
+    if i >= 0:
+      names[i] = "shared" if team.shared_adapter or r.adapter == "shared" else r.name
+  if orchestrator >= 0 and not team.shared_adapter:
+    names[orchestrator] = "orchestrator"
+  return names
+
+
+def build_team(team: TeamSection, task: str):
+  """(agent profiles in order, schedule structure: None for a chain, an `AgentGraph` for a
+  DAG, an `Orchestrator`) from the config's team section."""
+  roles, order = declared(team, task)
+  names = list(order)
+  if team.anonymous:  # neutral names, no system prompts: the roles' contribution's baseline
+    names = [f"agent{i + 1}" for i in range(len(roles))]
+    roles = tuple(dataclasses.replace(r, name=n, system_prompt="", description=f"Agent {i + 1}.")
+                  for i, (r, n) in enumerate(zip(roles, names)))
+  ids, orchestrator, _ = adapter_ids(team, roles)
+  profiles = tuple(AgentProfile(role=r.name, system_prompt=r.system_prompt,
+                                description=r.description, graded=r.graded, adapter=i,
+                                sampling=_sampling(team, r, last=k == len(roles) - 1))
+                   for k, (r, i) in enumerate(zip(roles, ids)))
+  envs_lib.check_team(profiles)
+  if team.graph == "chain":
+    return profiles, None
+  rename = dict(zip(order, names))
+  if team.graph == "dag":
+    edges = tuple((rename[a], rename[b]) for a, b in team.edge_pairs)
+    try:
+      return profiles, envs_lib.AgentGraph(tuple(names), edges)
+    except ValueError as e:
+      raise ValueError(f"team.edges={team.edges!r}: {e}") from None
+  menu = tuple(rename[m] for m in team.menu_roles) or tuple(names)
+  profile = envs_lib.orchestrator_profile(
+      [p for p in profiles if p.role in menu], adapter=orchestrator,
+      temperature=team.temperature, top_p=team.top_p,
+      max_new_tokens=team.orchestrator_max_new_tokens)
+  return profiles, envs_lib.Orchestrator(profile, max_calls=team.orchestrator_max_calls,
+                                         menu=menu)
+
+
+def _sampling(team: TeamSection, role: RoleSection, last: bool) -> SamplingConfig:
+  default_tokens = team.last_max_new_tokens if last else team.max_new_tokens
+  return SamplingConfig(max_new_tokens=role.max_new_tokens or default_tokens,
+                        temperature=team.temperature if role.temperature < 0 else role.temperature,
+                        top_p=role.top_p or team.top_p)

@@ -1,0 +1,187 @@
+"""Teams in the config (train/teams.py): shipped teams as data, overrides by role name, DAG
+and orchestrator graphs, adapters, the anonymous ablation, refusals naming the key, and the
+README's 3-role DAG file launched on the tiny model."""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launch.cli import CONFIG_DIR, _load_config_file
+from marft_jax import envs
+from marft_jax.configs import from_config_dict
+from marft_jax.train import algorithms, teams
+from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _file(name, **overrides):
+  """A shipped config file with `--config.<key>=<value>` overrides, typed and resolved."""
+  config = _load_config_file(os.path.join(CONFIG_DIR, name))
+  for key, value in overrides.items():
+    *path, field = key.split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    node[field] = value
+  return algorithms.resolve(from_config_dict(TrainConfig, config))
+
+
+# What the shipped teams were before they became config data (profiles.math_team & co).
+SHIPPED = {("arithmetic", 1): ["solver"], ("arithmetic", 2): ["reasoner", "actor"],
+           ("math_jsonl", 3): ["reasoner", "actor", "verifier"],
+           ("math_jsonl", 4): ["analyst", "planner", "solver", "verifier"],
+           ("code", 2): ["planner", "coder"], ("code", 3): ["planner", "coder", "reviewer"],
+           ("echo", 2): ["helper0", "repeater"]}
+
+
+@pytest.mark.parametrize("task,size", sorted(SHIPPED))
+def test_shipped_teams(task, size):
+  team = TeamSection(**teams.shipped(task, size))
+  profiles, structure = teams.build_team(team, task)
+  assert [p.role for p in profiles] == SHIPPED[task, size] and structure is None
+  assert [p.graded for p in profiles] == [False] * (size - 1) + [True]
+  assert [p.adapter for p in profiles] == list(range(size))
+  # The library's default (no roles: the task's shipped team of num_roles) is the same team.
+  assert teams.build_team(TeamSection(num_roles=size), task) == (profiles, structure)
+
+
+def test_a_role_override_by_name_changes_that_role_only():
+  base = teams.build_team(_file("train.py").team, "arithmetic")[0]
+  changed = teams.build_team(_file("train.py", **{
+      "team.roles.reasoner.temperature": 0.9, "team.roles.actor.max_new_tokens": 5,
+      "team.roles.reasoner.system_prompt": "Think."}).team, "arithmetic")[0]
+  assert changed[0].sampling.temperature == 0.9 and changed[0].system_prompt == "Think."
+  assert changed[1].sampling.temperature == base[1].sampling.temperature == 0.3
+  assert changed[1].sampling.max_new_tokens == 5 and base[1].sampling.max_new_tokens == 16
+  assert changed[0].sampling.max_new_tokens == base[0].sampling.max_new_tokens == 48
+
+
+def test_team_wide_sampling_reaches_the_roles_that_inherit_it():
+  profiles = teams.build_team(_file("train.py", **{"team.max_new_tokens": 8,
+                                                    "team.last_max_new_tokens": 4,
+                                                    "team.top_p": 0.9}).team,
+                              "arithmetic")[0]
+  assert [p.sampling.max_new_tokens for p in profiles] == [8, 4]
+  assert [p.sampling.top_p for p in profiles] == [0.9, 0.9]
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"team.graph": "dag", "team.edges": "reasoner>judge"}, "edges"),
+    ({"team.graph": "orchestrator", "team.menu": "reasoner,oracle"}, "menu"),
+    ({"team.order": "reasoner,reasoner"}, "order"),
+    ({"team.graph": "dag"}, "edges"),
+    ({"team.edges": "reasoner>actor"}, "edges"),
+    ({"team.roles.actor.adapter": "mine"}, "roles.actor"),
+])
+def test_a_wrong_team_is_refused_naming_the_key(overrides, key):
+  with pytest.raises(ValueError, match=re.escape(key)):
+    _file("train.py", **overrides)
+
+
+def test_a_dag_cycle_is_refused_naming_the_edges():
+  team = TeamSection(**teams.shipped("code", 3), graph="dag",
+                     edges="planner>coder, coder>reviewer, reviewer>planner")
+  with pytest.raises(ValueError, match=r"team\.edges=.*cycle"):
+    teams.build_team(team, "code")
+
+
+def test_the_dag_file_runs_its_branches_in_one_layer():
+  config = _file("dag_3agents.py")
+  profiles, graph = teams.build_team(config.team, "arithmetic")
+  assert graph.layers() == (("calculator", "estimator"), ("judge",))
+  assert envs.agent_layers(graph, profiles) == (0, 0, 1)
+  assert graph.ancestors("judge") == {"calculator", "estimator"}
+  assert not graph.ancestors("estimator")
+  assert [p.sampling.temperature for p in profiles] == [0.3, 0.7, 0.3]
+  assert [p.sampling.max_new_tokens for p in profiles] == [32, 32, 16]
+
+
+def test_adapters_own_shared_and_base():
+  roles = (RoleSection("a", adapter="shared"), RoleSection("b", adapter="base"),
+           RoleSection("c"), RoleSection("d", adapter="shared", graded=True))
+  team = TeamSection(roles=roles, order="a,b,c,d", graph="orchestrator")
+  profiles, orchestrator = teams.build_team(team, "arithmetic")
+  # c owns adapter 0, the shared roles run adapter 1, b runs the base, the orchestrator 2.
+  assert [p.adapter for p in profiles] == [1, envs.profiles.NO_ADAPTER, 0, 1]
+  assert orchestrator.profile.adapter == 2
+  assert teams.adapter_names(team, "arithmetic") == ["c", "shared", "orchestrator"]
+  assert TrainConfig(team=team).num_adapters == 3
+  shared = dataclasses.replace(team, shared_adapter=True)
+  assert [p.adapter for p in teams.build_team(shared, "arithmetic")[0]] == [0, 0, 0, 0]
+  assert TrainConfig(team=shared).num_adapters == 1
+
+
+def test_the_orchestrator_calls_only_its_menu():
+  team = TeamSection(**teams.shipped("code", 3), graph="orchestrator", menu="coder,reviewer")
+  profiles, orchestrator = teams.build_team(team, "code")
+  assert orchestrator.menu == ("coder", "reviewer")
+  assert "planner" not in orchestrator.profile.system_prompt
+  schedule = envs.Schedule(orchestrator, profiles)
+  assert schedule.next_turn() == (3,)
+  schedule.record(3, "<call>reviewer</call>")
+  assert schedule.next_turn() == (2,)
+  schedule.record(2, "done")
+  schedule.record(3, "<call>planner</call>")  # off the menu: unparseable, ends the step
+  assert schedule.next_turn() == ()
+
+
+def test_anonymous_is_the_same_team_without_names_or_prompts():
+  named = teams.build_team(_file("math_3agents.py").team, "math_jsonl")[0]
+  anonymous = teams.build_team(_file("math_3agents.py", **{"team.anonymous": True}).team,
+                               "math_jsonl")[0]
+  assert [p.role for p in anonymous] == ["agent1", "agent2", "agent3"]
+  assert all(p.system_prompt == "" for p in anonymous)
+  for a, n in zip(anonymous, named):
+    assert (a.graded, a.adapter, a.sampling) == (n.graded, n.adapter, n.sampling)
+    assert n.role not in a.description
+
+
+def test_ppo_refuses_a_declared_team_of_two_naming_both_keys():
+  with pytest.raises(ValueError, match=r"team\.order=.*algorithm='ppo'"):
+    _file("train.py", algorithm="ppo")
+
+
+def _readme_team_block():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    readme = f.read()
+  section = readme.split("### Defining a team", 1)[1]
+  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_shows_the_shipped_dag_file():
+  with open(os.path.join(CONFIG_DIR, "dag_3agents.py")) as f:
+    assert _readme_team_block() == f.read()
+
+
+def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
+  """The README's config file, launched as the README says (tiny model, one short iteration):
+  the judge saw both branches, each branch only the task."""
+  from marft_jax.models import tiny
+  config_file = tmp_path / "dag.py"
+  config_file.write_text(_readme_team_block())
+  model = tiny.save_tiny_model(tmp_path / "model")
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--config={config_file}",
+       f"--workdir={tmp_path / 'run'}", f"--config.model.source={model}",
+       "--config.iterations=1", "--config.rollout.num_envs=2", "--config.eval_every=0",
+       "--config.team.max_new_tokens=4", "--config.team.roles.judge.max_new_tokens=4",
+       "--config.rollout.max_context=512", "--config.team.roles.estimator.temperature=0.5"],
+      capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(tmp_path / "run" / "transcripts" / "iteration_00000.jsonl") as f:
+    episode = json.loads(f.readline())
+  turns = episode["turns"]
+  assert [t["role"] for t in turns] == ["calculator", "estimator", "judge"]
+  calculator, estimator, judge = turns
+  assert "Calculator:" not in estimator["prompt"] and "Estimator:" not in calculator["prompt"]
+  assert "Calculator:" in judge["prompt"] and "Estimator:" in judge["prompt"]
+  with open(tmp_path / "run" / "config.json") as f:
+    recorded = json.load(f)
+  assert recorded["team"]["graph"] == "dag"
+  assert recorded["team"]["roles"]["estimator"]["temperature"] == 0.5
