@@ -85,7 +85,10 @@ def _stamp(path: str) -> tuple:
 def _cached(kind: str, path: str, test_path: str, *_stamps) -> tuple[tuple, tuple]:
   everything = _read(kind, path)
   if not test_path:
-    train, test = split(everything)
+    try:
+      train, test = split(everything)
+    except ValueError as e:
+      raise ValueError(f"task.path={path!r}: {e}") from None
     logging.info("%s: no task.test_path given, so %d of its %d problems (%g, seed %d) are "
                  "held out for evaluation and never trained on; training uses the other %d",
                  path, len(test), len(everything), HELDOUT_FRACTION, SPLIT_SEED, len(train))

@@ -120,6 +120,12 @@ def test_math500_records_are_a_test_file_for_math_records():
   assert len(set(test)) == 6 and set(test).isdisjoint(_ids(config, "train"))
 
 
+def test_a_one_problem_file_needs_a_test_file(tmp_path):
+  path = _math_file(tmp_path / "one.jsonl", [5])
+  with pytest.raises(ValueError, match="one.jsonl.*at least 2"):
+    _ids(_config(name="math_jsonl", path=path), "train")
+
+
 def test_test_path_is_for_file_tasks_only():
   with pytest.raises(ValueError, match="test_path"):
     config_lib.TaskSection(name="arithmetic", test_path="x.jsonl")
