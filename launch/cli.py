@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import inspect
 import os
@@ -119,6 +120,18 @@ def enable_compilation_cache(folder: str) -> None:
     fail(f"--compilation_cache={folder}: {e.strerror}")
   import jax  # here: importing jax early would start its logging before absl's flags
   jax.config.update("jax_compilation_cache_dir", folder)
+
+
+def import_function(key: str, path: str) -> Callable:
+  """The function `path` ("package.module:function") names; one line naming `key` if not."""
+  module_name, _, name = path.partition(":")
+  try:
+    function = getattr(importlib.import_module(module_name), name)
+  except (ImportError, AttributeError) as e:
+    fail(f"{key}={path!r}: {_last_line(e)}")
+  if not callable(function):
+    fail(f"{key}={path!r} is not a function")
+  return function
 
 
 def fail(message: str) -> None:

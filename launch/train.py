@@ -24,8 +24,8 @@ import jax
 from absl import flags
 
 from launch import cli
-from marft_jax.train import algorithms
 from marft_jax import multihost, sharding
+from marft_jax.train import algorithms
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
 
@@ -53,7 +53,9 @@ def main(config: TrainConfig) -> None:
     check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   except ValueError as e:
     cli.fail(f"config.{e}")
-  metrics = train(config, _WORKDIR.value)
+  reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
+      else None
+  metrics = train(config, _WORKDIR.value, reward_fn=reward_fn)
   if multihost.is_primary():
     heldout = metrics.get("heldout/accuracy")
     print(f"iterations={config.iterations} reward={metrics.get('reward', float('nan')):.4f} "

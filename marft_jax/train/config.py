@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.algorithms import ALGORITHMS, resolve
@@ -268,6 +269,32 @@ class OptimizerSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardSection:
+  """Rewards beyond the environment's exact answers (marft_jax/rollout/rewards.py)."""
+
+  judge: bool = False  # an LLM judge scores each episode's graded answers, in the sampler
+  judge_model: str = ""  # the judge's weights: "" the policy's base, else a .gguf or HF folder
+  judge_adapter: str = ""  # a PEFT adapter folder the judge runs ("" the plain weights)
+  judge_prompt: str = DEFAULT_JUDGE_PROMPT
+  judge_max_new_tokens: int = 16
+  judge_weight: float = 1.0  # last env step: r = (1 − w) · r_env + w · score
+  # "package.module:function", your reward on a whole episode, fn(episode, team) -> per env
+  # step a float or one float per role (launch scripts import it; `train(reward_fn=)` in code)
+  fn: str = ""
+
+  def __post_init__(self):
+    check_bool("judge", self.judge)
+    check_int("judge_max_new_tokens", self.judge_max_new_tokens, 1)
+    check_range("judge_weight", self.judge_weight, 0.0, 1.0)
+    if not self.judge:
+      for key in ("judge_model", "judge_adapter"):
+        if getattr(self, key):
+          raise ValueError(f"{key}={getattr(self, key)!r} is read with judge=True only")
+    if self.fn and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
+      raise ValueError(f"fn={self.fn!r}: use 'package.module:function'")
+
+
+@dataclasses.dataclass(frozen=True)
 class MeshSection:
   """The device mesh of the sampler, the update and the checkpoints (marft_jax.sharding):
   batch rows split over data x fsdp, base weights over fsdp (width) and tensor (heads, MLP,
@@ -302,6 +329,7 @@ class TrainConfig:
   advantage: AdvantageConfig = AdvantageConfig()
   loss: LossConfig = LossConfig()
   mesh: MeshSection = MeshSection()
+  reward: RewardSection = RewardSection()
   checkpoint_every: int = 10  # iterations; also at the end and on SIGTERM
   max_to_keep: int = 3
   # Held-out accuracy during training (greedy, eval_episodes problems of the test split, the
@@ -354,6 +382,8 @@ def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
   """
   if num_processes == 1:
     return
+  if config.reward.judge:
+    raise ValueError("reward.judge=True: the LLM judge runs in a single process")
   if config.eval_every:
     raise ValueError(f"eval_every={config.eval_every}: held-out evaluation during training "
                      "runs in a single process; set eval_every=0 and evaluate the checkpoints "

@@ -49,6 +49,7 @@ from marft_jax.configs import to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
 from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
+from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
@@ -189,17 +190,21 @@ def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
 
 
 def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
-          progress: bool = True, on_iteration: Optional[Callable] = None) -> dict:
+          progress: bool = True, on_iteration: Optional[Callable] = None,
+          reward_fn: Optional[rewards_lib.RewardFn] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
-  tiny one); default: `config.model.source`. The config is resolved first
-  (`algorithms.resolve`: the algorithm's keys filled in, contradictions refused)."""
+  tiny one); default: `config.model.source`. `reward_fn(episode, team)`: your reward on each
+  whole episode (`rollout.rewards`; the launch script imports `config.reward.fn`). The config
+  is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
+  refused)."""
   config = algorithms.resolve(config)
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
   model = load(config) if model is None else model
   with jax.set_mesh(mesh):
-    return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration)
+    return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
+                  reward_fn)
 
 
 def _place_model(model: Model, mesh) -> Model:
@@ -213,11 +218,12 @@ def _with_remat(model: Model, remat: bool) -> Model:
   return dataclasses.replace(model, config=model.config.replace(layout=layout))
 
 
-def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
+def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> dict:
   model = _with_remat(model, config.model.remat)
   team, structure = build_team(config)
   num_agents = len(team) + (1 if structure is not None else 0)
   rollout_params, rollout_config = rollout_model(model, config)
+  judge = build_judge(config, model, (rollout_params, rollout_config))
   # Several processes: each plays the environments whose sampler rows its devices hold.
   layout = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
   envs = build_envs(config, team, seed=config.seed,
@@ -275,6 +281,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
         result = rollout(envs, team, structure, rollout_params, rollout_config,
                          model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
                          config=rollout_settings, policy_version=iteration, rows=layout)
+        shaped = _shape_rewards(result.episodes, team, judge, reward_fn,
+                                jax.random.fold_in(key, 2))
         t1 = time.perf_counter()
         if multihost.is_primary():  # every process's episodes, in env order
           write_transcripts(os.path.join(workdir, "transcripts",
@@ -288,7 +296,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration) -> dict:
           state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
                                         pad_id=pad)
         t2 = time.perf_counter()
-        metrics = {**_iteration_metrics(result, update_metrics, team, t0, t1, t2), **evaluated}
+        metrics = {**_iteration_metrics(result, update_metrics, team, t0, t1, t2), **evaluated,
+                   **shaped}
         writer.write(iteration, metrics)
         if bar is not None:
           bar.update(1)
@@ -378,6 +387,40 @@ def _resolved_defaults(config: TrainConfig) -> dict:
   """The algorithm's resolved defaults: what a key missing from an older checkpoint's config
   meant when that checkpoint was written (its fields predate the key)."""
   return to_config_dict(algorithms.resolve(TrainConfig(algorithm=config.algorithm))).to_dict()
+
+
+def build_judge(config: TrainConfig, model: Model, weights) -> Optional[rewards_lib.Judge]:
+  """The LLM judge of `config.reward` (None when off): the policy's base in the rollout's
+  layout (`weights`), or a second model's, with its adapter if one is given."""
+  r = config.reward
+  if not r.judge:
+    return None
+  params, model_config, tokenizer = *weights, model.tokenizer
+  if r.judge_model:
+    judge_model = Model(*loading.load_model(r.judge_model, param_dtype=config.model.param_dtype,
+                                            compute_dtype=config.model.param_dtype))
+    params, model_config = rollout_model(judge_model, config)
+    tokenizer = judge_model.tokenizer
+  adapter = None
+  if r.judge_adapter:
+    adapter = lora_lib.load_peft_adapters([r.judge_adapter], model_config)
+  return rewards_lib.Judge(params, model_config, tokenizer, adapter, prompt=r.judge_prompt,
+                           max_new_tokens=r.judge_max_new_tokens, weight=r.judge_weight,
+                           parse=rewards_lib.parse_verdict)
+
+
+def _shape_rewards(episodes, team, judge, reward_fn, key) -> dict:
+  """The judge's and the user's rewards on this process's episodes; their metrics."""
+  metrics = {}
+  if judge is not None:
+    metrics.update(rewards_lib.apply_judge(episodes, team, judge, key))
+  if reward_fn is not None:
+    rewards_lib.apply_reward_fn(episodes, team, reward_fn)
+  if judge is not None or reward_fn is not None:
+    kept = [e for e in episodes if e.dropped is None]
+    metrics["reward_trained"] = float(np.mean([e.episodic_return for e in kept])) if kept \
+        else 0.0
+  return metrics
 
 
 def _eval_due(config: TrainConfig, iteration: int) -> bool:

@@ -1,0 +1,153 @@
+"""Rewards beyond exact answers (rollout/rewards.py): the LLM judge on the tiny model with a
+stand-in verdict, the user's reward function (per-role rewards reaching per_step credit), and
+both through the trainer and the launch script."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from marft_jax import envs, rollout as rollout_lib
+from marft_jax.models import layout, tiny
+from marft_jax.models.sampling import SamplingConfig
+from marft_jax.rollout import rewards
+from marft_jax.train import loop
+from marft_jax.train.advantages import AdvantageConfig, compute_advantages
+from marft_jax.train.batching import make_batch
+from marft_jax.train.config import RewardSection
+from tests.train.echo_config import echo_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("text,score", [
+    ("Score: 7/10", 0.7), ("score=3/4 because", 0.75), ("12/10", 1.0), ("Score: 0.8", 0.8),
+    ("Score: 9", 0.9), ("Yes, it is right.", 1.0), ("No.", 0.0), ("That is wrong", 0.0),
+    ("I cannot tell", None), ("", None)])
+def test_parse_verdict(text, score):
+  got = rewards.parse_verdict(text)
+  assert got == score if score is None else got == pytest.approx(score)
+
+
+@pytest.fixture(scope="module")
+def model():
+  params, config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
+  fast = config.replace(layout=layout.DECODING)
+  return params, config, tokenizer, layout.convert_params(params, config.layout, fast.layout), fast
+
+
+def _team():
+  sampling = SamplingConfig(max_new_tokens=6, temperature=1.0)
+  return (envs.AgentProfile("helper", "Say the number.", "Says it.", sampling),
+          envs.AgentProfile("repeater", "Repeat the number.", "Repeats it.", sampling,
+                            graded=True))
+
+
+def _play(model, n=4):
+  _, _, tokenizer, fast_params, fast = model
+  batch = envs.EnvBatch(lambda i: envs.EchoEnv(graded=["repeater"]), n, seed=0)
+  return rollout_lib.rollout(batch, _team(), None, fast_params, fast, tokenizer,
+                             jax.random.key(1)).episodes
+
+
+def _stand_in(text):
+  """A verdict the tiny model cannot write: a score from the text's length, None for some."""
+  return None if len(text) % 3 == 0 else (len(text) % 3) / 2
+
+
+def test_judge_blends_its_score_into_the_last_step(model):
+  _, _, tokenizer, fast_params, fast = model
+  episodes = _play(model)
+  env_rewards = [list(e.rewards[-1]) for e in episodes]
+  judge = rewards.Judge(fast_params, fast, tokenizer, prompt="Grade it.", max_new_tokens=8,
+                        weight=0.25, parse=_stand_in)
+  metrics = rewards.apply_judge(episodes, _team(), judge, jax.random.key(0))
+  scores = []
+  for e, before in zip(episodes, env_rewards):
+    text = e.infos[-1]["judge"]
+    score = _stand_in(text)
+    scores.append(0.0 if score is None else score)
+    np.testing.assert_allclose(e.rewards[-1], 0.75 * np.asarray(before) + 0.25 * scores[-1])
+    assert e.infos[-1]["judge_score"] == scores[-1]
+  assert metrics["judge/score"] == pytest.approx(np.mean(scores))
+  assert metrics["judge/unparseable"] == pytest.approx(
+      np.mean([_stand_in(e.infos[-1]["judge"]) is None for e in episodes]))
+  assert metrics["judge/tokens"] > 0 and metrics["judge/seconds"] > 0
+  # Greedy: judging the same answers again writes the same verdicts.
+  again = _play(model)
+  rewards.apply_judge(again, _team(), judge, jax.random.key(9))
+  assert [e.infos[-1]["judge"] for e in again] == [e.infos[-1]["judge"] for e in episodes]
+
+
+def test_judge_prompt_holds_the_task_and_the_graded_final_answers(model):
+  _, _, tokenizer, _, _ = model
+  episodes = _play(model, n=1)
+  answers = rewards.final_answers(episodes[0], _team())
+  assert [role for role, _ in answers] == ["repeater"]
+  assert answers[0][1] == episodes[0].turns[-1].reply
+  text = tokenizer.decode(rewards.judge_prompt(tokenizer, "Grade it.", episodes[0].task, answers))
+  assert "Grade it." in text and episodes[0].task.strip() in text and "repeater's answer" in text
+
+
+def test_user_reward_function_per_role_and_team():
+  team = _team()
+  episode = rollout_lib.Episode(env_index=0, seed=0, task="t", policy_version=0,
+                                rewards=[[0.0, 0.0]], dones=[True])
+  rewards.apply_reward_fn([episode], team, lambda e, t: [[0.25, 1.0]])
+  assert episode.rewards == [[0.25, 1.0]]
+  rewards.apply_reward_fn([episode], team, lambda e, t: [0.5])
+  assert episode.rewards == [[0.5, 0.5]]
+  rewards.apply_reward_fn([episode], team, lambda e, t: None)
+  assert episode.rewards == [[0.5, 0.5]]
+  with pytest.raises(ValueError, match="3 rewards for a team of 2 roles"):
+    rewards.apply_reward_fn([episode], team, lambda e, t: [[1, 2, 3]])
+  with pytest.raises(ValueError, match="2 env steps of rewards for an episode of 1"):
+    rewards.apply_reward_fn([episode], team, lambda e, t: [1, 2])
+
+
+def test_per_role_rewards_reach_per_step_credit(model):
+  """helper's reward lands on the helper's turn, repeater's on the repeater's."""
+  episodes = _play(model, n=2)
+  rewards.apply_reward_fn(episodes, _team(), lambda e, t: [[0.3, 1.0]])
+  batch = make_batch(episodes, pad_id=0)
+  config = AdvantageConfig(level="action", gamma=1.0, lambda_=1.0, credit="per_step",
+                           normalize=False)
+  out = compute_advantages(batch, episodes, config, 2)
+  # Zero values, γ = λ = 1: a turn's return is its own reward plus the later turns'.
+  np.testing.assert_allclose(out.turn_return[:4, 0], [1.3, 1.0, 1.3, 1.0], atol=1e-6)
+
+
+def constant_reward(episode, team):
+  """A user's reward for the launch test: 1 for every role, every step."""
+  return [1.0] * len(episode.rewards)
+
+
+def test_judge_and_reward_fn_through_the_trainer(tmp_path, monkeypatch):
+  """One iteration with the judge on (the tiny base judging, a stand-in verdict of 1) and a
+  user function that sees the judged episodes."""
+  model = loop.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  config = echo_config("marft_a", num_envs=4, iterations=1,
+                       reward=RewardSection(judge=True, judge_max_new_tokens=4,
+                                            judge_weight=0.5))
+  monkeypatch.setattr(rewards, "parse_verdict", lambda text: 1.0)
+  seen = []
+  metrics = loop.train(config, str(tmp_path), model=model, progress=False,
+                       reward_fn=lambda e, t: seen.append(e.infos[-1]["judge_score"]))
+  assert len(seen) == 4 and all(s == 1.0 for s in seen)
+  assert metrics["judge/score"] == 1.0 and metrics["judge/tokens"] > 0
+  assert metrics["reward_trained"] == pytest.approx(0.5 * metrics["reward"] + 0.5)
+  with open(tmp_path / "transcripts" / "iteration_00000.jsonl") as f:
+    assert '"judge_score": 1.0' in f.readline()
+
+
+def test_launch_refuses_a_reward_fn_it_cannot_import(tmp_path):
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}",
+       "--config.reward.fn=tests.rollout.test_rewards:no_such_function"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert out.returncode == 2
+  assert "config.reward.fn='tests.rollout.test_rewards:no_such_function'" in out.stderr
