@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import (SMOLLM2_SHAPE, best_time, emit, matmul_peak, memory_bandwidth,
-                          torch_model)
-from marft_jax.models import layout, sampler, transformer
+                          time_marft, torch_generate, torch_model)
+from marft_jax.models import layout, transformer
 from marft_jax.models.config import tiny_config
 
 PROMPT_LEN, NEW_TOKENS, BATCHES = 64, 128, (1, 16)
@@ -62,15 +62,6 @@ def load_model(prompt_len: int):
   return params, config, np.stack([ids[i:i + prompt_len] for i in range(16)])
 
 
-def torch_generate(model, prompts: np.ndarray, new_tokens: int):
-  import torch
-  with torch.inference_mode():
-    return model.generate(
-        torch.from_numpy(prompts), attention_mask=torch.ones(prompts.shape, dtype=torch.long),
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-
-
 def logits_parity(dparams, config, model, prompts) -> float:
   """max |Δlogit| of the next-token logits: ours (in the timed layout) against the torch model."""
   import torch
@@ -82,19 +73,6 @@ def logits_parity(dparams, config, model, prompts) -> float:
 
 
 # --- the benchmark ----------------------------------------------------------------------
-
-
-def time_marft(dparams, config, prompts, new_tokens, repeats):
-  """(compile s, best call s with N new tokens, best call s with 1), same compiled loop."""
-  call = lambda n, key: sampler.generate(
-      dparams, prompts, config, rng=jax.random.key(key), max_new_tokens=n, temperature=1.0,
-      max_new_tokens_bucket=new_tokens).tokens
-  start = time.perf_counter()
-  jax.block_until_ready(call(new_tokens, 0))
-  first = time.perf_counter() - start
-  full = best_time(lambda: call(new_tokens, 1), repeats)
-  prompt_only = best_time(lambda: call(1, 2), repeats)
-  return first - full, full, prompt_only
 
 
 def main(argv):

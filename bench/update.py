@@ -91,8 +91,8 @@ def turn_batch(vocab: int, rows: int, prompt: int, reply: int) -> TrainBatch:
       turn_return=advantage, turn_old_value=np.zeros_like(advantage))
 
 
-def ours(params, config, batch: TrainBatch, repeats: int):
-  """(compile s, best update s, best prepare s) of the trainer's jitted update."""
+def ours(params, config, batch: TrainBatch, repeats: int, time_prepare: bool = True):
+  """(compile s, best update s, best prepare s or None) of the trainer's jitted update."""
   policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=RANK, alpha=2.0 * RANK), config,
                                   jax.random.key(1), AGENTS)
   critic_config = critic_lib.CriticConfig(mode="shared", hidden=(1024, 512))
@@ -102,7 +102,7 @@ def ours(params, config, batch: TrainBatch, repeats: int):
                      critic_opt=critic_opt.init(critic), step=jnp.zeros((), jnp.int32))
   values, hidden = critic_lib.value_fns(critic_config, config)
   hidden = functools.partial(hidden, critic)
-  loss = LossConfig()
+  loss = LossConfig(policy_level="action")  # MARFT-A: one ratio per turn
   batch = per_row_adapters(batch)  # as the trainer does: each row is one agent's turn
   update = make_update(config, loss, policy_opt, critic_opt, values, AGENTS, epochs=1,
                        minibatches=1)
@@ -113,16 +113,18 @@ def ours(params, config, batch: TrainBatch, repeats: int):
   jax.block_until_ready(update(*args()))
   first = time.perf_counter() - start
   best = best_time(lambda: update(*args()), repeats)
-  prep = best_time(lambda: prepare(params, policy, batch, config, loss, hidden).old_logp,
-                   repeats)
+  prep = None if not time_prepare else best_time(
+      lambda: prepare(params, policy, batch, config, loss, hidden).old_logp, repeats)
   return first - best, best, prep
 
 
-def torch_update(params, config, batch: TrainBatch, repeats: int) -> float:
-  """Best time of one update as the original MARFT runs it: one PEFT pass per agent."""
+def torch_update(params, config, batch: TrainBatch, repeats: int, device: str = "cpu",
+                 dtype=None) -> float:
+  """Best time of one update as the original MARFT runs it: one PEFT pass per agent (the base
+  on torch `device` in `dtype`, default f32; PEFT keeps the adapters in f32)."""
   import peft
   import torch
-  base = torch_model(params, config)
+  base = torch_model(params, config, device, dtype)
   targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
   lora = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=targets, lora_dropout=0.0)
   model = peft.get_peft_model(base, lora, adapter_name="agent0")
@@ -133,16 +135,16 @@ def torch_update(params, config, batch: TrainBatch, repeats: int) -> float:
     model.set_adapter(name)
     weights = [p for n, p in model.named_parameters() if f".{name}." in n]
     optimizers[name] = torch.optim.AdamW(weights, lr=1e-4, eps=1e-5)
-  tokens = torch.from_numpy(np.asarray(batch.tokens, np.int64))
-  act = torch.from_numpy(np.asarray(batch.act_mask))
-  advantage = torch.from_numpy(np.asarray(batch.turn_advantage[:, 0]))
+  tokens = torch.from_numpy(np.asarray(batch.tokens, np.int64)).to(device)
+  act = torch.from_numpy(np.asarray(batch.act_mask)).to(device)
+  advantage = torch.from_numpy(np.asarray(batch.turn_advantage[:, 0])).to(device)
   agents = np.asarray(batch.turn_agent[:, 0])
 
   def step():
     for a, name in enumerate(("agent0", "agent1")):
-      rows = torch.from_numpy(np.flatnonzero(agents == a))
+      rows = torch.from_numpy(np.flatnonzero(agents == a)).to(device)
       model.set_adapter(name)
-      logits = model(tokens[rows]).logits[:, :-1]
+      logits = model(tokens[rows]).logits[:, :-1].float()  # a no-op in f32
       logp = torch.log_softmax(logits, -1).gather(-1, tokens[rows, 1:, None])[..., 0]
       turn_logp = (logp * act[rows, :-1]).sum(-1)
       ratio = torch.exp(turn_logp - turn_logp.detach())
@@ -151,6 +153,8 @@ def torch_update(params, config, batch: TrainBatch, repeats: int) -> float:
       loss.backward()
       torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
       optimizers[name].step()
+    if device != "cpu":
+      torch.cuda.synchronize()
 
   step()  # warm-up
   times = []

@@ -1,0 +1,36 @@
+"""`python -m bench.accelerator --tiny` runs on CPU and prints every figure the device run
+reports (the Qwen2 shape's: both update sizes, the torch side's ratios), so the script cannot
+rot between the sessions that have a GPU to run it on."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL = "qwen2_1p5b"
+EXPECTED = ["machine_read_gb_s", "machine_bf16_matmul_tflop_s", "total_s",
+            f"{MODEL}_weight_bytes", f"{MODEL}_matmul_params"] + [
+    f"{MODEL}_decode_b{b}_{name}" for b in (1, 16) for name in (
+        "tok_s", "bound_tok_s", "fraction_of_bound", "compile_s", "ratio_vs_torch")] + [
+    f"{MODEL}_torch_decode_b{b}_tok_s" for b in (1, 16)] + [
+    f"{MODEL}_update_{shape}_{name}" for shape in ("8x256", "16x1024") for name in (
+        "s", "fraction_of_matmul_peak", "compile_s", "remat", "torch_s", "ratio_vs_torch")]
+
+
+def test_accelerator_benchmark_smoke_run_prints_its_figures():
+  env = dict(os.environ, XLA_FLAGS="")
+  out = subprocess.run([sys.executable, "-m", "bench.accelerator", "--tiny", f"--models={MODEL}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  figures = dict(re.findall(r"^(\w+)=(\S+)$", out.stdout, re.M))
+  for name in EXPECTED:
+    assert name in figures, f"bench.accelerator did not print {name}=:\n{out.stdout}"
+    value = float(figures[name])
+    assert math.isfinite(value) and value >= 0, (name, figures[name])
+  assert figures[f"{MODEL}_update_8x256_remat"] == "0"
+  # On CPU: the hand-written attention and the CPU decoding layout.
+  assert figures[f"{MODEL}_attention_kernel"] == "reference"
+  assert "scan_layers=False, feature_major=True" in out.stdout
