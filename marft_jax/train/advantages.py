@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -77,6 +78,12 @@ class AdvantageConfig:
   lambda_token: float = 1.0
   credit: str = "equal"
   credit_discount: float = 1.0  # γ_c of step_discount
+  # The environment's rewards, shaped before credit (`ppo.shape_rewards`, AReaL's order):
+  # r' = clip((r + reward_bias) · reward_scale, ±reward_clip) on the team reward (the mean over
+  # roles) and on each role's own reward. AReaL's MARFT math recipe: scale 10, bias −0.5.
+  reward_scale: float = 1.0
+  reward_bias: float = 0.0
+  reward_clip: Optional[float] = None
   # Whiten the advantages over the batch; None: the algorithm's (on, except GRPO: its
   # advantages are normalised per group already).
   normalize: Optional[bool] = None
@@ -91,6 +98,11 @@ class AdvantageConfig:
       value = getattr(self, key)
       if value is not None and not 0.0 <= value <= 1.0:
         raise ValueError(f"{key}={value!r}: must be in [0, 1]")
+    for key in ("reward_scale", "reward_bias"):
+      if not math.isfinite(getattr(self, key)):
+        raise ValueError(f"{key}={getattr(self, key)!r}: must be finite")
+    if self.reward_clip is not None and not self.reward_clip > 0:
+      raise ValueError(f"reward_clip={self.reward_clip!r}: must be > 0 (or None: no clip)")
 
 
 def _turns(episodes: Sequence[Episode], batch: TrainBatch):
@@ -122,6 +134,7 @@ class Chains:
   `ppo.turn_chain_advantages`, and where each position lives in the batch."""
 
   turn: dict  # [E, n] arrays: step, layer, valid, length, team_reward, own_reward, done
+  team_turn: np.ndarray  # [E, n] bool: a team agent's turn (not an orchestrator's)
   values: np.ndarray  # [E, W] the critic's values at the positions
   places: list  # per episode: (row, column, k) of each position, in order
 
@@ -145,6 +158,7 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
       ("step", np.int32), ("layer", np.int32), ("valid", bool), ("length", np.int32),
       ("team_reward", np.float32), ("own_reward", np.float32), ("done", bool))}
   chain_values, places = np.zeros((E, width), np.float32), []
+  team_turn = np.zeros((E, n), bool)
   for e, (episode, tt) in enumerate(zip(episodes, turns)):
     own_places, position = [], 0
     for i, (row, k, step, agent) in enumerate(tt):
@@ -160,13 +174,14 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
                            else 0.0),
                           ("done", step >= len(episode.dones) or episode.dones[step])):
         arrays[name][e, i] = value
+      team_turn[e, i] = agent < num_team
       start = int(batch.turn_value_pos[row, k])
       for j in range(lengths[e][i]):
         chain_values[e, position] = values[row, start + j]
         own_places.append((row, start + j, k))
         position += 1
     places.append(own_places)
-  return Chains(arrays, chain_values, places)
+  return Chains(arrays, team_turn, chain_values, places)
 
 
 def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
@@ -193,6 +208,11 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
   turns = _turns(episodes, batch)
   grpo, token = config.level == "grpo", config.level == "token"
   chains = build_chains(batch, episodes, turns, token, num_team, agent_layers)
+  shape = lambda r: np.asarray(ppo.shape_rewards(r, config.reward_scale, config.reward_bias,
+                                                 config.reward_clip))
+  chains.turn["team_reward"] = shape(chains.turn["team_reward"])
+  # An orchestrator's turns have no reward of their own to shape.
+  chains.turn["own_reward"] = np.where(chains.team_turn, shape(chains.turn["own_reward"]), 0.0)
   if grpo:  # Monte Carlo reward-to-go along the successors: no values, λ = 1
     chains.values[:] = 0.0
   adv, ret = _chain_advantages(chains, config, grpo)

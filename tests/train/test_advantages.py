@@ -125,16 +125,22 @@ def numpy_advantages(turns, layers, rewards, dones, config, num_team):
   for k in range(n):
     later = [j for j in range(k + 1, n) if groups[j] != groups[k]]
     successor.append(later[0] if later else None)
+  def shape(r):  # AReaL's order: bias, scale, clip
+    r = (r + config.reward_bias) * config.reward_scale
+    return r if config.reward_clip is None else float(np.clip(r, -config.reward_clip,
+                                                              config.reward_clip))
+
   reward = []
   for k, turn in enumerate(turns):
     step_layers = [layers[j] for j in range(n) if turns[j].step == turn.step]
-    team = float(np.mean(rewards[turn.step]))
+    team = shape(float(np.mean(rewards[turn.step])))
     if config.credit == "equal":
       reward.append(team if layers[k] == max(step_layers) else 0.0)
     elif config.credit == "step_discount":
       reward.append(team * config.credit_discount ** (max(step_layers) - layers[k]))
     else:
-      reward.append(float(rewards[turn.step][turn.agent]) if turn.agent < num_team else 0.0)
+      reward.append(shape(float(rewards[turn.step][turn.agent])) if turn.agent < num_team
+                    else 0.0)
   adv = [None] * n
   for k in reversed(range(n)):
     turn = turns[k]
@@ -196,6 +202,12 @@ CONFIGS = {
                                             normalize=False),
     "action_per_step": AdvantageConfig(level="action", gamma=0.8, lambda_=0.95,
                                        credit="per_step", normalize=False),
+    "action_shaped": AdvantageConfig(level="action", gamma=0.9, lambda_=0.9, credit="equal",
+                                     reward_scale=10.0, reward_bias=-0.5, reward_clip=3.0,
+                                     normalize=False),
+    "token_per_step_shaped": AdvantageConfig(level="token", gamma=0.9, lambda_=0.9,
+                                             credit="per_step", reward_scale=2.0,
+                                             reward_bias=0.25, normalize=False),
     "token_equal": AdvantageConfig(level="token", gamma=0.9, lambda_=0.9, gamma_token=0.95,
                                    lambda_token=0.85, credit="equal", normalize=False),
     "token_per_step": AdvantageConfig(level="token", gamma=1.0, lambda_=0.95,
