@@ -70,7 +70,7 @@ def setup():
 
 
 def _loss(setup, jit, **keys):
-  loss_config = LossConfig(**{"behaviour_correction": "off", **keys})
+  loss_config = LossConfig(**{"behaviour_correction": "off", "policy_level": "token", **keys})
   fn = lambda policy, batch, extras: losses(policy, None, setup["params"], batch, extras,
                                             model_config=setup["config"], config=loss_config,
                                             critic_values=None)

@@ -1,0 +1,144 @@
+"""The update against the sampler that drew its tokens: the tiny model samples (through
+`models.sampler`, in float32 or bfloat16), the update trains on those tokens with the sampler's
+recorded log-probs as the behaviour policy, and reports how far they are from the learner's.
+
+References: the sampler's own log-probs (f32: learner and sampler agree to rounding, so the
+gap is the bf16 effect), and the update with the correction off (which must not read the
+sampler's log-probs at all).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from marft_jax import lora as lora_lib
+from marft_jax.models import layout as layout_lib
+from marft_jax.models import sampler, transformer
+from marft_jax.models.config import tiny_config
+from marft_jax.train.batching import TrainBatch, act_positions, padding_fields
+from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+
+ROWS, PROMPT, REPLY, TEMPERATURE = 8, 6, 12, 0.7
+# bf16, first minibatch, before any step: the learner's forward inside the update against
+# `prepare`'s (two compilations of the same forward): |π_θ/π_prox − 1| stays below this.
+FIRST_RATIO_BOUND = 1e-2
+
+
+@functools.lru_cache(maxsize=None)
+def sampled(dtype: str):
+  """(model config, params, adapters, a batch of ROWS sampled replies, one turn a row)."""
+  config = tiny_config(param_dtype=dtype, compute_dtype=dtype)
+  params = transformer.init_params(config, jax.random.key(0), std=0.2)
+  policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4, alpha=8.0), config,
+                                  jax.random.key(1), 2)
+  policy = policy.replace(layers=jax.tree.map(
+      lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), policy.layers))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(1, config.vocab_size, (ROWS, PROMPT)).astype(np.int32)
+  agents = (np.arange(ROWS) % 2).astype(np.int32)
+  # As the trainer samples (`loop.rollout_model`): the decoding layout's copy of the weights.
+  fast = config.replace(layout=layout_lib.decoding())
+  out = sampler.generate(layout_lib.convert_params(params, config.layout, fast.layout),
+                         prompts, fast, rng=jax.random.key(2), max_new_tokens=REPLY,
+                         lora=policy, adapter_ids=agents, temperature=TEMPERATURE)
+  T = PROMPT + REPLY
+  f = padding_fields(ROWS, T, 1, 0, pad_id=0)
+  f["tokens"] = np.concatenate([prompts, np.asarray(out.tokens)[:, :REPLY]], axis=1)
+  f["mask"][:] = True
+  f["adapter_ids"] = agents
+  decisions = slice(PROMPT - 1, T - 1)  # decision t emits token t + 1
+  f["act_mask"][:, decisions] = True
+  f["act_agent"][:, decisions] = agents[:, None]
+  f["act_turn"][:, decisions] = 0
+  f["act_temperature"][:, decisions] = TEMPERATURE
+  f["act_behaviour_logp"][:, decisions] = np.asarray(out.logprobs)[:, :REPLY]
+  f["act_positions"] = act_positions(f["act_mask"])
+  f["turn_valid"][:], f["turn_agent"][:, 0], f["turn_length"][:] = True, agents, REPLY
+  f["turn_value_pos"][:] = PROMPT - 1
+  f["act_advantage"][:, decisions] = rng.normal(size=(ROWS, REPLY))
+  f["turn_advantage"][:, 0] = rng.normal(size=ROWS)
+  return config, params, policy, jax.tree.map(jnp.asarray, TrainBatch(**f))
+
+
+def run_update(dtype: str, batch=None, epochs=1, **loss_keys):
+  config, params, policy, sampled_batch = sampled(dtype)
+  batch = sampled_batch if batch is None else batch
+  loss = LossConfig(**{"policy_level": "token", **loss_keys})
+  optimizer = optax.adamw(1e-2, eps=1e-5)
+  state = TrainState(policy=policy, critic=None, policy_opt=optimizer.init(policy),
+                     critic_opt=None, step=jnp.zeros((), jnp.int32))
+  update = make_update(config, loss, optimizer, None, None, 2, epochs=epochs, minibatches=2)
+  extras = prepare(params, policy, batch, config, loss, minibatches=2)
+  new_state, metrics = update(state, params, batch, extras, jnp.ones((2,), bool),
+                              jnp.asarray(True), jax.random.key(3))
+  return new_state, {k: float(v) for k, v in metrics.items()}, extras
+
+
+@pytest.mark.parametrize("level", ["token", "action"])
+def test_bfloat16_gap_is_reported_and_the_corrected_first_ratio_is_bounded(level):
+  _, off, extras = run_update("bfloat16", policy_level=level, behaviour_correction="off")
+  _, on, _ = run_update("bfloat16", policy_level=level, behaviour_correction="on")
+  batch = sampled("bfloat16")[3]
+  m = np.asarray(batch.act_mask)
+  log_w = np.where(m, np.asarray(extras.old_logp, np.float64)
+                   - np.asarray(batch.act_behaviour_logp, np.float64), 0.0)
+  gap = np.abs(log_w[m])
+  w = np.exp(log_w[m] if level == "token" else log_w.sum(axis=1))  # one turn a row
+  for metrics in (off, on):
+    # The batch's numbers, whatever the loss does with them.
+    np.testing.assert_allclose(metrics["behaviour/logp_gap_max"], gap.max(), rtol=1e-5)
+    np.testing.assert_allclose(metrics["behaviour/logp_gap_mean"], gap.mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["behaviour/weight_mean"], w.mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["behaviour/weight_max"], w.max(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["behaviour/weight_dropped"], np.mean(w > 5.0))
+    # bf16: the sampler (decoding layout) and the learner disagree (0.2 nats here), and the
+    # uncorrected first ratio π_θ/π_behav shows it.
+    assert metrics["behaviour/logp_gap_max"] > 0.05, metrics
+    assert metrics["behaviour/first_ratio_max_dev"] > 0.05, metrics
+  # Under the correction the clipped ratio is π_θ/π_prox, centred on the learner's own
+  # π_old: the gap goes into the weights, not into the trust region.
+  assert on["first_ratio_max_dev"] <= FIRST_RATIO_BOUND, on
+  assert on["first_ratio_max_dev"] < 0.1 * on["behaviour/first_ratio_max_dev"], on
+  assert on["policy_loss"] != off["policy_loss"]
+
+
+def test_float32_sampler_and_learner_agree():
+  _, metrics, _ = run_update("float32", behaviour_correction="on")
+  assert metrics["behaviour/logp_gap_max"] < 1e-4, metrics
+  assert metrics["first_ratio_max_dev"] < 1e-5, metrics
+  assert abs(metrics["behaviour/weight_mean"] - 1.0) < 1e-4, metrics
+
+
+def _trees_equal(a, b) -> bool:
+  return all(bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("level", ["token", "action"])
+def test_correction_off_never_reads_the_samplers_logprobs(level):
+  """Off, the update is today's: the state after two epochs is bit-identical whatever the
+  sampler recorded (f32)."""
+  batch = sampled("float32")[3]
+  noisy = batch.replace(act_behaviour_logp=batch.act_behaviour_logp
+                        + jax.random.normal(jax.random.key(7), batch.act_mask.shape))
+  states = [run_update("float32", b, epochs=2, policy_level=level,
+                       behaviour_correction="off")[0] for b in (batch, noisy)]
+  assert _trees_equal(*states)
+
+
+@pytest.mark.parametrize("level", ["token", "action"])
+def test_correction_on_with_the_learners_own_logprobs_is_plain_ppo(level):
+  """w = 1 everywhere: decoupled PPO is PPO (f32, to rounding)."""
+  _, _, extras = run_update("float32", policy_level=level, behaviour_correction="off")
+  batch = sampled("float32")[3].replace(act_behaviour_logp=extras.old_logp)
+  off, m_off, _ = run_update("float32", batch, epochs=2, policy_level=level,
+                             behaviour_correction="off")
+  on, m_on, _ = run_update("float32", batch, epochs=2, policy_level=level,
+                           behaviour_correction="on")
+  assert m_on["behaviour/weight_max"] == 1.0
+  np.testing.assert_allclose(m_on["policy_loss"], m_off["policy_loss"], rtol=1e-5, atol=1e-7)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
+               on.policy.layers, off.policy.layers)
