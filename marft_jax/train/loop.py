@@ -349,7 +349,6 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
                    None if critic_hidden is None else
                    functools.partial(critic_hidden, state.critic),
                    config.optimizer.minibatches)
-  gap = _max_gap(read(extras.old_logp), batch)
   if old_values_fn is not None:
     old_values = old_values_fn(state.critic, model.params, on_devices, extras)
     batch = batch.replace(act_old_value=read(old_values))
@@ -363,9 +362,10 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   metrics = {k: float(v) for k, v in metrics.items()}
   tokens = float(batch.mask.sum())
   if layout is not None:  # this process's block -> the whole batch's
-    gap = float(multihost.max_over_processes(np.asarray([gap]))[0])
     tokens = float(multihost.sum_over_processes(np.asarray([tokens]))[0])
-  metrics["logp/sampler_learner_max_gap"] = gap
+  # The largest |learner − sampler| log-prob over the trained tokens (the update's, over the
+  # whole batch): far above ~1e-5 in f32 means the two disagree about the policy.
+  metrics["logp/sampler_learner_max_gap"] = metrics["behaviour/logp_gap_max"]
   # Tokens through the learner's forward + backward: every real token, every epoch.
   metrics["update_tokens"] = tokens * config.optimizer.epochs
   return state, metrics
@@ -500,14 +500,6 @@ def _drop_reasons(episodes) -> str:
   hint = " (raise rollout.max_context or lower max_new_tokens)" if "context_overflow" in counts \
       else ""
   return ", ".join(f"{n} {reason}" for reason, n in counts.items()) + hint
-
-
-def _max_gap(learner_logp, batch) -> float:
-  """The largest |learner − sampler| log-prob over the trained tokens: the policy the update
-  optimises must be the one that sampled (same adapters, temperature, layout up to rounding);
-  a gap far above ~1e-5 in f32 means the two disagree about the policy."""
-  gap = np.abs(np.asarray(learner_logp) - batch.act_behaviour_logp)
-  return float(np.max(np.where(batch.act_mask, gap, 0.0)))
 
 
 def _round_up(n: int, multiple: int) -> int:
