@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from marft_jax import ppo
+from marft_jax.ppo.kl import KL_ESTIMATORS
 
 ATOL = 1e-5
 
@@ -16,6 +17,10 @@ def test_kl_estimators_match_formulas():
   np.testing.assert_allclose(ppo.kl_k2(logp, ref), 0.5 * log_r**2, atol=ATOL)
   np.testing.assert_allclose(ppo.kl_k3(logp, ref), np.exp(log_r) - 1 - log_r, atol=ATOL)
   assert np.all(np.asarray(ppo.kl_k3(logp, ref)) >= 0)
+
+
+def test_estimators_by_name():
+  assert KL_ESTIMATORS == {"k1": ppo.kl_k1, "k2": ppo.kl_k2, "k3": ppo.kl_k3}
 
 
 def test_kl_estimators_are_unbiased_on_a_categorical():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from marft_jax import ppo
+from marft_jax.ppo.policy_loss import importance_weights
 
 ATOL = 1e-5
 
@@ -77,6 +78,22 @@ def test_decoupled_ppo_loss_matches_numpy(mask_kind, cap):
   expected = sum(per_token[t] for t in range(9) if keep[t]) / max(mask.sum(), 1)
   got = ppo.decoupled_ppo_loss(logp, prox, behav, adv, mask, 0.2, imp_weight_cap=cap)
   np.testing.assert_allclose(got, expected, atol=ATOL)
+
+
+@pytest.mark.parametrize("cap", [None, 1.3])
+def test_importance_weights_match_numpy(cap):
+  rng = np.random.default_rng(5)
+  _, prox, _, mask = random_case(rng, 9, "random")
+  behav = prox + rng.normal(size=9) * 0.4
+  weight, keep = importance_weights(prox, behav, mask, cap)
+  want = np.where(mask, np.exp(prox - behav), 1.0)  # masked elements: w = 1
+  np.testing.assert_allclose(weight, want, rtol=1e-5)
+  want_keep = mask & (want <= cap) if cap is not None else mask
+  np.testing.assert_array_equal(keep, want_keep)
+  if cap is not None:
+    assert 0 < want_keep.sum() < mask.sum()  # the cap dropped some, kept some
+  with pytest.raises(ValueError, match="imp_weight_cap=0"):
+    importance_weights(prox, behav, mask, 0.0)
 
 
 def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal():

@@ -118,9 +118,9 @@ def _trees_equal(a, b) -> bool:
 
 
 @pytest.mark.parametrize("level", ["token", "action"])
-def test_correction_off_never_reads_the_samplers_logprobs(level):
-  """Off, the update is today's: the state after two epochs is bit-identical whatever the
-  sampler recorded (f32)."""
+def test_with_correction_off_the_samplers_logprobs_change_no_weight(level):
+  """Off, the update trains as before the correction existed: the state after two epochs is
+  bit-identical whatever the sampler recorded (f32; only the behaviour/ metrics read it)."""
   batch = sampled("float32")[3]
   noisy = batch.replace(act_behaviour_logp=batch.act_behaviour_logp
                         + jax.random.normal(jax.random.key(7), batch.act_mask.shape))
