@@ -53,11 +53,11 @@ import optax
 from flax import struct
 
 from marft_jax import ppo
-from marft_jax.ppo.kl import KL_ESTIMATORS
-from marft_jax.ppo.policy_loss import importance_weights
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
+from marft_jax.ppo.kl import KL_ESTIMATORS
+from marft_jax.ppo.policy_loss import importance_weights
 from marft_jax.train import optim
 from marft_jax.train.batching import TrainBatch
 from marft_jax.validation import check_range
