@@ -252,8 +252,8 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
 
 def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   workdir, config, model, policy = run
-  flags = [f"--workdir={workdir}", "--problems=6", f"--config.model.source={config.model.source}",
-           "--config.task.name=echo", "--config.task.echo_high=2",
+  flags = [f"--workdir={workdir}", "--problems=6", "--config=tests/train/echo_config.py",
+           f"--config.model.source={config.model.source}", "--config.task.echo_high=2",
            "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
            "--config.rollout.max_context=256"]
   out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
