@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from marft_jax.models.targets import GLOBALS, LINEAR
+from marft_jax.architecture.targets import GLOBALS, LINEAR
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from marft_jax.models.layout import TRAINING, Layout
+from marft_jax.architecture.layout import TRAINING, Layout
 from marft_jax.validation import check_bool, check_positive_int, check_positive_number
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")

@@ -6,14 +6,15 @@ model family that names one differently) is one row.
 
 A linear layer's sizes follow from its logical axes (`feature_size`): "embed" is the model
 width D, "heads" the query width H·E, "kv_heads" the key/value width K·E, "mlp" the MLP width
-F. This module imports nothing but the config, so `lora` can read it while `models` loads.
+F. This module imports nothing but the config (`marft_jax.architecture`: the layer under
+`models`, `lora` and `sharding`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from marft_jax.models.config import ModelConfig
+from marft_jax.architecture.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters, select_adapter  # noqa: F401 (re-exported)
-from marft_jax.models.config import ModelConfig
-from marft_jax.models.targets import linear_shapes
+from marft_jax.architecture.config import ModelConfig
+from marft_jax.architecture.targets import linear_shapes
 
 
 def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.Array,

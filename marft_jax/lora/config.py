@@ -11,7 +11,7 @@ import math
 import re
 from typing import Union
 
-from marft_jax.models.targets import LINEAR_TARGETS
+from marft_jax.architecture.targets import LINEAR_TARGETS
 from marft_jax.validation import check_positive_int, check_positive_number
 
 ALL_LINEAR = "all-linear"

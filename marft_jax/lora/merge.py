@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.lora.routing import Adapters
-from marft_jax.models.layout import TRAINING, Layout
+from marft_jax.architecture.layout import TRAINING, Layout
 
 
 def adapter_kernel_deltas(adapters: Adapters, index: int) -> dict[str, jax.Array]:

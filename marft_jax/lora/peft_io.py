@@ -31,8 +31,8 @@ import numpy as np
 from marft_jax.lora.adapters import stack_adapters
 from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters
-from marft_jax.models.config import ModelConfig
-from marft_jax.models.targets import LINEAR, hf_module_path, linear_shapes
+from marft_jax.architecture.config import ModelConfig
+from marft_jax.architecture.targets import LINEAR, hf_module_path, linear_shapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from marft_jax import sharding
 from marft_jax.lora.routing import Adapters
-from marft_jax.models.targets import LINEAR
+from marft_jax.architecture.targets import LINEAR
 
 
 def adapter_logical_axes(adapters: Adapters) -> Adapters:

@@ -3,6 +3,7 @@
   config           ModelConfig (static shapes and numerics), tiny_config for tests.
   layout           Layout: scanned or unrolled layers, token- or feature-major; conversions.
   targets          the table of every layer weight: sizes, HF/GGUF names, sharding axes.
+                   (These three live in `marft_jax.architecture`, under `lora` too.)
   transformer      forward / hidden_states / logits_from_hidden over parameter pytrees; KVCache.
   layers           RMSNorm, RoPE (default, linear, Llama-3), grouped-query attention.
   hf_checkpoint    Hugging Face folders (config.json + safetensors), no torch.

@@ -1,0 +1,5 @@
+"""`marft_jax.architecture.layout`, re-exported: existing imports keep working.
+
+It moved below `models` and `lora` (both import it; neither imports the other to read it)."""
+
+from marft_jax.architecture.layout import *  # noqa: F401,F403
