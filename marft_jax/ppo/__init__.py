@@ -5,13 +5,13 @@ unbatched arrays (one sequence or trajectory) or arrays of any shape, and works 
 `jax.jit`, `jax.vmap` and `jax.grad`.
 
 - chains: a multi-agent episode's turns (sequential, DAG layers, orchestrator calls) as one
-  backup: successors, hops, credit, per-token expansion (what the trainer runs).
-- returns: `masked_gae`, `successor_gae`, `action_level_advantages` (MARFT-A),
-  `token_level_advantages` (MARFT-T), `sequence_advantages` (AReaL form).
-- credit: where each agent's reward lands in a token sequence.
+  backup: successors, hops, per-token expansion (what the trainer runs).
+- credit: token frame → action frame, and where each turn's reward lands (`turn_credit`).
+- returns: `masked_gae`, `successor_gae`, `turn_chain_advantages` (the trainer's),
+  `action_level_advantages` (MARFT-A), `token_level_advantages` (MARFT-T).
 - logprobs: token and action log-probabilities, entropies.
 - policy_loss / value_loss / kl: PPO-family losses, critic losses, KL estimators.
-- normalize: reward shaping and batch / group / agent-within-group normalisation.
+- normalize: reward shaping and batch / agent-within-group normalisation.
 - masked: masked reductions.
 
 Bad input is refused by name, never turned into a wrong number. Scalars (γ, λ, ε, δ,
@@ -35,17 +35,10 @@ docs/references.md, with the papers behind the formulas.
 
 from marft_jax.ppo.chains import (
     expand_turns,
-    turn_credit,
     turn_hops,
     turn_successors,
 )
-from marft_jax.ppo.credit import (
-    equal_credit,
-    per_step_credit,
-    step_discount_credit,
-    step_ends,
-    token_to_action_frame,
-)
+from marft_jax.ppo.credit import CREDITS, token_to_action_frame, turn_credit
 from marft_jax.ppo.kl import (
     KLEstimator,
     approx_kl,
@@ -58,7 +51,6 @@ from marft_jax.ppo.kl import (
 from marft_jax.ppo.logprobs import (
     action_log_prob,
     action_log_prob_per_token,
-    action_log_prob_per_word,
     masked_entropy,
     token_entropy,
     token_logprobs,
@@ -66,7 +58,6 @@ from marft_jax.ppo.logprobs import (
 from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
 from marft_jax.ppo.normalize import (
     agent_group_normalize,
-    group_normalize,
     normalize,
     shape_rewards,
 )
@@ -80,7 +71,6 @@ from marft_jax.ppo.policy_loss import (
 from marft_jax.ppo.returns import (
     action_level_advantages,
     masked_gae,
-    sequence_advantages,
     successor_gae,
     token_level_advantages,
     turn_chain_advantages,

@@ -10,10 +10,10 @@ arrays of one backup, all pure, unbatched and with static shapes (vmap over epis
                    this env step, else of the next), never a sibling of the same layer.
   turn_hops        the discount and trace decay of that hop: γ_agent, λ_agent inside an env
                    step; γ·(1 − done), λ out of it.
-  turn_credit      where the env step's rewards land (equal / step_discount / per_step).
   expand_turns     one position per turn (action level) or per token (token level): inside
                    a reply hops discount by γ_token, λ_token and carry no reward; the reply's
-                   last token carries the turn's reward and hop.
+                   last token carries the turn's reward (`credit.turn_credit`: equal /
+                   step_discount / per_step) and hop.
 Then `returns.successor_gae` runs GAE along the successor pointers (`masked_gae` when
 each position's successor is the next one).
 
@@ -34,8 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.validation import check_unit_interval
-
-CREDITS = ("equal", "step_discount", "per_step")
 
 
 def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax.Array:
@@ -98,46 +96,6 @@ def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: fl
   return discount.astype(jnp.float32), lambdas.astype(jnp.float32)
 
 
-def turn_credit(team_reward_k: jax.Array, own_reward_k: jax.Array, step_k: jax.Array,
-                layer_k: jax.Array, valid_k: jax.Array, credit: str,
-                gamma_c: float = 1.0) -> jax.Array:
-  """[n] reward of each turn, from its env step's team reward or its own role's reward.
-
-  With L the number of layers of the turn's env step and ℓ its layer:
-
-      equal          R on every turn of the last layer (the chain's last turn; each of
-                     several parallel last turns: each branch's return is the team's
-                     outcome), 0 elsewhere. The critic and GAE share R out.
-      step_discount  R · γ_c^(L−1−ℓ) on every turn (γ_c = 0.5, three layers: R/4, R/2, R).
-      per_step       each turn its own role's reward r_i (an orchestrator's turns: 0).
-
-  Args:
-    team_reward_k: [n] the team reward R of the turn's env step.
-    own_reward_k: [n] the reward of the turn's own role for that step.
-    step_k, layer_k: [n] env step and layer of each turn.
-    valid_k: [n] non-zero on real turns; padding gets 0.
-    credit: one of `CREDITS` (static).
-    gamma_c: the step_discount factor in [0, 1].
-  Raises:
-    ValueError: an unknown credit, or gamma_c outside [0, 1].
-  """
-  chex.assert_rank([team_reward_k, own_reward_k, step_k, layer_k, valid_k], 1)
-  if credit not in CREDITS:
-    raise ValueError(f"credit={credit!r}: use one of {CREDITS}")
-  check_unit_interval("gamma_c", gamma_c)
-  valid = jnp.asarray(valid_k) != 0
-  same_step = (step_k[:, None] == step_k[None, :]) & valid[None, :]
-  last_layer = jnp.max(jnp.where(same_step, layer_k[None, :], -1), axis=1)
-  team = jnp.asarray(team_reward_k, jnp.float32)
-  if credit == "equal":
-    reward = jnp.where(layer_k == last_layer, team, 0.0)
-  elif credit == "step_discount":
-    reward = team * jnp.power(jnp.float32(gamma_c), (last_layer - layer_k).astype(jnp.float32))
-  else:
-    reward = jnp.asarray(own_reward_k, jnp.float32)
-  return jnp.where(valid, reward, 0.0)
-
-
 def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
                  next_k: jax.Array, length_k: jax.Array, width: int,
                  gamma_token: float = 1.0, lambda_token: float = 1.0):
@@ -149,7 +107,8 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
   Action level: every length is 1 (one position a turn).
 
   Args:
-    r_k, discount_k, lambda_k: [n] per-turn reward and hop (`turn_credit`, `turn_hops`).
+    r_k, discount_k, lambda_k: [n] per-turn reward and hop (`credit.turn_credit`,
+      `turn_hops`).
     next_k: [n] successor turn, n where none.
     length_k: [n] positions of each turn (0 for padding turns; real turns ≥ 1).
     width: W ≥ Σ length_k, static.

@@ -1,25 +1,22 @@
-"""Credit assignment: where each agent's reward lands in one multi-agent token sequence.
+"""Credit: which frame a reward or a value lives in, and where each turn's reward lands.
 
 Frames. An episode record stores per-token arrays (token frame): `tokens[j]`,
-`loss_mask[j]` = 1 on generated tokens, `step_ids[j]` = the agent step that generated
-token j (−1 on prompt and transition tokens). The loss, the values and the advantages
-live in the action frame, where position t is the decision that emits token t+1 (the
-logits at t predict token t+1). `token_to_action_frame` converts, and every other
-function here takes action-frame step ids.
+`loss_mask[j]` = 1 on generated tokens, `agent_ids[j]` = the agent that generated token j
+(−1 on prompt and transition tokens). The loss and the values live in the action frame,
+where position t is the decision that emits token t+1 (the logits at t predict token t+1).
+`token_to_action_frame` converts. A turn's reward belongs to the decision that emits its last
+token; the AReaL code writes it one position later, on a transition position with loss mask 0
+that its GAE loop then drops (note A1 in docs/references.md).
 
-A step's reward belongs to the decision that emits its last token: action-frame
-position e_i − 2 when step i's tokens end (exclusively) at e_i. The AReaL code writes it
-at e_i − 1, a transition position with loss mask 0, and its GAE loop then drops it
-(note A1 in docs/references.md); `credit_strategy` then changes nothing but the logs.
+Turn credit. The trainer's backup (`returns.turn_chain_advantages`) gives every turn one
+reward, from its env step's team reward R or from its own role's reward, by `turn_credit`'s
+rule (`CREDITS`): `equal` (R on the env step's last layer), `step_discount` (R·γ_c per layer
+before the last) or `per_step` (each turn its own reward). `chains.expand_turns` puts it on
+the turn's last position.
 
-Step ids count agent turns in execution order (0 … S−1), so one role may own several
-steps; in a plain sequential chain they equal the agent ids. A negative id (−1) marks a
-position with no decision. A step's positions must be contiguous in the sequence. A step
-that emitted no token has no decision to credit.
-
-Checks: a concrete step id ≥ S (the number of steps) or a concrete γ_c outside [0, 1]
-raises `ValueError` naming the argument. Traced values are checked only under `checkify`
-(see `marft_jax.ppo`); what a bad traced value does is in each docstring.
+Checks: an unknown credit, or a concrete γ_c outside [0, 1] or NaN, raises `ValueError`
+naming the argument. A traced γ_c is checked only under `checkify` (see `marft_jax.ppo`);
+without it the rewards are scaled by the bad factor's powers.
 """
 
 from __future__ import annotations
@@ -28,7 +25,9 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_ids, check_unit_interval
+from marft_jax.validation import check_unit_interval
+
+CREDITS = ("equal", "step_discount", "per_step")
 
 
 def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
@@ -47,74 +46,41 @@ def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
   return jnp.concatenate([x_t[1:], jnp.full((1,), fill, x_t.dtype)])
 
 
-def step_ends(step_ids_t: jax.Array) -> jax.Array:
-  """[T] bool, True at each step's last decision: step_ids_t ≥ 0 and step_ids_{t+1} ≠ step_ids_t."""
-  chex.assert_rank(step_ids_t, 1)
-  step_ids_t = jnp.asarray(step_ids_t)
-  next_ids = jnp.concatenate([step_ids_t[1:], jnp.full((1,), -1, step_ids_t.dtype)])
-  return (step_ids_t >= 0) & (next_ids != step_ids_t)
+def turn_credit(team_reward_k: jax.Array, own_reward_k: jax.Array, step_k: jax.Array,
+                layer_k: jax.Array, valid_k: jax.Array, credit: str,
+                gamma_c: float = 1.0) -> jax.Array:
+  """[n] reward of each turn, from its env step's team reward or its own role's reward.
 
+  With L the number of layers of the turn's env step and ℓ its layer:
 
-def equal_credit(reward: jax.Array | float, step_ids_t: jax.Array) -> jax.Array:
-  """`equal`: the team reward R at the last decision of the sequence, 0 elsewhere.
-
-  Agents share R through the critic and GAE; credit across agents is the backup's job.
-
-  Args:
-    reward: scalar team reward R.
-    step_ids_t: [T] action-frame step ids, −1 where no decision.
-  Returns:
-    [T] per-position rewards.
-  """
-  chex.assert_rank(step_ids_t, 1)
-  is_decision = jnp.asarray(step_ids_t) >= 0
-  decisions_from_here = jnp.cumsum(is_decision[::-1])[::-1]
-  is_last = is_decision & (decisions_from_here == 1)
-  reward = jnp.asarray(reward, jnp.float32)
-  return jnp.where(is_last, reward, jnp.zeros_like(reward))
-
-
-def step_discount_credit(reward: jax.Array | float, step_ids_t: jax.Array,
-                         num_steps: jax.Array | int, gamma_c: float) -> jax.Array:
-  """`step_discount`: R·γ_c^(S−1−i) at the last decision of every step i.
-
-  Earlier agents get less of the team reward (γ_c = 0.5 with three steps gives 0.25, 0.5, 1).
+      equal          R on every turn of the last layer (the chain's last turn; each of
+                     several parallel last turns: each branch's return is the team's
+                     outcome), 0 elsewhere. The critic and GAE share R out.
+      step_discount  R · γ_c^(L−1−ℓ) on every turn (γ_c = 0.5, three layers: R/4, R/2, R).
+      per_step       each turn its own role's reward r_i (an orchestrator's turns: 0).
 
   Args:
-    reward: scalar team reward R.
-    step_ids_t: [T] action-frame step ids in [0, S), −1 where no decision.
-    num_steps: S, the number of steps in the episode.
-    gamma_c: credit discount in [0, 1].
-  Returns:
-    [T] per-position rewards.
+    team_reward_k: [n] the team reward R of the turn's env step.
+    own_reward_k: [n] the reward of the turn's own role for that step.
+    step_k, layer_k: [n] env step and layer of each turn.
+    valid_k: [n] non-zero on real turns; padding gets 0.
+    credit: one of `CREDITS` (static).
+    gamma_c: the step_discount factor in [0, 1].
   Raises:
-    ValueError: a concrete step id ≥ num_steps, or gamma_c outside [0, 1] or NaN. Under
-      jit an id ≥ S is not caught: its step gets R·γ_c^(S−1−i) with a negative exponent,
-      more than the team reward.
+    ValueError: an unknown credit, or gamma_c outside [0, 1].
   """
-  chex.assert_rank(step_ids_t, 1)
+  chex.assert_rank([team_reward_k, own_reward_k, step_k, layer_k, valid_k], 1)
+  if credit not in CREDITS:
+    raise ValueError(f"credit={credit!r}: use one of {CREDITS}")
   check_unit_interval("gamma_c", gamma_c)
-  check_ids("step_ids_t", step_ids_t, num_steps, skip_negative=True)
-  steps_to_go = (num_steps - 1 - step_ids_t).astype(jnp.float32)
-  discount = jnp.power(jnp.asarray(gamma_c, jnp.float32), steps_to_go)
-  credit = jnp.asarray(reward, jnp.float32) * discount
-  return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))
-
-
-def per_step_credit(step_rewards_s: jax.Array, step_ids_t: jax.Array) -> jax.Array:
-  """`per_step`: each step's own reward r_i at its last decision.
-
-  Args:
-    step_rewards_s: [S] reward of step i (from the role's reward function).
-    step_ids_t: [T] action-frame step ids in [0, S) or −1 where no decision.
-  Returns:
-    [T] per-position rewards.
-  Raises:
-    ValueError: a concrete step id ≥ S. Under jit such an id is not caught: it is clipped
-      to S − 1 and its step is credited with the last step's reward.
-  """
-  chex.assert_rank([step_rewards_s, step_ids_t], 1)
-  check_ids("step_ids_t", step_ids_t, step_rewards_s.shape[0], skip_negative=True)
-  ids = jnp.clip(jnp.asarray(step_ids_t), 0, step_rewards_s.shape[0] - 1)
-  credit = jnp.asarray(step_rewards_s)[ids]
-  return jnp.where(step_ends(step_ids_t), credit, jnp.zeros_like(credit))
+  valid = jnp.asarray(valid_k) != 0
+  same_step = (step_k[:, None] == step_k[None, :]) & valid[None, :]
+  last_layer = jnp.max(jnp.where(same_step, layer_k[None, :], -1), axis=1)
+  team = jnp.asarray(team_reward_k, jnp.float32)
+  if credit == "equal":
+    reward = jnp.where(layer_k == last_layer, team, 0.0)
+  elif credit == "step_discount":
+    reward = team * jnp.power(jnp.float32(gamma_c), (last_layer - layer_k).astype(jnp.float32))
+  else:
+    reward = jnp.asarray(own_reward_k, jnp.float32)
+  return jnp.where(valid, reward, 0.0)

@@ -22,7 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_positive, check_range
+from marft_jax.validation import check_positive
 from marft_jax.ppo.masked import masked_mean, masked_sum
 
 
@@ -111,17 +111,3 @@ def action_log_prob_per_token(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array
   """
   chex.assert_rank([logp_t, mask_t], 1)
   return masked_mean(logp_t, mask_t)
-
-
-def action_log_prob_per_word(logp_t: jax.Array, mask_t: jax.Array,
-                             num_words: jax.Array | int) -> jax.Array:
-  """(1/n_words) Σ_t m_t log π(w_t) (original mode `word`, TWOSOME).
-
-  n_words = len(decode(a).split()) is counted on the host; 0 words is treated as 1, so an
-  action of only whitespace keeps its summed log-prob. logp_t, mask_t: [T]; returns scalar.
-  A concrete negative or NaN num_words raises ValueError.
-  """
-  chex.assert_rank([logp_t, mask_t], 1)
-  check_range("num_words", num_words, 0.0)
-  return masked_sum(logp_t, mask_t) / jnp.maximum(jnp.asarray(num_words, jnp.float32), 1.0)
-

@@ -9,12 +9,11 @@ and masked elements come back as 0 without touching the statistics.
 Pools:
 - `normalize`: one pool over the whole array (AReaL `batch`; the original's per-minibatch
   advantage whitening).
-- `group_normalize`: one pool per group, e.g. the G rollouts of one prompt (GRPO), with
-  an optional leave-one-out mean (RLOO).
-- `agent_group_normalize`: one pool per (group, agent): each role is normalised against
-  its own rollouts of the same prompt, so a planner's rewards are not measured against a
-  verifier's (the agent-wise GRPO normalisation AReaL issue #1114 asks for; note A3 in
-  docs/references.md).
+- `agent_group_normalize`: one pool per (group, agent), a group being e.g. the G rollouts
+  of one prompt (GRPO), with an optional leave-one-out mean (RLOO). Each role is normalised
+  against its own rollouts of the same prompt, so a planner's rewards are not measured
+  against a verifier's (the agent-wise GRPO normalisation AReaL issue #1114 asks for; note
+  A3 in docs/references.md). With num_agents = 1 it is plain per-group normalisation.
 
 Arrays may have any shape (sequence rewards [B], per-token rewards [B, T], …); ids and
 masks have the same shape as the data. Masked elements never reach the arithmetic, so
@@ -55,41 +54,9 @@ def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
   return r if clip is None else jnp.clip(r, -clip, clip)
 
 
-def group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array, num_groups: int, *,
-                    center: bool = True, scale: bool = True, leave_one_out: bool = False,
-                    unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
-  """x' = (x − b_g) / (σ_g + eps) within each group g, over its valid elements.
-
-      n_g = Σ_{j∈g} m_j,   μ_g = Σ_{j∈g} m_j x_j / n_g
-      σ_g² = Σ_{j∈g} m_j (x_j − μ_g)² / (n_g − u)
-      b_g = μ_g,  or with leave_one_out  b_{g,i} = (n_g μ_g − x_i) / (n_g − 1)
-
-  u = 1 if unbiased else 0. A group with one valid element has no leave-one-out baseline
-  and is centred to 0, as with the plain mean. center=False skips b; scale=False skips σ
-  (Dr. GRPO).
-
-  Args:
-    x: data, any shape. mask: same shape, non-zero on genuine elements.
-    group_ids: same shape, ints in [0, num_groups) on valid elements.
-    num_groups: static number of groups.
-    eps: added to σ, finite and > 0.
-  Returns:
-    normalised x (float), same shape, 0 where mask is 0.
-  Raises:
-    ValueError: a concrete group id outside [0, num_groups) where mask is set (not caught
-      under jit: see the module docstring), num_groups not an int ≥ 1, or eps not > 0.
-  """
-  chex.assert_equal_shape([x, mask, group_ids])
-  num_groups = check_size("num_groups", num_groups)
-  check_positive("eps", eps)
-  check_ids("group_ids", group_ids, num_groups, where=mask)
-  return _pool_normalize(x, mask, group_ids, num_groups, center, scale, leave_one_out,
-                         unbiased, eps)
-
-
 def _pool_normalize(x, mask, group_ids, num_groups, center, scale, leave_one_out, unbiased,
                     eps):
-  # `group_normalize` without the argument checks.
+  # `normalize` and `agent_group_normalize` without the argument checks: one pool per id.
   x = jnp.asarray(x, jnp.promote_types(jnp.asarray(x).dtype, jnp.float32))
   valid = (jnp.asarray(mask) != 0).reshape(-1)
   ids = jnp.where(valid, jnp.asarray(group_ids).reshape(-1), 0)
@@ -122,7 +89,7 @@ def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool
   """x' = (x − μ) / (σ + eps) with μ, σ over all valid elements; 0 where mask is 0.
 
   The original whitened advantages with eps 1e-8 (per minibatch); AReaL uses eps 1e-5
-  and the unbiased std. See `group_normalize` for the formulas.
+  and the unbiased std. See `agent_group_normalize` for the formulas (one pool here).
 
   Raises:
     ValueError: eps not > 0 (or NaN, inf) when concrete.
@@ -137,12 +104,23 @@ def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
                           agent_ids: jax.Array, num_groups: int, num_agents: int, *,
                           center: bool = True, scale: bool = True, leave_one_out: bool = False,
                           unbiased: bool = False, eps: float = 1e-5) -> jax.Array:
-  """`group_normalize` with one pool per (group, agent): pool id = group · A + agent.
+  """x' = (x − b_p) / (σ_p + eps) within each pool p = (group, agent), over its valid elements.
+
+      n_p = Σ_{j∈p} m_j,   μ_p = Σ_{j∈p} m_j x_j / n_p
+      σ_p² = Σ_{j∈p} m_j (x_j − μ_p)² / (n_p − u)
+      b_p = μ_p,  or with leave_one_out  b_{p,i} = (n_p μ_p − x_i) / (n_p − 1)
+
+  with pool id = group · A + agent and u = 1 if unbiased else 0. A pool with one valid
+  element has no leave-one-out baseline and is centred to 0, as with the plain mean.
+  center=False skips b; scale=False skips σ (Dr. GRPO). num_agents = 1 (agent_ids all 0)
+  pools by group alone (GRPO, RLOO).
 
   Args:
-    x, mask: any shape. group_ids, agent_ids: same shape; agent_ids in [0, num_agents)
-      on valid elements (−1 on prompt tokens is fine where mask is 0).
+    x, mask: any shape; mask non-zero on genuine elements. group_ids, agent_ids: same
+      shape; group_ids in [0, num_groups), agent_ids in [0, num_agents) on valid elements
+      (−1 on prompt tokens is fine where mask is 0).
     num_groups, num_agents: static sizes.
+    eps: added to σ, finite and > 0.
   Returns:
     normalised x, 0 where mask is 0.
   Raises:

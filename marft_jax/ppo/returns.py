@@ -1,7 +1,8 @@
-"""Advantages and returns: GAE over agent chains, token-level backups, masked sequences.
+"""Advantages and returns: GAE over agent chains, turn chains and token-level backups.
 
-One primitive, `masked_gae`, does every backup: a reverse `lax.scan` over positions in
-which masked positions are transparent. The three MARFT forms only build its per-position
+One backup step does every GAE: `masked_gae` runs it as a reverse `lax.scan` over positions
+in which masked positions are transparent, `successor_gae` along successor pointers (a
+position may hop past its neighbours). The MARFT forms only build their per-position
 rewards, discounts and trace decays:
 
 - `action_level_advantages` (MARFT-A; the original's agent-chain GAE, docs/references.md):
@@ -10,9 +11,9 @@ rewards, discounts and trace decays:
 - `token_level_advantages` (MARFT-T; the original's token-level backup, docs/references.md):
   one backup over the flattened (env step, agent, token) positions, with separate
   discounts for the three kinds of hop.
-- `sequence_advantages` (the AReaL-based MARFT's GAE, note A2 in docs/references.md): one
-  token sequence in which prompt and transition tokens are transparent, with a truncation
-  bootstrap.
+- `turn_chain_advantages` (what the trainer runs): the turns of one episode, sequential or
+  in parallel layers, at one position a turn or one a token; `successor_gae` is the
+  backup along its successor pointers (`chains`).
 
 Index convention: an array suffixed `_t` has one entry per position t of the scan; the
 reward, discount and λ at t belong to the hop from position t to the next one, as in rlax.
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.ppo import chains
+from marft_jax.ppo import credit as ppo_credit  # `credit` is turn_chain_advantages' mode
 from marft_jax.validation import check_unit_interval
 
 
@@ -311,54 +313,6 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
 
 
-def sequence_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
-                        truncated: jax.Array | bool, gamma: float,
-                        lambda_: float) -> tuple[jax.Array, jax.Array]:
-  """Masked GAE over one multi-agent token sequence (the AReaL-based MARFT form).
-
-  Positions are in the action frame: position t is the decision that emits token t+1, so
-  mask_t is the loss mask shifted by one (`credit.token_to_action_frame`). Positions with
-  mask 0 (prompt, transition turns, padding) are transparent: for decisions p and q with
-  only masked positions between them,
-
-      δ_p = r_p + γ v_q − v_p,    A_p = δ_p + γ λ A_q,    R_p = v_p + A_p.
-
-  The last position emits no token and is never a decision. If the sequence was cut by the
-  length limit (`truncated`), the last decision bootstraps from v_{T−1}, the value after
-  the last emitted token; otherwise the episode ended and the bootstrap is 0. This equals
-  AReaL's loop on decision positions, except that a reward sitting on a transparent
-  position is folded (discounted by γ) into the preceding decision instead of being
-  dropped, and masked positions hold A = R = 0 instead of carried values.
-
-  Args:
-    r_t: [T] rewards (outcome reward at the last decision, KL rewards, per-step credit).
-    v_t: [T] critic values in the same frame.
-    mask_t: [T] non-zero on decisions.
-    truncated: scalar bool, the sequence ended without EOS.
-    gamma, lambda_: discount and trace decay per decision.
-
-  Returns:
-    (advantages, returns), both [T], 0 where no decision.
-
-  Raises:
-    ValueError: a concrete gamma or lambda_ outside [0, 1] or NaN.
-  """
-  chex.assert_rank([r_t, v_t, mask_t], 1)
-  chex.assert_equal_shape([r_t, v_t, mask_t])
-  _check_hops(gamma=gamma, lambda_=lambda_)
-  v_t = jnp.asarray(v_t, _float_dtype(v_t))
-  dtype = v_t.dtype
-  valid = (jnp.asarray(mask_t) != 0).at[-1].set(False)
-  one = jnp.ones((), dtype)
-  discount = jnp.where(valid, jnp.asarray(gamma, dtype), one)
-  lambdas = jnp.where(valid, jnp.asarray(lambda_, dtype), one)
-  v_bootstrap = jnp.where(truncated, v_t[-1], jnp.zeros((), dtype))
-  v_t = jnp.where(valid, v_t, jnp.zeros((), dtype))  # v_{T−1} is read only as the bootstrap
-  adv = _gae(r_t[:-1], discount[:-1], lambdas[:-1], v_t[:-1], valid[:-1], v_bootstrap)
-  adv = jnp.concatenate([adv, jnp.zeros((1,), dtype)])
-  return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
-
-
 def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array,
                           length_k: jax.Array, team_reward_k: jax.Array,
                           own_reward_k: jax.Array, done_k: jax.Array, v_t: jax.Array, *,
@@ -370,10 +324,11 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
   """Advantages of one episode's turns, sequential or in parallel layers (what the trainer
   runs for MARFT-A, MARFT-T, single-agent and shared-stream PPO, and GRPO's returns).
 
-  The `chains` functions in order: successors (the next layer's first turn), hops (γ_agent
-  inside a step, γ·(1 − done) out of it), credit, the per-position layout (one position a
-  turn at the action level, one per token at the token level: `length_k`), then
-  `successor_gae`. Positions lie turn after turn: turn k's at [s_k, s_k + length_k[k]).
+  In order: `chains.turn_successors` (the next layer's first turn), `chains.turn_hops`
+  (γ_agent inside a step, γ·(1 − done) out of it), `credit.turn_credit`, the per-position
+  layout (`chains.expand_turns`: one position a turn at the action level, one per token at
+  the token level: `length_k`), then `successor_gae`. Positions lie turn after turn: turn
+  k's at [s_k, s_k + length_k[k]).
 
   With one turn a layer, regular N agents a step and every length 1 this is
   `action_level_advantages`; with token lengths, `token_level_advantages` (both tested
@@ -383,10 +338,10 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
     step_k, layer_k, valid_k, length_k: [n] each turn's env step, layer, realness (a prefix)
       and number of positions (≥ 1 on real turns).
     team_reward_k, own_reward_k: [n] the team's and the turn's own role's reward of its env
-      step (`chains.turn_credit`).
+      step (`credit.turn_credit`).
     done_k: [n] the episode ended after the turn's env step.
     v_t: [W] values of the positions, in the layout above (0 past the last).
-    credit, credit_discount: `chains.turn_credit`'s mode and γ_c (static).
+    credit, credit_discount: `credit.turn_credit`'s mode and γ_c (static).
     gamma … lambda_token: the hops' discounts and trace decays, in [0, 1].
     kl_reward_t: optional [W] rewards added at every position (KL-in-reward: on a token's
       position at the token level; summed over the reply at the action level by the caller).
@@ -398,8 +353,8 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
   next_k = chains.turn_successors(step_k, layer_k, valid_k)
   discount_k, lambda_k = chains.turn_hops(step_k, next_k, done_k, gamma, lambda_, gamma_agent,
                                           lambda_agent)
-  r_k = chains.turn_credit(team_reward_k, own_reward_k, step_k, layer_k, valid_k, credit,
-                           credit_discount)
+  r_k = ppo_credit.turn_credit(team_reward_k, own_reward_k, step_k, layer_k, valid_k, credit,
+                               credit_discount)
   r_t, discount_t, lambda_t, next_t, mask_t, _ = chains.expand_turns(
       r_k, discount_k, lambda_k, next_k, length_k, width, gamma_token, lambda_token)
   if kl_reward_t is not None:

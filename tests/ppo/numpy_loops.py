@@ -102,19 +102,3 @@ def np_token_level(r, v, mask, done, v_boot, g, lam, g_tok, lam_tok, g_a, lam_a)
       next_v, next_adv = v[tt, ii, k0], adv[tt, ii, k0]
     adv[t, i, k] = r_acc + disc * next_v - v[t, i, k] + trace * next_adv
   return adv
-
-
-def np_areal_gae(r, v, loss_mask, no_eos, gamma, lam):
-  """AReaL `compute_advantages`' GAE loop for one sequence, transcribed (note A2,
-  docs/references.md)."""
-  L = len(r)
-  adv = np.zeros(L)
-  lastgaelam, nextvalues = 0.0, v[L - 1] * no_eos
-  for t in reversed(range(L - 1)):
-    delta = r[t] + gamma * nextvalues - v[t]
-    newgaelam = delta + gamma * lam * lastgaelam
-    m = loss_mask[t]
-    nextvalues = nextvalues * (1 - m) + v[t] * m
-    lastgaelam = lastgaelam * (1 - m) + newgaelam * m
-    adv[t] = lastgaelam
-  return adv

@@ -28,6 +28,7 @@ def _m(*shape):
 
 
 DONE = np.array([0, 0, 0, 1])
+STEPS, LAYERS = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
 LOGITS = np.arange(T * V, dtype=np.float32).reshape(T, V) / 10.0
 
 # name of the bad argument -> [(call taking the bad value, bad values)]
@@ -37,12 +38,10 @@ CALLS = {
          [-0.1, 1.01, NAN, INF, "0.9"]),
         (lambda x: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0,
                                               x, 0.9), [1.5, NAN]),
-        (lambda x: ppo.sequence_advantages(_r(T), _r(T), _m(T), False, x, 0.9), [-1.0, NAN]),
     ],
     "lambda_": [
         (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, 0.9, x),
          [-0.1, 1.5, NAN]),
-        (lambda x: ppo.sequence_advantages(_r(T), _r(T), _m(T), False, 0.9, x), [2.0, NAN]),
     ],
     "gamma_agent": [
         (lambda x: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, 0.9, 0.9, x),
@@ -69,7 +68,11 @@ CALLS = {
          [1.5, NAN]),
     ],
     "gamma_c": [
-        (lambda x: ppo.step_discount_credit(1.0, np.array([0, 1, -1, 2]), 3, x), [1.5, NAN]),
+        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount", x),
+         [1.5, -0.1, NAN]),
+    ],
+    "credit": [
+        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), x), ["team", None]),
     ],
     "epsilon": [
         (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), x), [-0.1, NAN]),
@@ -103,12 +106,12 @@ CALLS = {
     ],
     "eps": [
         (lambda x: ppo.normalize(_r(T), _m(T), eps=x), [0.0, -1e-5, NAN, INF]),
-        (lambda x: ppo.group_normalize(_r(T), _m(T), np.zeros(T, int), 1, eps=x), [0.0]),
         (lambda x: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), np.zeros(T, int),
                                              1, 1, eps=x), [NAN]),
     ],
     "num_groups": [
-        (lambda x: ppo.group_normalize(_r(T), _m(T), np.zeros(T, int), x), [0, 2.0]),
+        (lambda x: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), np.zeros(T, int),
+                                             x, 1), [0, 2.0]),
     ],
     "num_agents": [
         (lambda x: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), np.zeros(T, int),
@@ -122,7 +125,6 @@ CALLS = {
         (lambda x: ppo.token_entropy(LOGITS, x), [0.0, -0.5, NAN, INF]),
         (lambda x: ppo.masked_entropy(LOGITS, _m(T), x), [0.0, NAN]),
     ],
-    "num_words": [(lambda x: ppo.action_log_prob_per_word(_r(T), _m(T), x), [-1, NAN])],
 }
 
 CASES = [(name, i, bad) for name, calls in CALLS.items()
@@ -155,7 +157,7 @@ def test_edge_values_are_accepted():
     ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, g, g, g, g)
     ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0, g, g, g, g, g,
                                g)
-    ppo.step_discount_credit(1.0, np.array([0, 1, -1, 2]), 3, g)
+    ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount", g)
   ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.0, INF, 1.0 + 1e-6)
   ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), 0.2, imp_weight_cap=INF)
   ppo.clipped_value_loss(_r(T), _r(T), _r(T), _m(T), 0.0)
@@ -163,7 +165,6 @@ def test_edge_values_are_accepted():
   ppo.kl_reward(_r(T), _r(T), _m(T), 0.0)
   ppo.shape_rewards(_r(T), clip=INF)
   ppo.token_logprobs(LOGITS, np.arange(T), 1e-3)
-  ppo.action_log_prob_per_word(_r(T), _m(T), 0)
 
 
 def test_bad_value_closed_over_by_jit_is_refused_at_trace_time():
@@ -180,9 +181,9 @@ def _ids_cases(ids_of):
   groups, agents = np.array([0, 1, 0, 1, 7, -1]), np.array([0, 0, 1, 1, -1, 9])
   return {
       "group_ids": [
-          lambda: ppo.group_normalize(x, mask, ids_of(np.array([0, 2, 0, 1, 0, 0])), 2),
-          lambda: ppo.group_normalize(x, mask, ids_of(np.array([0, -1, 0, 1, 0, 0])), 2),
           lambda: ppo.agent_group_normalize(x, mask, ids_of(np.array([0, 1, 2, 1, 0, 0])),
+                                            ids_of(agents), 2, 2),
+          lambda: ppo.agent_group_normalize(x, mask, ids_of(np.array([0, -1, 0, 1, 0, 0])),
                                             ids_of(agents), 2, 2),
       ],
       "agent_ids": [
@@ -190,10 +191,6 @@ def _ids_cases(ids_of):
                                             ids_of(np.array([0, 2, 1, 1, 0, 0])), 2, 2),
           lambda: ppo.agent_group_normalize(x, mask, ids_of(groups),
                                             ids_of(np.array([0, -1, 1, 1, 0, 0])), 2, 2),
-      ],
-      "step_ids_t": [
-          lambda: ppo.per_step_credit(np.ones(3, np.float32), ids_of(np.array([0, 1, -1, 3]))),
-          lambda: ppo.step_discount_credit(1.0, ids_of(np.array([0, 3, -1, 2])), 3, 0.5),
       ],
   }
 
@@ -207,13 +204,10 @@ def test_ids_out_of_range_are_refused_by_name(as_jax):
 
 
 def test_ids_out_of_range_on_masked_elements_are_fine():
-  # Masked elements may hold any id (7, −1, 9 above); −1 marks "no decision" in step ids.
+  # Masked elements may hold any id (7, −1, 9 above).
   x, mask = _r(6), np.array([1, 1, 1, 1, 0, 0], bool)
   groups, agents = np.array([0, 1, 0, 1, 7, -1]), np.array([0, 0, 1, 1, -1, 9])
-  ppo.group_normalize(x, mask, groups, 2)
   ppo.agent_group_normalize(x, mask, groups, agents, 2, 2)
-  ppo.per_step_credit(np.ones(3, np.float32), np.array([-1, 0, 1, 2]))
-  ppo.step_discount_credit(1.0, jnp.array([-1, 0, 1, 2]), 3, 0.5)
 
 
 # --- Traced values: unchecked under plain jit, caught by checkify ---------------------------
@@ -224,11 +218,12 @@ TRACED = {
     "epsilon": (lambda e: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), e), np.float32(-0.1)),
     "delta": (lambda d: ppo.huber_loss(_r(T), d), np.float32(0.0)),
     "temperature": (lambda t: ppo.token_logprobs(LOGITS, np.arange(T), t), np.float32(0.0)),
-    "group_ids": (lambda g: ppo.group_normalize(_r(T), _m(T), g, 2), np.array([0, 1, 2, 0])),
+    "gamma_c": (lambda g: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount",
+                                          g), np.float32(1.5)),
+    "group_ids": (lambda g: ppo.agent_group_normalize(_r(T), _m(T), g, np.zeros(T, int), 2, 1),
+                  np.array([0, 1, 2, 0])),
     "agent_ids": (lambda a: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, int), a, 1, 2),
                   np.array([0, -1, 1, 0])),
-    "step_ids_t": (lambda s: ppo.per_step_credit(np.ones(3, np.float32), s),
-                   np.array([0, 1, 2, 3])),
 }
 
 

@@ -1,4 +1,4 @@
-"""Credit placement: AReaL's strategies, at the decision that emits each step's last token."""
+"""Credit: the token → action frame shift, and each turn's reward under every credit rule."""
 
 import jax
 import jax.numpy as jnp
@@ -6,37 +6,44 @@ import numpy as np
 import pytest
 
 from marft_jax import ppo
-from tests.ppo.numpy_loops import np_areal_gae
+
+ATOL = 1e-6
 
 
-def episode_token_frame():
-  """prompt(3) | step 0 (3) | transition(2) | step 1 (2) | transition(2) | step 2 (1) | pad.
-
-  A hand-built layout; token_ends are read off it.
-  """
-  step_ids = np.array([-1, -1, -1, 0, 0, 0, -1, -1, 1, 1, -1, -1, 2, -1])
-  token_ends = [6, 10, 13]  # e_i, exclusive, in the token frame
-  return step_ids, token_ends
-
-
-def np_last_positions(step_ids):
-  return {int(i): int(np.nonzero(step_ids == i)[0].max()) for i in set(step_ids) if i >= 0}
-
-
-def np_credit(step_ids, rewards_by_step):
-  out = np.zeros(len(step_ids))
-  for i, pos in np_last_positions(step_ids).items():
-    out[pos] = rewards_by_step(i)
+def np_turn_credit(team, own, step, layer, valid, credit, gamma_c):
+  """Loop over turns; the last layer of a turn's env step is searched among the real turns."""
+  out = np.zeros(len(step))
+  for k in range(len(step)):
+    if not valid[k]:
+      continue
+    last = max(layer[j] for j in range(len(step)) if valid[j] and step[j] == step[k])
+    if credit == "equal":
+      out[k] = team[k] if layer[k] == last else 0.0
+    elif credit == "step_discount":
+      out[k] = team[k] * gamma_c ** (last - layer[k])
+    else:
+      out[k] = own[k]
   return out
 
 
-def random_step_ids(rng, T, S):
-  """Segments of steps 0..S−1 in order, some empty, separated by −1 runs."""
-  ids = []
-  for i in range(S):
-    ids += [-1] * int(rng.integers(0, 3)) + [i] * int(rng.integers(0, 4))
-  ids = (ids + [-1] * T)[:T]
-  return np.array(ids)
+def random_turns(rng, n=12):
+  """Env steps of 1–3 layers of 1–3 parallel turns, then padding turns with stray ids."""
+  step, layer = [], []
+  for t in range(3):
+    for ell in range(int(rng.integers(1, 4))):
+      width = int(rng.integers(1, 4))
+      step += [t] * width
+      layer += [ell] * width
+  step, layer = step[:n - 2], layer[:n - 2]
+  real = len(step)
+  # Padding that claims a later layer of a real env step must not move that step's last layer.
+  step += [int(rng.integers(0, 3)) for _ in range(n - real)]
+  layer += [5] * (n - real)
+  valid = np.arange(n) < real
+  team = rng.normal(size=3)[np.asarray(step)]  # one team reward per env step
+  own = rng.normal(size=n)
+  return (team.astype(np.float32), own.astype(np.float32), np.asarray(step), np.asarray(layer),
+          valid)
 
 
 def test_token_to_action_frame():
@@ -45,73 +52,55 @@ def test_token_to_action_frame():
   np.testing.assert_array_equal(ppo.token_to_action_frame(jnp.array([1.0]), 0.0), [0.0])
 
 
-def test_rewards_land_on_the_decision_emitting_each_last_token():
-  step_ids, token_ends = episode_token_frame()
-  action_ids = ppo.token_to_action_frame(jnp.asarray(step_ids), -1)
-  # Distinct rewards per step; by the rule in credit.py each lands at action position e_i − 2.
-  r = ppo.per_step_credit(jnp.array([1.0, 2.0, 3.0]), action_ids)
-  expected = np.zeros(len(step_ids))
-  expected[[e - 2 for e in token_ends]] = [1.0, 2.0, 3.0]
-  np.testing.assert_array_equal(r, expected)
-
-
-def test_areal_placement_is_lost_and_ours_is_not():
-  # AReaL writes step i's reward at e_i − 1; in the action frame that is a mask-0 position.
-  step_ids, token_ends = episode_token_frame()
-  loss_mask = np.asarray(ppo.token_to_action_frame(jnp.asarray(step_ids >= 0, jnp.float32), 0))
-  areal_r = np.zeros(len(step_ids))
-  areal_r[[e - 1 for e in token_ends]] = 1.0
-  v = np.zeros(len(step_ids))
-  assert np.all(loss_mask[[e - 1 for e in token_ends]] == 0)
-  assert np.all(np_areal_gae(areal_r, v, loss_mask, 0.0, 1.0, 1.0) == 0.0)
-
-  ours = np.asarray(ppo.per_step_credit(jnp.ones(3), ppo.token_to_action_frame(
-      jnp.asarray(step_ids), -1)))
-  first = int(np.argmax(loss_mask))
-  assert np_areal_gae(ours, v, loss_mask, 0.0, 1.0, 1.0)[first] == 3.0
-  adv, _ = ppo.sequence_advantages(ours, v, loss_mask, False, 1.0, 1.0)
-  assert adv[first] == 3.0
+def test_equal_puts_the_team_reward_on_every_turn_of_the_last_layer():
+  # By hand: env step 0 is a DAG (layer 0, branches 1 and 2 in layer 1, join in layer 2); env
+  # step 1 ends on two parallel turns. R lands on the join and on both last branches.
+  step = np.array([0, 0, 0, 0, 1, 1, 1, 0])
+  layer = np.array([0, 1, 1, 2, 0, 1, 1, 0])
+  valid = np.array([1, 1, 1, 1, 1, 1, 1, 0])
+  team = np.array([2.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 9.0], np.float32)
+  got = ppo.turn_credit(team, np.zeros(8, np.float32), step, layer, valid, "equal")
+  np.testing.assert_array_equal(got, [0, 0, 0, 2.0, 0, 3.0, 3.0, 0])
 
 
 def test_step_discount_matches_areal_unit_example():
   # AReaL's unit example (γ_c = 0.5, 3 steps → 0.25, 0.5, 1; docs/references.md, 'Test
-  # vectors'), each at its step's last decision in this hand-built layout.
-  step_ids = jnp.array([0, 0, -1, 1, -1, 2, 2, -1])
-  r = ppo.step_discount_credit(1.0, step_ids, 3, 0.5)
-  np.testing.assert_allclose(r, [0, 0.25, 0, 0.5, 0, 0, 1.0, 0])
+  # vectors') with the steps as the three layers of one env step; both branches of layer 1
+  # get R/2.
+  step = np.zeros(4, int)
+  layer = np.array([0, 1, 1, 2])
+  got = ppo.turn_credit(np.ones(4, np.float32), np.zeros(4, np.float32), step, layer,
+                        np.ones(4), "step_discount", 0.5)
+  np.testing.assert_allclose(got, [0.25, 0.5, 0.5, 1.0])
 
 
-def test_equal_credit_on_last_decision_only():
-  # By hand: R = 2 lands on the last non-negative id (position 4); no decision, no credit.
-  np.testing.assert_array_equal(ppo.equal_credit(2.0, jnp.array([-1, 0, 0, 1, 1, -1])),
-                                [0, 0, 0, 0, 2.0, 0])
-  np.testing.assert_array_equal(ppo.equal_credit(2.0, -jnp.ones(4, jnp.int32)), np.zeros(4))
+def test_per_step_gives_each_turn_its_own_reward_and_padding_nothing():
+  # By hand: the own rewards pass through; the padding turn's (9) does not.
+  own = np.array([1.0, -2.0, 3.0, 9.0], np.float32)
+  got = ppo.turn_credit(np.full(4, 7.0, np.float32), own, np.array([0, 0, 1, 1]),
+                        np.array([0, 1, 0, 1]), np.array([1, 1, 1, 0]), "per_step")
+  np.testing.assert_array_equal(got, [1.0, -2.0, 3.0, 0.0])
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_credit_matches_numpy(seed):
-  rng = np.random.default_rng(seed)
-  S, T = 4, 16
-  step_ids = random_step_ids(rng, T, S)
-  team_r, step_r = rng.normal(), rng.normal(size=S).astype(np.float32)
-  last = max(np_last_positions(step_ids), default=None)
-  ids = jnp.asarray(step_ids)
-  np.testing.assert_allclose(ppo.per_step_credit(step_r, ids),
-                             np_credit(step_ids, lambda i: step_r[i]), atol=1e-6)
-  np.testing.assert_allclose(ppo.step_discount_credit(team_r, ids, S, 0.7),
-                             np_credit(step_ids, lambda i: team_r * 0.7 ** (S - 1 - i)),
-                             atol=1e-6)
-  np.testing.assert_allclose(ppo.equal_credit(team_r, ids),
-                             np_credit(step_ids, lambda i: team_r if i == last else 0.0),
-                             atol=1e-6)
-  np.testing.assert_array_equal(
-      ppo.step_ends(ids), np_credit(step_ids, lambda i: 1.0).astype(bool))
+@pytest.mark.parametrize("credit", ppo.CREDITS)
+@pytest.mark.parametrize("seed", range(4))
+def test_turn_credit_matches_numpy(credit, seed):
+  team, own, step, layer, valid = random_turns(np.random.default_rng(seed))
+  got = ppo.turn_credit(team, own, step, layer, valid, credit, 0.7)
+  np.testing.assert_allclose(got, np_turn_credit(team, own, step, layer, valid, credit, 0.7),
+                             atol=ATOL)
 
 
-def test_credit_under_jit_and_vmap():
-  rng = np.random.default_rng(0)
-  ids = jnp.asarray(np.stack([random_step_ids(rng, 12, 3) for _ in range(3)]))
-  rewards = jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)
-  batched = jax.jit(jax.vmap(ppo.per_step_credit))(rewards, ids)
-  for b in range(3):
-    np.testing.assert_allclose(batched[b], ppo.per_step_credit(rewards[b], ids[b]))
+def test_turn_credit_under_jit_and_vmap():
+  turns = [random_turns(np.random.default_rng(seed)) for seed in range(3)]
+  stacked = [np.stack(column) for column in zip(*turns)]
+  fn = lambda *args: ppo.turn_credit(*args, "step_discount", 0.5)
+  batched = jax.jit(jax.vmap(fn))(*stacked)
+  for b, args in enumerate(turns):
+    np.testing.assert_allclose(batched[b], np_turn_credit(*args, "step_discount", 0.5),
+                               atol=ATOL)
+
+
+def test_unknown_credit_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"^credit='team'"):
+    ppo.turn_credit(np.ones(2), np.ones(2), np.zeros(2, int), np.arange(2), np.ones(2), "team")

@@ -62,9 +62,6 @@ def test_action_log_probs_match_numpy(mask_index):
   np.testing.assert_allclose(ppo.action_log_prob(logp, mask), total, atol=1e-4)
   np.testing.assert_allclose(ppo.action_log_prob_per_token(logp, mask),
                              total / n_tokens if n_tokens else 0.0, atol=ATOL)
-  for num_words in (0, 1, 3):
-    np.testing.assert_allclose(ppo.action_log_prob_per_word(logp, mask, num_words),
-                               total / max(num_words, 1), atol=1e-4)
 
 
 @pytest.mark.parametrize("mask_index", range(5))

@@ -66,13 +66,13 @@ def test_normalize_matches_numpy(unbiased, mask_kind):
 @pytest.mark.parametrize("options", [
     {}, {"leave_one_out": True}, {"scale": False}, {"center": False}, {"unbiased": True},
     {"leave_one_out": True, "scale": False}])
-def test_group_normalize_matches_numpy(options):
+def test_one_agent_pools_by_group_and_matches_numpy(options):
   rng = np.random.default_rng(1)
   B, G = 24, 5  # group 4 gets no member, some groups a single valid one
   x = rng.normal(size=B).astype(np.float32)
   groups = rng.integers(0, G - 1, size=B)
   mask = rng.random(B) < 0.7
-  got = ppo.group_normalize(x, mask, groups, G, **options)
+  got = ppo.agent_group_normalize(x, mask, groups, np.zeros(B, int), G, 1, **options)
   np.testing.assert_allclose(got, np_pool_normalize(x, mask, groups, **options), atol=1e-4)
 
 
@@ -80,14 +80,15 @@ def test_grpo_groups_of_rollouts():
   # 2 prompts x 4 rollouts; the last rollout of prompt 1 is padding.
   x = np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 5.0]], np.float32)
   mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
-  got = np.asarray(ppo.group_normalize(x, mask, np.array([[0] * 4, [1] * 4]), 2))
+  groups, agents = np.array([[0] * 4, [1] * 4]), np.zeros((2, 4), int)
+  got = np.asarray(ppo.agent_group_normalize(x, mask, groups, agents, 2, 1))
   # By hand: group 0 = {1, 0, 0, 1} has mean 0.5 and std 0.5, so ±1; group 1 by the formula.
   np.testing.assert_allclose(got[0], [1, -1, -1, 1], atol=1e-4)
   np.testing.assert_allclose(got[1, :3], (np.array([0, 0, 1]) - 1 / 3) / np.std([0, 0, 1]),
                              atol=1e-4)
   assert got[1, 3] == 0.0
-  loo = np.asarray(ppo.group_normalize(x, mask, np.array([[0] * 4, [1] * 4]), 2,
-                                       leave_one_out=True, scale=False))
+  loo = np.asarray(ppo.agent_group_normalize(x, mask, groups, agents, 2, 1,
+                                             leave_one_out=True, scale=False))
   # By hand: each element minus the mean of the other three (1/3 for a 1, 2/3 for a 0).
   np.testing.assert_allclose(loo[0], [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3], atol=1e-5)
 

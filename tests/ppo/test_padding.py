@@ -88,7 +88,6 @@ POLICY_LOSSES = {
     "kl_penalty_k3": lambda lp, old, adv: ppo.kl_penalty(lp, old, MASK, ppo.kl_k3),
     "action_log_prob": lambda lp, old, adv: ppo.action_log_prob(lp, MASK),
     "action_log_prob_per_token": lambda lp, old, adv: ppo.action_log_prob_per_token(lp, MASK),
-    "action_log_prob_per_word": lambda lp, old, adv: ppo.action_log_prob_per_word(lp, MASK, 3),
 }
 
 
@@ -139,10 +138,12 @@ def test_token_logprobs_out_of_vocabulary_is_nan_not_wrapped():
 def test_normalisers_ignore_nan_padding():
   x = np.random.default_rng(6).normal(size=T).astype(np.float32)
   groups = np.array([0, 1, 0, 1, 0, 2, 1])  # group 1 has a single valid element
+  agents = np.zeros(T, int)  # one agent: the pools are the groups
   weights = np.arange(T, dtype=np.float32)  # a non-trivial scalar function of the output
   for fn in (lambda x_: ppo.normalize(x_, MASK, unbiased=True),
-             lambda x_: ppo.group_normalize(x_, MASK, groups, 3),
-             lambda x_: ppo.group_normalize(x_, MASK, groups, 3, leave_one_out=True)):
+             lambda x_: ppo.agent_group_normalize(x_, MASK, groups, agents, 3, 1),
+             lambda x_: ppo.agent_group_normalize(x_, MASK, groups, agents, 3, 1,
+                                                  leave_one_out=True)):
     _assert_padding_is_inert(lambda x_: jnp.sum(fn(x_) * weights), (x,),
                              (_pad(x, MASK),), MASK)
 
@@ -158,16 +159,8 @@ def test_returns_ignore_nan_values_at_masked_positions():
   rng = np.random.default_rng(7)
   r, v = rng.normal(size=T).astype(np.float32), rng.normal(size=T).astype(np.float32)
   weights = np.arange(T, dtype=np.float32)
-  fns = {
-      "masked_gae": lambda v_: ppo.masked_gae(r, np.full(T, 0.9, np.float32), 0.8, v_, MASK,
-                                              0.5),
-      # v_{T−1} is the truncation bootstrap, read although position T−1 is no decision.
-      "sequence_advantages": lambda v_: ppo.sequence_advantages(
-          r, jnp.where(jnp.arange(T) == T - 1, 0.3, v_), MASK, True, 0.9, 0.8)[1],
-  }
-  for fn in fns.values():
-    _assert_padding_is_inert(lambda v_: jnp.sum(fn(v_) * weights), (v,),
-                             (_pad(v, MASK),), MASK)
+  fn = lambda v_: ppo.masked_gae(r, np.full(T, 0.9, np.float32), 0.8, v_, MASK, 0.5)
+  _assert_padding_is_inert(lambda v_: jnp.sum(fn(v_) * weights), (v,), (_pad(v, MASK),), MASK)
   v3 = rng.normal(size=(2, 2, 3)).astype(np.float32)
   mask3 = np.array([[[1, 1, 0], [1, 0, 0]], [[0, 0, 0], [1, 1, 1]]], bool)
   token_fn = lambda v_: jnp.sum(ppo.token_level_advantages(

@@ -1,4 +1,4 @@
-"""Advantages: reference test vectors, NumPy loops from the formulas, rlax, AReaL's loop."""
+"""Advantages: reference test vectors, NumPy loops from the formulas, rlax."""
 
 import hypothesis
 import hypothesis.extra.numpy as hnp
@@ -13,7 +13,6 @@ from marft_jax import ppo
 from tests.ppo.numpy_loops import (
     np_action_level,
     np_action_level_original,
-    np_areal_gae,
     np_masked_gae,
     np_token_level,
 )
@@ -192,44 +191,6 @@ def test_token_level_empty_action_keeps_its_reward():
   # one more token hop, 0.9·0.9.
   np.testing.assert_allclose(adv[0, 0], [0.9 * 0.9, 0.9], atol=ATOL)
   np.testing.assert_array_equal(adv[0, 1], 0.0)
-
-
-# --- The AReaL single-sequence form ---------------------------------------------------------
-
-@pytest.mark.parametrize("truncated", [False, True])
-def test_sequence_advantages_matches_areal_loop(truncated):
-  rng = np.random.default_rng(int(truncated))
-  L = 12
-  for _ in range(4):
-    mask = rng.random(L) < 0.6
-    mask[-1] = False  # the shifted loss mask: the last position emits nothing
-    r = np.where(mask, rng.normal(size=L), 0.0)  # AReaL only reads rewards on decisions
-    v = rng.normal(size=L)
-    adv, ret = ppo.sequence_advantages(r, v, mask, truncated, 0.95, 0.9)
-    expected = np_areal_gae(r, v, mask, float(truncated), 0.95, 0.9)
-    np.testing.assert_allclose(np.asarray(adv)[mask], expected[mask], atol=ATOL)
-    np.testing.assert_array_equal(np.asarray(adv)[~mask], 0.0)
-    np.testing.assert_allclose(np.asarray(ret)[mask], (v + expected)[mask], atol=ATOL)
-
-
-def test_sequence_advantages_truncation_bootstrap():
-  mask = np.array([0, 1, 1, 0])
-  v = np.array([0.0, 0.0, 0.0, 2.0])
-  adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, True, 1.0, 1.0)
-  # By hand (γ = λ = 1, no reward): both decisions see the bootstrap v_3 = 2, or 0 if not cut.
-  np.testing.assert_allclose(adv, [0, 2, 2, 0], atol=ATOL)
-  adv, _ = ppo.sequence_advantages(np.zeros(4), v, mask, False, 1.0, 1.0)
-  np.testing.assert_array_equal(adv, np.zeros(4))
-
-
-def test_sequence_advantages_keeps_reward_on_a_transparent_position():
-  # AReaL drops a reward written at a mask-0 position (note A1, docs/references.md); here
-  # it folds into decision 2 (γ = 1), which passes it to decision 1: by hand A = 1 at both.
-  mask = np.array([0, 1, 1, 0, 1, 0])
-  r = np.array([0, 0, 0, 1.0, 0, 0])
-  adv, _ = ppo.sequence_advantages(r, np.zeros(6), mask, False, 1.0, 1.0)
-  np.testing.assert_allclose(adv, [0, 1, 1, 0, 0, 0], atol=ATOL)
-  assert np.all(np_areal_gae(r, np.zeros(6), mask, 0.0, 1.0, 1.0) == 0.0)
 
 
 def test_returns_are_jittable_and_vmappable():

@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 from marft_jax import ppo
 
-T, N, K, V, S, G, A = 6, 2, 3, 5, 3, 2, 2
+T, N, K, V, G, A = 6, 2, 3, 5, 2, 2
 
 
 def _f(rng, *shape):
@@ -30,8 +30,30 @@ def _mask(rng, *shape):
 
 
 def _step_ids(rng):
-  # A hand-built action-frame layout of S = 3 steps (−1: no decision).
+  # A hand-built action-frame layout of 3 steps (−1: no decision).
   return np.array([-1, 0, 0, -1, 1, 2])[np.sort(rng.permutation(T))]
+
+
+def _successors(rng):
+  # next_t[t] in (t, T]: a hop may skip positions (parallel branches joining).
+  return np.minimum(np.arange(T) + rng.integers(1, 3, T), T).astype(np.int32)
+
+
+def _turns(rng):
+  """T turns: env steps of layers of parallel turns, padding last. Returns step_k, layer_k,
+  valid_k, next_k (`turn_successors`) and length_k (1–3 positions a real turn, 0 padding)."""
+  step, layer = np.zeros(T, np.int32), np.zeros(T, np.int32)
+  for k, (new_step, new_layer) in enumerate(rng.random((T, 2)) < [0.3, 0.5]):
+    if k:
+      step[k] = step[k - 1] + new_step
+      layer[k] = 0 if new_step else layer[k - 1] + new_layer
+  valid = np.arange(T) < rng.integers(1, T + 1)
+  next_k = np.asarray(ppo.turn_successors(step, layer, valid))
+  return step, layer, valid, next_k, np.where(valid, rng.integers(1, 4, T), 0)
+
+
+def _pick(xs, *indices):
+  return tuple(xs[i] for i in indices)
 
 
 # name -> (function with static arguments bound, example arguments for one instance)
@@ -48,16 +70,24 @@ EXAMPLES = {
     "token_level_advantages": (
         functools.partial(ppo.token_level_advantages, gamma=0.9, lambda_=0.8, gamma_token=1.0),
         lambda r: (_f(r, T, N), _f(r, T, N, K), _mask(r, T, N, K), r.random(T) < 0.3, _f(r))),
-    "sequence_advantages": (
-        functools.partial(ppo.sequence_advantages, gamma=1.0, lambda_=0.95),
-        lambda r: (_f(r, T), _f(r, T), _mask(r, T), np.bool_(r.random() < 0.5))),
+    "successor_gae": (ppo.successor_gae, lambda r: (
+        _f(r, T), r.random(T).astype(np.float32), r.random(T).astype(np.float32), _f(r, T),
+        _mask(r, T), _successors(r))),
+    "turn_chain_advantages": (
+        functools.partial(ppo.turn_chain_advantages, credit="step_discount", gamma=0.9,
+                          lambda_=0.8, gamma_agent=0.95, gamma_token=0.9, credit_discount=0.5),
+        lambda r: _pick(_turns(r), 0, 1, 2, 4) + (_f(r, T), _f(r, T), r.random(T) < 0.3,
+                                                  _f(r, 3 * T))),
+    "turn_successors": (ppo.turn_successors, lambda r: _turns(r)[:3]),
+    "turn_hops": (functools.partial(ppo.turn_hops, gamma=0.9, lambda_=0.8, gamma_agent=0.95),
+                  lambda r: _pick(_turns(r), 0, 3) + (r.random(T) < 0.3,)),
+    "expand_turns": (functools.partial(ppo.expand_turns, width=3 * T, gamma_token=0.9),
+                     lambda r: (_f(r, T), r.random(T).astype(np.float32),
+                                r.random(T).astype(np.float32), *_turns(r)[3:])),
     "token_to_action_frame": (lambda x: ppo.token_to_action_frame(x, -1),
                               lambda r: (_step_ids(r),)),
-    "step_ends": (ppo.step_ends, lambda r: (_step_ids(r),)),
-    "equal_credit": (ppo.equal_credit, lambda r: (_f(r), _step_ids(r))),
-    "step_discount_credit": (functools.partial(ppo.step_discount_credit, gamma_c=0.5),
-                             lambda r: (_f(r), _step_ids(r), np.int32(S))),
-    "per_step_credit": (ppo.per_step_credit, lambda r: (_f(r, S), _step_ids(r))),
+    "turn_credit": (functools.partial(ppo.turn_credit, credit="step_discount", gamma_c=0.5),
+                    lambda r: (_f(r, T), _f(r, T), *_turns(r)[:3])),
     "token_logprobs": (functools.partial(ppo.token_logprobs, temperature=0.7),
                        lambda r: (_f(r, T, V), r.integers(0, V, T))),
     "token_entropy": (ppo.token_entropy, lambda r: (_f(r, T, V),)),
@@ -65,8 +95,6 @@ EXAMPLES = {
     "action_log_prob": (ppo.action_log_prob, lambda r: (_logp(r, T), _mask(r, T))),
     "action_log_prob_per_token": (ppo.action_log_prob_per_token,
                                   lambda r: (_logp(r, T), _mask(r, T))),
-    "action_log_prob_per_word": (ppo.action_log_prob_per_word,
-                                 lambda r: (_logp(r, T), _mask(r, T), r.integers(0, 4))),
     "clipped_surrogate": (functools.partial(ppo.clipped_surrogate, epsilon=0.2, dual_clip=3.0),
                           lambda r: (np.exp(_f(r, T) * 0.3), _f(r, T))),
     "ppo_clip_loss": (functools.partial(ppo.ppo_clip_loss, epsilon=0.2, epsilon_high=0.28),
@@ -95,8 +123,6 @@ EXAMPLES = {
                       lambda r: (_f(r, T),)),
     "normalize": (functools.partial(ppo.normalize, unbiased=True),
                   lambda r: (_f(r, T), _mask(r, T))),
-    "group_normalize": (functools.partial(ppo.group_normalize, num_groups=G, leave_one_out=True),
-                        lambda r: (_f(r, T), _mask(r, T), r.integers(0, G, T))),
     "agent_group_normalize": (
         functools.partial(ppo.agent_group_normalize, num_groups=G, num_agents=A),
         lambda r: (_f(r, T), _mask(r, T), r.integers(0, G, T), r.integers(0, A, T))),
@@ -151,7 +177,6 @@ LOSSES = {
     "gspo_loss": lambda lp, old, adv, m: ppo.gspo_loss(lp, old, adv[0], m, 0.2),
     "kl_penalty_k2": lambda lp, old, adv, m: ppo.kl_penalty(lp, old, m, ppo.kl_k2),
     "kl_penalty_k3": lambda lp, old, adv, m: ppo.kl_penalty(lp, old, m, ppo.kl_k3),
-    "action_log_prob_per_word": lambda lp, old, adv, m: ppo.action_log_prob_per_word(lp, m, 3),
 }
 
 

@@ -288,8 +288,9 @@ def test_mutants_of_the_trainer_path_are_caught(monkeypatch):
   """Each mutant of the path the trainer runs makes the NumPy comparison fail."""
   config = CONFIGS["action_step_discount"]
   _check_against_numpy("dag", config, seed=3)  # the unmutated path passes
-  real = {name: getattr(ppo.chains, name)
-          for name in ("turn_hops", "turn_credit", "turn_successors")}
+  modules = {"turn_hops": ppo.chains, "turn_credit": ppo.credit,
+             "turn_successors": ppo.chains}
+  real = {name: getattr(module, name) for name, module in modules.items()}
   mutants = {
       # One discount changed: the hop out of an env step discounts by γ_agent.
       "turn_hops": lambda step, nxt, done, gamma, lambda_, gamma_agent=None, lambda_agent=None:
@@ -302,7 +303,7 @@ def test_mutants_of_the_trainer_path_are_caught(monkeypatch):
           step, jnp.arange(step.shape[0]), valid),
   }
   for name, mutant in mutants.items():
-    monkeypatch.setattr(ppo.chains, name, mutant)
+    monkeypatch.setattr(modules[name], name, mutant)
     jax.clear_caches()  # the jitted advantages were traced with the real function
     with pytest.raises(AssertionError):
       _check_against_numpy("dag", config, seed=4)
