@@ -14,7 +14,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
 TYPED.update({name: ("marft_jax.train.config", "TrainConfig") for name in (
     "train.py", "marft_t.py", "grpo.py", "ppo.py", "math_2agents.py", "math_3agents.py",
-    "math_4agents.py", "code_2agents.py")})
+    "math_4agents.py", "code_2agents.py", "dag_3agents.py")})
 
 
 def _load(path):

@@ -79,7 +79,8 @@ def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_co
               estimator: KLEstimator = kl_k3) -> jax.Array:
   """KL-in-reward: r_t^KL = −β k(log π_behav(w_t), log π_ref(w_t)) on valid tokens, 0 elsewhere.
 
-  Add it to the per-position rewards before the backup (`sequence_advantages`).
+  Add it to the per-position rewards before the backup (`turn_chain_advantages`'
+  `kl_reward_t`; the trainer: `advantage.kl_reward_coef`).
 
   Args:
     logp_t: log-probs of the policy that sampled the tokens.

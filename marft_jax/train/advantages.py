@@ -45,10 +45,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax import multihost, ppo
+from marft_jax.ppo.kl import KL_ESTIMATORS
 from marft_jax.rollout.episode import Episode
 from marft_jax.train.batching import TrainBatch, bucket_length
 
-CREDITS = ("equal", "step_discount", "per_step")
+CREDITS = ppo.CREDITS
 LEVELS = ("auto", "action", "token", "grpo")
 NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
 
@@ -84,6 +85,11 @@ class AdvantageConfig:
   reward_scale: float = 1.0
   reward_bias: float = 0.0
   reward_clip: Optional[float] = None
+  # KL-in-reward (AReaL's kl_ctl): every trained token's reward gets −β · k(log π_old, log
+  # π_base), the frozen base as reference; at the action level a turn gets its tokens' sum.
+  # 0: off. (A KL penalty in the loss instead: loss.kl_coef.)
+  kl_reward_coef: float = 0.0
+  kl_reward_estimator: str = "k3"  # "k1", "k2" or "k3" (AReaL's release: k3)
   # Whiten the advantages over the batch; None: the algorithm's (on, except GRPO: its
   # advantages are normalised per group already).
   normalize: Optional[bool] = None
@@ -101,6 +107,11 @@ class AdvantageConfig:
     for key in ("reward_scale", "reward_bias"):
       if not math.isfinite(getattr(self, key)):
         raise ValueError(f"{key}={getattr(self, key)!r}: must be finite")
+    if not (math.isfinite(self.kl_reward_coef) and self.kl_reward_coef >= 0):
+      raise ValueError(f"kl_reward_coef={self.kl_reward_coef!r}: must be >= 0")
+    if self.kl_reward_estimator not in ("k1", "k2", "k3"):
+      raise ValueError(f"kl_reward_estimator={self.kl_reward_estimator!r}: use 'k1', 'k2' "
+                       "or 'k3'")
     if self.reward_clip is not None and not self.reward_clip > 0:
       raise ValueError(f"reward_clip={self.reward_clip!r}: must be > 0 (or None: no clip)")
 
@@ -137,10 +148,12 @@ class Chains:
   team_turn: np.ndarray  # [E, n] bool: a team agent's turn (not an orchestrator's)
   values: np.ndarray  # [E, W] the critic's values at the positions
   places: list  # per episode: (row, column, k) of each position, in order
+  kl_reward: np.ndarray  # [E, W] KL rewards at the positions (zeros without KL-in-reward)
 
 
 def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: bool,
-                 num_team: int, agent_layers: Optional[Sequence[int]]) -> Chains:
+                 num_team: int, agent_layers: Optional[Sequence[int]],
+                 kl_reward: Optional[np.ndarray] = None) -> Chains:
   """Host-side layout: each episode's turns and positions, in execution order.
 
   A turn's layer is its agent's layer in a DAG (`agent_layers`, from `AgentGraph.layers`);
@@ -159,6 +172,8 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
       ("team_reward", np.float32), ("own_reward", np.float32), ("done", bool))}
   chain_values, places = np.zeros((E, width), np.float32), []
   team_turn = np.zeros((E, n), bool)
+  extra = np.zeros((E, width), np.float32)  # per-position KL rewards
+  turn_of = np.asarray(batch.act_turn)
   for e, (episode, tt) in enumerate(zip(episodes, turns)):
     own_places, position = [], 0
     for i, (row, k, step, agent) in enumerate(tt):
@@ -176,19 +191,24 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
         arrays[name][e, i] = value
       team_turn[e, i] = agent < num_team
       start = int(batch.turn_value_pos[row, k])
+      if kl_reward is not None and not token:  # the turn's decisions' sum
+        extra[e, position] = float(np.sum(kl_reward[row][turn_of[row] == k]))
       for j in range(lengths[e][i]):
         chain_values[e, position] = values[row, start + j]
+        if kl_reward is not None and token:
+          extra[e, position] = kl_reward[row, start + j]
         own_places.append((row, start + j, k))
         position += 1
     places.append(own_places)
-  return Chains(arrays, team_turn, chain_values, places)
+  return Chains(arrays, team_turn, chain_values, places, extra)
 
 
 def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        config: AdvantageConfig, num_team: int,
                        groups: Optional[Sequence[int]] = None,
                        blocks: Optional[Blocks] = None,
-                       agent_layers: Optional[Sequence[int]] = None) -> TrainBatch:
+                       agent_layers: Optional[Sequence[int]] = None,
+                       kl_reward: Optional[np.ndarray] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -201,13 +221,15 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
       (`_normalize`). None: the batch is the whole batch.
     agent_layers: a DAG's layer of each team agent (parallel agents share one); None: each
       turn is its own layer (a chain, an orchestrator).
+    kl_reward: optional [B, T] per-decision rewards added before the backup (KL-in-reward,
+      `kl_rewards`); a turn's position gets its decisions' sum at the action level.
   """
   if config.level not in ("action", "token", "grpo"):
     raise ValueError(f"advantage.level={config.level!r}: resolve the config's algorithm "
                      "first (marft_jax.train.algorithms.resolve)")
   turns = _turns(episodes, batch)
   grpo, token = config.level == "grpo", config.level == "token"
-  chains = build_chains(batch, episodes, turns, token, num_team, agent_layers)
+  chains = build_chains(batch, episodes, turns, token, num_team, agent_layers, kl_reward)
   shape = lambda r: np.asarray(ppo.shape_rewards(r, config.reward_scale, config.reward_bias,
                                                  config.reward_clip))
   chains.turn["team_reward"] = shape(chains.turn["team_reward"])
@@ -251,14 +273,25 @@ def _chain_advantages(chains: Chains, config: AdvantageConfig, grpo: bool):
   t = chains.turn
   adv, ret = _vmapped_chains(t["step"], t["layer"], t["valid"], t["length"],
                              t["team_reward"], t["own_reward"], t["done"], chains.values,
-                             tuple(sorted(hops.items())))
+                             chains.kl_reward, tuple(sorted(hops.items())))
   return np.asarray(adv), np.asarray(ret)
 
 
-@functools.partial(jax.jit, static_argnums=(8,))
-def _vmapped_chains(step, layer, valid, length, team, own, done, values, hops):
-  run = functools.partial(ppo.turn_chain_advantages, **dict(hops))
-  return jax.vmap(run)(step, layer, valid, length, team, own, done, values)
+@functools.partial(jax.jit, static_argnums=(9,))
+def _vmapped_chains(step, layer, valid, length, team, own, done, values, kl, hops):
+  run = lambda *xs: ppo.turn_chain_advantages(*xs[:-1], kl_reward_t=xs[-1], **dict(hops))
+  return jax.vmap(run)(step, layer, valid, length, team, own, done, values, kl)
+
+
+def kl_rewards(old_logp: np.ndarray, ref_logp: np.ndarray, act_mask: np.ndarray,
+               config: AdvantageConfig) -> Optional[np.ndarray]:
+  """[B, T] KL-in-reward at the trained decisions (`ppo.kl_reward`: −β k(log π_old, log
+  π_ref)), or None when `kl_reward_coef` is 0."""
+  if not config.kl_reward_coef:
+    return None
+  return np.asarray(ppo.kl_reward(jnp.asarray(old_logp), jnp.asarray(ref_logp),
+                                  jnp.asarray(act_mask), config.kl_reward_coef,
+                                  KL_ESTIMATORS[config.kl_reward_estimator]))
 
 
 def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray],

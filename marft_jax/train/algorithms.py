@@ -11,6 +11,10 @@ Config keys that an algorithm decides default to "auto" (or 0 / None) in `TrainC
   advantage.level, advantage.normalize, loss.policy_level, critic.mode,
   rollout.group_size, rollout.context_mode, team.num_roles
 
+and one the model decides: loss.behaviour_correction ("auto": on for a bfloat16 model, whose
+sampler and learner round differently; `update.resolve_behaviour_correction`). Top-p below 1
+is refused for training (the learner does not apply the sampler's truncation).
+
 `resolve(config)` fills each "auto" from the algorithm, and refuses, naming both keys, a value
 set explicitly that contradicts it (a token-level loss under MARFT-A, a critic under GRPO,
 rollout.group_size=1 under GRPO, team.num_roles=3 under single-agent PPO, ...). The launch
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Optional
+
+from marft_jax.train import update
 
 if TYPE_CHECKING:  # config.py imports this module for the algorithms' names
   from marft_jax.train.config import TrainConfig
@@ -108,11 +114,22 @@ def resolve(config: TrainConfig) -> TrainConfig:
   loss = dataclasses.replace(config.loss, policy_level=pick(
       "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
       "its policy loss"))
+  _check_sampling(config.team)
+  loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
   return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
                              rollout=rollout, team=team)
+
+
+def _check_sampling(team) -> None:
+  """Top-p below 1 anywhere in the team is refused, naming the key (`update.
+  check_untruncated_sampling`: the learner does not apply the sampler's truncation)."""
+  update.check_untruncated_sampling(team.top_p, 0, prefix="team.")
+  for role in team.roles:
+    if role.top_p:
+      update.check_untruncated_sampling(role.top_p, 0, prefix=f"team.roles.{role.name}.")
 
 
 def _team_size(a: Algorithm, team, pick) -> int:

@@ -55,7 +55,7 @@ from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import optim
 from marft_jax.train import teams
-from marft_jax.train.advantages import Blocks, compute_advantages
+from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from marft_jax.train import local_batch
@@ -348,18 +348,23 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   extras = prepare(model.params, state.policy, on_devices, model.config, config.loss,
                    None if critic_hidden is None else
                    functools.partial(critic_hidden, state.critic),
-                   config.optimizer.minibatches)
+                   config.optimizer.minibatches,
+                   with_ref=config.advantage.kl_reward_coef > 0)
   if old_values_fn is not None:
     old_values = old_values_fn(state.critic, model.params, on_devices, extras)
     batch = batch.replace(act_old_value=read(old_values))
   groups = [envs.group(e.env_index) for e in kept]
+  kl = kl_rewards(read(extras.old_logp), read(extras.ref_logp), batch.act_mask,
+                  config.advantage)
   batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks,
-                             agent_layers=agent_layers)
+                             agent_layers=agent_layers, kl_reward=kl)
   state, metrics = update(
       state, model.params, placed(batch), extras,
       jnp.asarray(active_adapters(config, iteration)),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
+  if kl is not None:  # this process's mean KL reward per trained token
+    metrics["kl_reward"] = float(kl.sum() / max(batch.act_mask.sum(), 1))
   tokens = float(batch.mask.sum())
   if layout is not None:  # this process's block -> the whole batch's
     tokens = float(multihost.sum_over_processes(np.asarray([tokens]))[0])

@@ -425,11 +425,13 @@ def _old_and_ref_logp(params, policy, batch, model_config, with_ref, minibatches
 
 
 def prepare(params, policy, batch: TrainBatch, model_config: ModelConfig, config: LossConfig,
-            critic_hidden_fn: Optional[Callable] = None, minibatches: int = 1) -> Extras:
-  """π_old, the base's log-probs (if a KL penalty is on) and the frozen critic's hidden
-  states (if its base is not adapted), computed once per batch without gradients, minibatch
-  by minibatch with the update's own shapes (so the first ratio is 1)."""
-  old, ref = _old_and_ref_logp(params, policy, batch, model_config, config.kl_coef > 0,
-                               minibatches)
+            critic_hidden_fn: Optional[Callable] = None, minibatches: int = 1,
+            with_ref: bool = False) -> Extras:
+  """π_old, the base's log-probs (if a KL penalty is on, or `with_ref`: KL-in-reward) and
+  the frozen critic's hidden states (if its base is not adapted), computed once per batch
+  without gradients, minibatch by minibatch with the update's own shapes (so the first ratio
+  is 1)."""
+  old, ref = _old_and_ref_logp(params, policy, batch, model_config,
+                               config.kl_coef > 0 or with_ref, minibatches)
   hidden = None if critic_hidden_fn is None else critic_hidden_fn(params, batch)
   return Extras(old_logp=old, ref_logp=ref, critic_hidden=hidden)

@@ -6,12 +6,13 @@ As a launch config file (its model folder given as --config.model.source): 8 env
 import dataclasses
 
 from marft_jax.configs import to_config_dict
+from marft_jax.train import algorithms
 from marft_jax.train import config as config_lib
 
 
 def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int = 2,
                 **changes) -> config_lib.TrainConfig:
-  base = config_lib.TrainConfig(algorithm=algorithm)  # resolved by `train`
+  base = config_lib.TrainConfig(algorithm=algorithm)
   sections = dict(
       task=config_lib.TaskSection(name="echo", echo_high=1),
       team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,
@@ -22,7 +23,7 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
       optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
       checkpoint_every=1000, iterations=iterations)
   sections.update(changes)
-  return dataclasses.replace(base, **sections)
+  return algorithms.resolve(dataclasses.replace(base, **sections))
 
 
 def get_config():

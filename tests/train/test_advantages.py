@@ -113,7 +113,7 @@ def test_token_level_vector_through_the_trainer():
 # --- a NumPy loop from the formulas ------------------------------------------------------------
 
 
-def numpy_advantages(turns, layers, rewards, dones, config, num_team):
+def numpy_advantages(turns, layers, rewards, dones, config, num_team, kl=None):
   """Per turn, [length] advantages: positions one a turn (action) or one a token, each turn's
   last position hopping to the first position of the first turn of the next layer."""
   gamma_a = config.gamma if config.gamma_agent is None else config.gamma_agent
@@ -146,6 +146,9 @@ def numpy_advantages(turns, layers, rewards, dones, config, num_team):
     turn = turns[k]
     length = turn.length if token else 1
     values = turn.values[:length]
+    # KL-in-reward: on each token's own hop (token level), the reply's sum on its turn's.
+    extra = np.zeros(length) if kl is None else (
+        np.asarray(kl[k]) if token else np.asarray([np.sum(kl[k])]))
     s = successor[k]
     same_step = s is not None and turns[s].step == turn.step
     if same_step:
@@ -157,10 +160,10 @@ def numpy_advantages(turns, layers, rewards, dones, config, num_team):
     out = np.zeros(length)
     for j in reversed(range(length)):
       if j == length - 1:
-        delta = reward[k] + g * v_next - values[j]
+        delta = reward[k] + extra[j] + g * v_next - values[j]
         out[j] = delta + g * lam * a_next
       else:
-        delta = config.gamma_token * values[j + 1] - values[j]
+        delta = extra[j] + config.gamma_token * values[j + 1] - values[j]
         out[j] = delta + config.gamma_token * config.lambda_token * out[j + 1]
     adv[k] = out
   return adv
@@ -309,3 +312,39 @@ def test_mutants_of_the_trainer_path_are_caught(monkeypatch):
       _check_against_numpy("dag", config, seed=4)
     monkeypatch.undo()
     jax.clear_caches()
+
+
+@pytest.mark.parametrize("level", ["action", "token"])
+def test_kl_in_reward_through_the_trainer(level):
+  """−β k3(log π_old, log π_ref) on each trained token (the turn's sum at the action level)."""
+  rng = np.random.default_rng(7)
+  config = AdvantageConfig(level=level, gamma=0.9, lambda_=0.8, credit="equal",
+                           kl_reward_coef=0.1, normalize=False)
+  episodes, turn_lists, expected = [], [], []
+  batch_kl = []
+  for e in range(3):
+    turns, layers, rewards, dones = random_episode("chain", 2, rng)
+    episodes.append(per_agent_episode(turns, rewards, dones, index=e, rng=rng))
+    turn_lists.append((turns, layers, rewards, dones))
+  batch = batch_with_values(episodes, [t[0] for t in turn_lists])
+  old = rng.normal(-1, 0.5, batch.tokens.shape).astype(np.float32)
+  ref = rng.normal(-1, 0.5, batch.tokens.shape).astype(np.float32)
+  kl = advantages_lib.kl_rewards(old, ref, np.asarray(batch.act_mask), config)
+  # k3(logp, ref) = exp(ref − logp) − (ref − logp) − 1, by hand.
+  by_hand = -0.1 * (np.exp(ref - old) - (ref - old) - 1)
+  np.testing.assert_allclose(kl, np.where(batch.act_mask, by_hand, 0.0), rtol=1e-5, atol=1e-6)
+  row = 0
+  for turns, layers, rewards, dones in turn_lists:
+    per_turn = []
+    for turn in turns:
+      start = int(batch.turn_value_pos[row, 0])
+      per_turn.append(kl[row, start:start + turn.length])
+      row += 1
+    expected.append(numpy_advantages(turns, layers, rewards, dones, config, 3, kl=per_turn))
+  out = compute_advantages(batch, episodes, config, 3, kl_reward=kl)
+  adv, _ = turn_values(out, [t[0] for t in turn_lists], token=level == "token")
+  for got_episode, want_episode in zip(adv, expected):
+    for got, want in zip(got_episode, want_episode):
+      np.testing.assert_allclose(got, want, atol=1e-4)
+  off = compute_advantages(batch, episodes, dataclasses.replace(config, kl_reward_coef=0.0), 3)
+  assert not np.allclose(off.turn_advantage, out.turn_advantage)

@@ -3,13 +3,15 @@ both keys (train/algorithms.py)."""
 
 import glob
 import os
+import re
 
 import pytest
 
 from launch.cli import _load_config_file
 from marft_jax.configs import from_config_dict, to_config_dict
 from marft_jax.train import algorithms
-from marft_jax.train.config import CriticSection, RolloutSection, TeamSection, TrainConfig
+from marft_jax.train.config import (CriticSection, ModelSection, RoleSection, RolloutSection,
+                                     TeamSection, TrainConfig)
 from marft_jax.train.update import LossConfig
 from marft_jax.train.advantages import AdvantageConfig
 
@@ -131,3 +133,22 @@ def test_the_checkpointed_config_is_the_resolved_one():
   assert resolved["loss"]["policy_level"] == "token"
   assert resolved["critic"]["mode"] == "shared"
   assert "auto" not in str(resolved["rollout"]) and resolved["rollout"]["group_size"] == 1
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"team": TeamSection(top_p=0.9)}, "team.top_p=0.9"),
+    ({"team": TeamSection(roles=(RoleSection("a", graded=True, top_p=0.5),), order="a")},
+     "team.roles.a.top_p=0.5"),
+])
+def test_truncated_sampling_is_refused_for_training(overrides, key):
+  """The learner scores the full softmax: top-p would make the trained policy another."""
+  with pytest.raises(ValueError, match=re.escape(key)):
+    algorithms.resolve(TrainConfig(**overrides))
+
+
+def test_behaviour_correction_follows_the_model_dtype():
+  f32 = algorithms.resolve(TrainConfig())
+  bf16 = algorithms.resolve(TrainConfig(model=ModelSection(param_dtype="bfloat16")))
+  assert (f32.loss.behaviour_correction, bf16.loss.behaviour_correction) == ("off", "on")
+  forced = TrainConfig(loss=LossConfig(behaviour_correction="on"))
+  assert algorithms.resolve(forced).loss.behaviour_correction == "on"

@@ -21,6 +21,7 @@ from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import loop
 from marft_jax.train import algorithms
+from marft_jax.train.advantages import AdvantageConfig
 from tests.train.echo_config import echo_config, echo_flags, from_default_file
 
 
@@ -180,8 +181,15 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(model, tmp_path, monkeyp
                                                 orchestrator_max_calls=2,
                                                 orchestrator_max_new_tokens=4),
                  "rollout": config_lib.RolloutSection(num_envs=8, max_context=1024)}),
+    ("marft_t", {"advantage": AdvantageConfig(kl_reward_coef=0.05, kl_reward_estimator="k1")}),
+    ("marft_a", {"team": config_lib.TeamSection(
+        roles=(config_lib.RoleSection("first", "Say the number."),
+               config_lib.RoleSection("second", "Say the number."),
+               config_lib.RoleSection("repeater", "Repeat the number.", graded=True)),
+        order="first,second,repeater", graph="dag",
+        edges="first>repeater, second>repeater", max_new_tokens=3, last_max_new_tokens=3)}),
 ], ids=["ppo", "shared_stream_ppo", "per_agent_lora_critic", "per_agent_head_shared_adapter",
-        "orchestrator"])
+        "orchestrator", "kl_in_reward", "dag"])
 def test_every_algorithm_and_critic_trains_the_policy_that_sampled(model, tmp_path, algorithm,
                                                                    changes):
   """Two iterations of each form: finite losses, adapters that move, and the learner's
