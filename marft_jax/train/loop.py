@@ -440,7 +440,7 @@ def _heldout(policy, step, *, config, model, weights) -> dict:
   out = {f"heldout/{k}": float(v) for k, v in result.items()}
   out["time/heldout_s"] = time.perf_counter() - start
   logging.info("Held-out accuracy after %d iterations: %.3f (%d problems)", step,
-               out["heldout/accuracy"], config.eval_episodes)
+               out["heldout/accuracy"], out.get("heldout/episodes", config.eval_episodes))
   return out
 
 
