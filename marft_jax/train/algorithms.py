@@ -48,7 +48,7 @@ class Algorithm:
   advantage_level: str  # "action", "token" or "grpo" (advantages.compute_advantages)
   policy_level: str  # "action": one PPO ratio per turn; "token": one per token
   critic: bool  # a learned critic; its values are read per turn (action) or per token
-  normalize: bool = True  # whiten the advantages over the batch
+  normalize: bool = True  # whiten the advantages over the batch (the default; GRPO: never)
   num_roles: Optional[int] = None  # a fixed team size; None: any (default 2)
   context_mode: Optional[str] = None  # a required context mode; None: any (default per_agent)
   min_group_size: int = 1  # rollouts of each task
@@ -109,8 +109,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
       config.advantage,
       level=pick("advantage.level", config.advantage.level, "auto", a.advantage_level,
                  "its advantages"),
-      normalize=pick("advantage.normalize", config.advantage.normalize, None, a.normalize,
-                     "whether the batch's advantages are whitened"))
+      normalize=_normalize(a, config.advantage.normalize))
   loss = dataclasses.replace(config.loss, policy_level=pick(
       "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
       "its policy loss"))
@@ -121,6 +120,17 @@ def resolve(config: TrainConfig) -> TrainConfig:
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
   return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
                              rollout=rollout, team=team)
+
+
+def _normalize(a: Algorithm, normalize: Optional[bool]) -> bool:
+  """Whitening is a free choice (default the algorithm's), except on top of GRPO's own
+  per-group normalisation."""
+  if normalize is None:
+    return a.normalize
+  if normalize and a.advantage_level == "grpo":
+    raise ValueError(f"advantage.normalize=True contradicts algorithm={a.name!r} (its "
+                     "advantages are normalised per group already); leave it unset")
+  return normalize
 
 
 def _check_sampling(team) -> None:
