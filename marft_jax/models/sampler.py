@@ -39,6 +39,7 @@ Example (a second agent continuing the first agent's context)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional, Sequence, Union
 
@@ -375,25 +376,18 @@ def _prompt_mask(tokens: np.ndarray, prompt_lens, prompt_mask) -> np.ndarray:
   return np.ones((B, P), bool)
 
 
-def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, needed: int,
-               cache_size: Optional[int], rows=None) -> KVCache:
-  """A cache with room for `needed` more slots: a fresh one, the given one, or it grown.
+def _fit_cache(cache: Optional[KVCache], config: ModelConfig, batch: int, size: int,
+               rows=None) -> KVCache:
+  """A cache of the planned `size` slots: a fresh one, the given one, or it grown (a copy).
   With `rows`, a fresh cache is made on the devices with its rows split like the batch."""
   if cache is None:
-    init = functools.partial(transformer.init_cache, config, batch,
-                             max(needed, cache_size or 0))
+    init = functools.partial(transformer.init_cache, config, batch, size)
     if rows is None:
       return init()
     shapes = jax.eval_shape(init)  # k/v [.., B, K, *, *] (batch 4th from last), valid [B, S]
     shardings = jax.tree.map(lambda x: rows.sharding(x.ndim, max(x.ndim - 4, 0)), shapes)
     return jax.jit(init, out_shardings=shardings)()
-  if cache.valid.shape[0] != batch:
-    raise ValueError(f"cache holds {cache.valid.shape[0]} rows; tokens have {batch}")
-  index = int(cache.index)
-  if index + needed <= cache.size:
-    return cache
-  return transformer.grow_cache(cache, bucket(index + needed, MIN_PROMPT_BUCKET,
-                                               SLOT_BUCKETS_PER_OCTAVE))
+  return cache if size == cache.size else transformer.grow_cache(cache, size)
 
 
 def _one_adapter(lora: Optional[Adapters], ids: np.ndarray, rows=None
@@ -446,28 +440,29 @@ def _merged(params: Params, lora: Adapters, layout) -> Params:
 
 def _shared_prefix_length(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray) -> int:
   """How many leading columns every busy row holds, real and identical, leaving each of them
-  at least one real token after (the row samples from its last one): 0 for fewer than 2
-  busy rows or fewer than `MIN_SHARED_PREFIX` such columns."""
+  at least one real token after (the row samples from its last one), rounded down to a
+  multiple of `MIN_PROMPT_BUCKET` (one agent's prefix then keeps one width whatever its
+  tasks share): 0 for fewer than 2 busy rows or fewer than `MIN_SHARED_PREFIX` columns."""
   if busy.sum() < 2:
     return 0
   t, m = tokens[busy], mask[busy]
   same = np.all(m, axis=0) & np.all(t == t[:1], axis=0)
   length = int(np.argmin(np.append(same, False)))  # the first column that differs
   length = min(length, int(m.sum(axis=1).min()) - 1)
+  length -= length % MIN_PROMPT_BUCKET  # a whole bucket: its width does not vary with the data
   return length if length >= MIN_SHARED_PREFIX else 0
 
 
 def _shared_prefix_cache(params, shared: np.ndarray, lora, adapter_id: int, busy: np.ndarray,
-                         config: ModelConfig, room: int, cache_size: Optional[int]) -> KVCache:
-  """A cache holding the `shared` prefix tokens for every busy row (`_encode_shared_prefix`
-  on them padded to their bucket), with `room` more slots (at least `cache_size` in all)."""
-  width = bucket(len(shared), MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+                         config: ModelConfig, width: int, size: int) -> KVCache:
+  """A `size`-slot cache holding the `shared` prefix tokens (padded to `width`) for every
+  busy row (`_encode_shared_prefix`)."""
   head = np.zeros((1, width), np.int32)
   head[0, :len(shared)] = shared
   return _encode_shared_prefix(
-      params, jnp.asarray(head), jnp.asarray(np.arange(width)[None] < len(shared)), lora,
-      jnp.asarray([adapter_id], jnp.int32), jnp.asarray(busy), config=config,
-      size=max(width + room, cache_size or 0))
+      params, jax.device_put(head), jax.device_put(np.arange(width)[None] < len(shared)),
+      lora, jax.device_put(np.asarray([adapter_id], np.int32)), jax.device_put(busy),
+      config=config, size=size)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "size"))
@@ -498,6 +493,202 @@ def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.nda
         f"{config.max_position_embeddings}")
 
 
+# --- planning: checked arguments, fast paths, static shapes ---------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+  """`generate`'s per-row arguments, checked, as host arrays of this process's B rows."""
+
+  tokens: np.ndarray  # [B, P] int32 prompt chunk
+  mask: np.ndarray  # [B, P] bool: real prompt tokens
+  max_new: np.ndarray  # [B] int64 ≥ 0
+  adapter_ids: np.ndarray  # [B] int64 in [-1, A)
+  prompt_adapter_ids: Optional[np.ndarray]  # [B, P] per-token ids, or None
+  temperature: np.ndarray  # [B] f32 ≥ 0
+  top_p: Optional[np.ndarray]  # [B] f32 in (0, 1], or None (off)
+  top_k: Optional[int]  # None: off
+  stop_ids: np.ndarray  # [B, M] int32: EOS then the row's own stop ids, -1 padded
+  busy: np.ndarray  # [B] bool (`_busy_rows`)
+
+
+def _checked(tokens, config: ModelConfig, max_new_tokens, prompt_lens, prompt_mask, lora,
+             adapter_ids, prompt_adapter_ids, temperature, top_p, top_k, eos_ids, stop_ids,
+             cache, rows) -> _Call:
+  """`generate`'s arguments as a `_Call`; a ValueError names the first bad one."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens: expected a [B, P] integer array, got shape {tokens.shape} "
+                     f"and dtype {tokens.dtype}")
+  B, P = tokens.shape
+  mask = _prompt_mask(tokens, prompt_lens, prompt_mask)
+  check_ids("tokens", tokens, config.vocab_size, where=mask)
+  if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer):
+    raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int or ints")
+  max_new = _per_row("max_new_tokens", max_new_tokens, B, np.int64)
+  check_ids("max_new_tokens", max_new, np.iinfo(np.int32).max)
+  if np.any((max_new > 0) & ~mask.any(axis=1)):
+    raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
+  check_sampling_args(temperature, top_p, top_k)
+  if top_k is not None and (top_k == 0 or top_k >= config.vocab_size):
+    top_k = None  # off: one compile for every value that keeps the whole vocabulary
+  ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
+                 else 0 if adapter_ids is None else adapter_ids, B, np.int64)
+  num_adapters = 1 if lora is None else lora.num_adapters
+  check_ids("adapter_ids", ids, num_adapters, low=NO_ADAPTER)
+  if prompt_adapter_ids is not None:
+    prompt_adapter_ids = np.asarray(prompt_adapter_ids)
+    if prompt_adapter_ids.shape != (B, P):
+      raise ValueError(f"prompt_adapter_ids has shape {prompt_adapter_ids.shape}; tokens "
+                       f"have {(B, P)}")
+    check_ids("prompt_adapter_ids", prompt_adapter_ids, num_adapters, where=mask,
+              low=NO_ADAPTER)
+  _check_positions(config, cache, mask, max_new, rows)
+  return _Call(tokens.astype(np.int32), mask, max_new, ids, prompt_adapter_ids,
+               _per_row("temperature", temperature, B, np.float32),
+               None if top_p is None else _per_row("top_p", top_p, B, np.float32), top_k,
+               _stop_id_table(eos_ids, stop_ids, B, config.vocab_size),
+               _busy_rows(mask, max_new))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Route:
+  """The fast paths one call takes (the module docstring's shortcuts)."""
+
+  params: Params  # the base weights, or a copy with the call's one adapter merged in
+  lora: Optional[Adapters]  # None: no adapter, or it is merged into `params`
+  adapter_ids: np.ndarray  # [B] ids into `lora`
+  prefix_length: int  # leading tokens encoded once for every busy row (0: none)
+  prefix_adapter: int  # their adapter
+
+
+def _route(params, config: ModelConfig, call: _Call, lora, cache, rows, merge_lora: bool,
+           share_prefix: bool) -> _Route:
+  """One adapter alone when the rows share it (`_one_adapter`), merged into the weights when
+  it can be (`_can_merge`), and the shared prefix of a fresh prompt (`_shared_prefix_length`)."""
+  ids = call.adapter_ids
+  if call.prompt_adapter_ids is None:
+    lora, ids = _one_adapter(lora, ids, rows)
+  if merge_lora and _can_merge(params, config, lora, ids, call.busy, rows):
+    params, lora = _merged(params, lora, config.layout), None
+  prefix = 0
+  if share_prefix and cache is None and rows is None and call.prompt_adapter_ids is None and (
+      lora is None or np.unique(ids[call.busy]).size == 1):
+    prefix = _shared_prefix_length(call.tokens, call.mask, call.busy)
+  return _Route(params, lora, ids, prefix, int(ids[call.busy][0]) if prefix else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """The static shapes of one call (with its flags, the compile key of `generate_jit`)."""
+
+  batch: int  # B: every process's rows
+  prompt: int  # P: the chunk's width after any shared prefix
+  new: int  # N: output columns
+  slots: int  # S: the cache's slots during the call
+  prefix: int  # the shared prefix's width (0: none)
+  greedy: bool  # every row at temperature 0
+
+
+# A call may reuse an already compiled (P, S) up to this factor wider than its own buckets.
+REUSE_FACTOR = 2
+
+
+class _CompiledShapes:
+  """The (P, S) pairs each call signature has run with, so that a call reuses the narrowest
+  that fits (within `REUSE_FACTOR` of its own buckets) instead of compiling a narrower
+  program: once a run has seen its longest prompts, shorter ones compile nothing."""
+
+  def __init__(self):
+    self._seen: dict = {}
+
+  def choose(self, key, prompt: int, room: int, slots: int, *, start: int, kept: bool
+             ) -> tuple[int, int, bool]:
+    """(P, S, whether new) for a call that wants `prompt` columns and `slots` slots, and
+    writes from slot `start` the P columns and `room` new tokens; `kept`: S is an existing
+    cache's size."""
+    fits = lambda p, s: (s == slots if kept else slots <= s <= REUSE_FACTOR * slots) and (
+        prompt <= p <= REUSE_FACTOR * prompt and start + p + room <= s)
+    seen = self._seen.setdefault(key, set())
+    choice = min((s, p) for p, s in seen | {(prompt, slots)} if fits(p, s))[::-1]
+    new = choice not in seen
+    seen.add(choice)
+    return choice + (new,)
+
+  def claim(self, key, prompt: int, slots: int) -> bool:
+    """Records a fresh-cache (P, S) about to be compiled ahead; False if one that `choose`
+    would reuse for it is compiled already."""
+    seen = self._seen.setdefault(key, set())
+    if any(prompt <= p <= REUSE_FACTOR * prompt and slots <= s <= REUSE_FACTOR * slots
+           for p, s in seen):
+      return False
+    seen.add((prompt, slots))
+    return True
+
+
+_COMPILED = _CompiledShapes()
+
+
+def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optional[KVCache], *,
+                 cache_size: Optional[int], prompt_width: Optional[int],
+                 new_tokens: Optional[int], rows) -> tuple[Shapes, list]:
+  """The call's `Shapes`: P, N, S bucketed (see `generate_jit`), P from `prompt_width` when
+  given, and an already compiled (P, S) reused when one fits (`_CompiledShapes`); and the
+  `Shapes` to compile ahead: when a fresh-cache call compiles a new P, the next bucket up
+  too (its prompts then vary by a bucket in the run without compiling again)."""
+  real = call.mask[:, route.prefix_length:].any(axis=0)
+  used = int(np.max(np.nonzero(real)[0], initial=-1)) + 1
+  used = max(used, (prompt_width or 0) - route.prefix_length)
+  greedy = bool(np.all(call.temperature <= 0))
+  longest = int(call.max_new.max(initial=0))
+  batch = call.tokens.shape[0]
+  if rows is not None:  # the compiled shapes and the static flags are the whole batch's
+    used, not_greedy, longest = (int(v) for v in multihost.max_over_processes(
+        np.asarray([used, not greedy, longest], np.int64)))
+    greedy, batch = not not_greedy, batch * rows.processes
+  num_new = new_tokens or bucket(longest, MIN_NEW_TOKENS_BUCKET)
+  if num_new < longest:
+    raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
+  # The cache needs room for the tokens asked for, not for the output's N columns.
+  room = min(num_new, bucket(longest, MIN_NEW_TOKENS_BUCKET, SLOT_BUCKETS_PER_OCTAVE))
+  prompt = bucket(used, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+  prefix = route.prefix_length and bucket(route.prefix_length, MIN_PROMPT_BUCKET,
+                                          SLOT_BUCKETS_PER_OCTAVE)
+  if cache is None:  # fresh (after any shared prefix)
+    start, kept = prefix, False
+    slots = max(prefix + prompt + room, cache_size or 0)
+  else:
+    start, kept = int(cache.index), True
+    slots = cache.size
+    if start + prompt + room > slots:  # grows to the next quarter octave
+      slots = bucket(start + prompt + room, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+      kept = False
+  key = (config, batch, num_new, call.top_k, greedy, cache is None, prefix, route.lora is None,
+         call.top_p is None, call.prompt_adapter_ids is None, call.stop_ids.shape[1])
+  prompt, slots, new = _COMPILED.choose(key, prompt, room, slots, start=start, kept=kept)
+  shapes = Shapes(batch, prompt, num_new, slots, prefix, greedy)
+  ahead = []
+  if new and cache is None and rows is None:  # and the next prompt bucket up, at once
+    wider = bucket(prompt + 1, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+    wider_slots = max(prefix + wider + room, cache_size or 0)
+    if _COMPILED.claim(key, wider, wider_slots):
+      ahead.append(dataclasses.replace(shapes, prompt=wider, slots=wider_slots))
+  return shapes, ahead
+
+
+def _fit_prompt(call: _Call, prefix_length: int, width: int, pad_id: int):
+  """(tokens, mask, per-token adapter ids or None) of the chunk after the shared prefix,
+  cut or padded to `width` columns (cut columns hold no real token)."""
+  tokens, mask = call.tokens[:, prefix_length:], call.mask[:, prefix_length:]
+  pad = ((0, 0), (0, max(width - tokens.shape[1], 0)))
+  ids = call.prompt_adapter_ids
+  if ids is not None:
+    ids = np.pad(np.where(mask, ids, NO_ADAPTER)[:, :width], pad, constant_values=NO_ADAPTER)
+    ids = ids.astype(np.int32)
+  return (np.pad(tokens[:, :width], pad, constant_values=pad_id),
+          np.pad(mask[:, :width], pad), ids)
+
+
 def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              max_new_tokens: Union[int, Sequence[int], np.ndarray],
              prompt_lens=None, prompt_mask=None, cache: Optional[KVCache] = None,
@@ -508,7 +699,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
              on_step: Optional[Callable[[jax.Array], None]] = None,
              rows: Optional[multihost.ProcessRows] = None, merge_lora: bool = True,
-             share_prefix: bool = True) -> SampleOutput:
+             share_prefix: bool = True, prompt_width: Optional[int] = None) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
   For speed pass params and config in `layout.decoding()` (`layout.convert_params`, once):
@@ -564,86 +755,48 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       adapter (e.g. one agent's system prompt in the per-agent view) encodes those tokens
       once, for one row, and gives every busy row a copy of their keys and values. Same
       outputs to f32 rounding; the returned cache holds the prefix's slots.
+    prompt_width: a bound on the chunk's real width that the caller knows from its budgets
+      (e.g. the prompt as it would be had every earlier reply used its whole
+      `max_new_tokens`): P is bucketed from it, not from this call's tokens, so calls whose
+      prompts vary below the bound compile once (`_plan_shapes`).
   Returns:
     A `SampleOutput` with N output columns.
   Raises:
     ValueError naming the argument for any value outside the ranges above.
   """
-  tokens = np.asarray(tokens)
-  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-    raise ValueError(f"tokens: expected a [B, P] integer array, got shape {tokens.shape} "
-                     f"and dtype {tokens.dtype}")
-  B, P = tokens.shape
-  mask = _prompt_mask(tokens, prompt_lens, prompt_mask)
-  check_ids("tokens", tokens, config.vocab_size, where=mask)
-  tokens = tokens.astype(np.int32)
-  if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer):
-    raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int or ints")
-  max_new = _per_row("max_new_tokens", max_new_tokens, B, np.int64)
-  check_ids("max_new_tokens", max_new, np.iinfo(np.int32).max)
-  if np.any((max_new > 0) & ~mask.any(axis=1)):
-    raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
-  check_sampling_args(temperature, top_p, top_k)
-  if top_k is not None and (top_k == 0 or top_k >= config.vocab_size):
-    top_k = None  # off: one compile for every value that keeps the whole vocabulary
-  ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
-                 else 0 if adapter_ids is None else adapter_ids, B, np.int64)
-  check_ids("adapter_ids", ids, 1 if lora is None else lora.num_adapters, low=NO_ADAPTER)
-  if prompt_adapter_ids is not None:
-    prompt_adapter_ids = np.asarray(prompt_adapter_ids)
-    if prompt_adapter_ids.shape != (B, P):
-      raise ValueError(f"prompt_adapter_ids has shape {prompt_adapter_ids.shape}; tokens "
-                       f"have {(B, P)}")
-    check_ids("prompt_adapter_ids", prompt_adapter_ids,
-              1 if lora is None else lora.num_adapters, where=mask, low=NO_ADAPTER)
-  _check_positions(config, cache, mask, max_new, rows)
+  call = _checked(tokens, config, max_new_tokens, prompt_lens, prompt_mask, lora, adapter_ids,
+                  prompt_adapter_ids, temperature, top_p, top_k, eos_ids, stop_ids, cache, rows)
+  route = _route(params, config, call, lora, cache, rows, merge_lora, share_prefix)
+  shapes, ahead = _plan_shapes(call, route, config, cache, cache_size=cache_size,
+                               prompt_width=prompt_width, new_tokens=max_new_tokens_bucket,
+                               rows=rows)
+  run = functools.partial(_launch, call, route, config=config, cache=cache, rng=rng,
+                          pad_id=int(pad_id), on_step=on_step, rows=rows)
+  for wider in ahead:
+    run(wider, compile_only=True)
+  return run(shapes)
 
-  if prompt_adapter_ids is None:
-    lora, ids = _one_adapter(lora, ids, rows)
-  busy = _busy_rows(mask, max_new)
-  if merge_lora and _can_merge(params, config, lora, ids, busy, rows):
-    params, lora = _merged(params, lora, config.layout), None
-  prefix = 0
-  if share_prefix and cache is None and rows is None and prompt_adapter_ids is None and (
-      lora is None or np.unique(ids[busy]).size == 1):
-    prefix = _shared_prefix_length(tokens, mask, busy)
-  if prefix:  # encoded apart (below); the chunk keeps what follows it
-    shared, shared_id = tokens[busy][0, :prefix], int(ids[busy][0])
-    tokens, mask = tokens[:, prefix:], mask[:, prefix:]
-    P = tokens.shape[1]
 
-  used = int(np.max(np.nonzero(mask.any(axis=0))[0], initial=-1)) + 1
-  greedy = bool(np.all(np.asarray(temperature) <= 0))
-  longest = int(max_new.max(initial=0))
-  if rows is not None:  # the compiled shapes and the static flags are the whole batch's
-    used, not_greedy, longest = (int(v) for v in multihost.max_over_processes(
-        np.asarray([used, not greedy, longest], np.int64)))
-    greedy = not not_greedy
-  width = bucket(used, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
-  tokens = np.pad(tokens[:, :width], ((0, 0), (0, max(width - P, 0))), constant_values=pad_id)
-  mask = np.pad(mask[:, :width], ((0, 0), (0, max(width - P, 0))))
-  place = jnp.asarray if rows is None else rows.put  # rows: this process's block -> global
-  if prompt_adapter_ids is not None:
-    prompt_adapter_ids = place(np.pad(
-        np.where(mask[:, :min(P, width)], prompt_adapter_ids[:, :width], NO_ADAPTER),
-        ((0, 0), (0, max(width - P, 0))), constant_values=NO_ADAPTER).astype(np.int32))
-  num_new = max_new_tokens_bucket or bucket(longest, MIN_NEW_TOKENS_BUCKET)
-  if num_new < longest:
-    raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
-  # The cache needs room for the tokens asked for, not for the output's N columns.
-  slots_for_new = min(num_new, bucket(longest, MIN_NEW_TOKENS_BUCKET, SLOT_BUCKETS_PER_OCTAVE))
-  temperature = _per_row("temperature", temperature, B, np.float32)
-  top_p = None if top_p is None else place(_per_row("top_p", top_p, B, np.float32))
-  if prefix:
-    cache = _shared_prefix_cache(params, shared, lora, shared_id, busy, config,
-                                 room=width + slots_for_new, cache_size=cache_size)
-  batch = B if rows is None else B * rows.processes
-  return generate_jit(
-      params, place(tokens), place(mask),
-      _fit_cache(cache, config, batch, width + slots_for_new, cache_size, rows), lora,
-      place(ids.astype(np.int32)), rng, place(temperature), top_p,
-      place(max_new.astype(np.int32)),
-      place(_stop_id_table(eos_ids, stop_ids, B, config.vocab_size)),
-      prompt_adapter_ids, config=config, num_new=num_new, top_k=top_k, greedy=greedy,
-      pad_id=int(pad_id), on_step=on_step, fresh_cache=cache is None)
-
+def _launch(call: _Call, route: _Route, shapes: Shapes, *, config, cache, rng, pad_id, on_step,
+            rows, compile_only: bool = False) -> Optional[SampleOutput]:
+  """Runs the planned call; `compile_only`: compiles the sampling loop without running it (a
+  fresh cache, or the shared prefix's, is still made: their small programs compile too)."""
+  tokens, mask, token_ids = _fit_prompt(call, route.prefix_length, shapes.prompt, pad_id)
+  place = jax.device_put if rows is None else rows.put  # rows: this process's block -> global
+  fresh = cache is None and not route.prefix_length
+  if route.prefix_length:
+    cache = _shared_prefix_cache(
+        route.params, call.tokens[call.busy][0, :route.prefix_length], route.lora,
+        route.prefix_adapter, call.busy, config, width=shapes.prefix, size=shapes.slots)
+  cache = _fit_cache(cache, config, shapes.batch, shapes.slots, rows)
+  args = (route.params, place(tokens), place(mask), cache, route.lora,
+          place(route.adapter_ids.astype(np.int32)), rng, place(call.temperature),
+          None if call.top_p is None else place(call.top_p),
+          place(call.max_new.astype(np.int32)), place(call.stop_ids),
+          None if token_ids is None else place(token_ids))
+  static = dict(config=config, num_new=shapes.new, top_k=call.top_k, greedy=shapes.greedy,
+                pad_id=pad_id, on_step=on_step, fresh_cache=fresh)
+  if compile_only:
+    _generate_jit.lower(*args, **static).compile()
+    return None
+  return generate_jit(*args, **static)

@@ -111,6 +111,13 @@ class _Agents:
     return agent if own is None else own
 
 
+def reply_budgets(team: Sequence[AgentProfile],
+                  structure: Union[AgentGraph, Orchestrator, None]) -> tuple[int, ...]:
+  """Each agent's max_new_tokens, by the agent ids episodes record (the team, then an
+  orchestrator): the budgets `batching.make_batch` buckets the update's shapes from."""
+  return tuple(p.sampling.max_new_tokens for p in _Agents(team, structure).profiles)
+
+
 def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
             structure: Union[AgentGraph, Orchestrator, None], params: Any, model_config: ModelConfig,
             tokenizer, rng: jax.Array, *, lora: Optional[Adapters] = None,
@@ -273,9 +280,11 @@ class _Runner:
 
   # --- one batched sampler call ---------------------------------------------------------------
 
-  def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None):
+  def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None,
+                prompt_width=None):
     """One sampler call. prompts: per row a token list (or None: the row sits out);
-    prompt_adapters: optional per row per-token adapter ids of the prompt.
+    prompt_adapters: optional per row per-token adapter ids of the prompt; prompt_width: a
+    bound on the prompts' length from the budgets (`sampler.generate`'s).
 
     Returns ((tokens [B, N], logprobs [B, N], lengths [B]) of this process's rows, the new
     cache), or None (no call) when no row of any process samples."""
@@ -317,7 +326,8 @@ class _Runner:
         prompt_adapter_ids=token_adapters if self.lora is not None else None,
         temperature=temperature,
         top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self.eos,
-        pad_id=self.pad, max_new_tokens_bucket=self.num_new, rows=self.layout)
+        pad_id=self.pad, max_new_tokens_bucket=self.num_new, rows=self.layout,
+        prompt_width=prompt_width)
     read = multihost.to_host if self.layout is None else self.layout.get  # only its own rows
     result = tuple(read(x) for x in (out.tokens, out.logprobs, out.lengths))
     self.metrics["sampler_s"] += time.perf_counter() - start
@@ -347,7 +357,8 @@ class _Runner:
       next_row[i] = next_row.get(i, 0) + 1
       prompts[row], agents[row] = prompt, agent
       placed.append((j, row))
-    generated = self._generate(prompts, agents)
+    bounds = [self._prompt_bound(jobs[j][0], len(prompts[row])) for j, row in placed]
+    generated = self._generate(prompts, agents, prompt_width=max(bounds, default=None))
     if generated is None:
       return texts
     (tokens, logprobs, lengths), _ = generated
@@ -363,6 +374,14 @@ class _Runner:
       self.episodes[i].sequences.append(sequence)
       texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[row, :n])
     return texts
+
+  def _prompt_bound(self, i: int, length: int) -> int:
+    """A per-agent prompt of env i as long as it would be had every earlier reply of its
+    episode used its whole max_new_tokens (up to re-tokenisation of the replies' text): the
+    prompt width the sampler buckets, so that reply lengths never change its shapes."""
+    unused = sum(self.agents.profiles[t.agent].sampling.max_new_tokens - t.num_tokens
+                 for t in self.episodes[i].turns)
+    return length + max(unused, 0)
 
   def _record_turn(self, i, agent, env_step, prompt, reply) -> str:
     text = self._decode(reply)

@@ -16,7 +16,7 @@ value is read at the decision that emits its first token: the state after its wh
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from flax import struct
@@ -105,15 +105,16 @@ def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
   return 1 << (n - 1).bit_length()
 
 
-def act_positions(act_mask: np.ndarray) -> np.ndarray:
+def act_positions(act_mask: np.ndarray, at_least: int = 0) -> np.ndarray:
   """[B, T] bool -> [B, P] int32: the indices of each row's True entries, padded with -1.
 
-  P is the most of any row rounded up to a multiple of T/8 (`positions_width`): every padded
-  position costs a full vocabulary row in the update (on XLA:CPU a 96-decision SmolLM2 reply
-  padded to 128 cost 2-3 % of an update), while at most 8 widths per T bound the compiles.
+  P is the most of any row (or `at_least`, a bound) rounded up to a multiple of T/8
+  (`positions_width`): every padded position costs a full vocabulary row in the update (on
+  XLA:CPU a 96-decision SmolLM2 reply padded to 128 cost 2-3 % of an update), while at most
+  8 widths per T bound the compiles.
   """
   counts = act_mask.sum(axis=1)
-  P = positions_width(int(counts.max(initial=0)), act_mask.shape[1])
+  P = positions_width(max(int(counts.max(initial=0)), at_least), act_mask.shape[1])
   out = np.full((act_mask.shape[0], P), -1, np.int32)
   for r, row in enumerate(act_mask):
     index = np.flatnonzero(row)
@@ -142,7 +143,8 @@ def per_row_adapters(batch: TrainBatch) -> TrainBatch:
 
 
 def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
-               max_turns: int = 0) -> TrainBatch:
+               max_turns: int = 0, reply_budgets: Optional[Sequence[int]] = None
+               ) -> TrainBatch:
   """Stacks the sequences of `episodes` (dropped ones excluded by the caller) into a batch.
 
   Args:
@@ -151,12 +153,17 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
     num_rows: pad the batch to this many rows (0: exactly the sequences); padded rows are
       all-masked, so a fixed B keeps one compile when episodes are dropped.
     max_turns: K (0: the most turns of any row).
+    reply_budgets: each agent's max_new_tokens (by agent id): T and P are then bucketed from
+      the rows as long as they would be had every reply used its whole budget
+      (`budgeted_widths`), so reply lengths do not change the update's shapes. None: from
+      the rows as they are.
   """
   rows = [(e, s.arrays(), s.spans) for e, ep in enumerate(episodes) for s in ep.sequences]
   if not rows:
     raise ValueError("no sequences to train on (every episode was dropped?)")
   B = max(num_rows, len(rows))
-  T = bucket_length(max(len(a["tokens"]) for _, a, _ in rows))
+  length, positions = budgeted_widths(episodes, reply_budgets)
+  T = bucket_length(length)
   K = max(max_turns, max(len(spans) for _, _, spans in rows), 1)
   b = padding_fields(B, T, K, 0, pad_id)  # P is known once the rows are in
   for r, (e, a, spans) in enumerate(rows):
@@ -181,5 +188,24 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
       b["turn_agent"][r, k] = span.agent
       b["turn_value_pos"][r, k] = span.start - 1
       b["turn_length"][r, k] = span.end - span.start
-  b["act_positions"] = act_positions(b["act_mask"])
+  b["act_positions"] = act_positions(b["act_mask"], positions)
   return TrainBatch(**b)
+
+
+def budgeted_widths(episodes: Sequence[Episode], reply_budgets: Optional[Sequence[int]] = None
+                    ) -> tuple[int, int]:
+  """(the longest row, the most trained decisions of a row), unbucketed. With
+  `reply_budgets` (max_new_tokens by agent id), bounds on them from the budgets: a row
+  counts every reply of its episode as its whole budget (a per-agent prompt holds earlier
+  replies; up to re-tokenisation of their text), and its trained decisions are its replies'
+  budgets. Without, the rows' own lengths and counts."""
+  length = positions = 0
+  for episode in episodes:
+    unused = 0 if reply_budgets is None else max(sum(
+        reply_budgets[t.agent] - t.num_tokens for t in episode.turns), 0)
+    for sequence in episode.sequences:
+      length = max(length, len(sequence.tokens) + unused)
+      positions = max(positions, sum(
+          s.end - s.start if reply_budgets is None else reply_budgets[s.agent]
+          for s in sequence.spans))
+  return length, positions

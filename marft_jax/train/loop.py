@@ -44,11 +44,11 @@ from absl import logging
 
 from marft_jax import envs as envs_lib
 from marft_jax import lora as lora_lib
-from marft_jax import multihost, sharding
+from marft_jax import compile_stats, multihost, sharding
 from marft_jax.configs import to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
-from marft_jax.rollout import RolloutConfig, rollout, write_transcripts
+from marft_jax.rollout import RolloutConfig, reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
@@ -266,10 +266,12 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
       old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
       agent_layers=envs_lib.agent_layers(structure, team),
+      reply_budgets=reply_budgets(team, structure),
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
   heldout = functools.partial(_heldout, config=config, model=model,
                               weights=(rollout_params, rollout_config))
+  compiles = compile_stats.CompileCounter()  # per iteration: compile/count, compile/seconds
   try:
     with PreemptionFlag() as preempt, checkpointer:
       for iteration in range(start, config.iterations):
@@ -297,7 +299,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
                                         pad_id=pad)
         t2 = time.perf_counter()
         metrics = {**_iteration_metrics(result, update_metrics, team, t0, t1, t2), **evaluated,
-                   **shaped}
+                   **shaped, **compiles.delta().metrics()}
         writer.write(iteration, metrics)
         if bar is not None:
           bar.update(1)
@@ -328,7 +330,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
-           old_values_fn, envs, num_roles, num_rows, mesh, layout, agent_layers):
+           old_values_fn, envs, num_roles, num_rows, mesh, layout, agent_layers,
+           reply_budgets=None):
   """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)
 
   The batch goes to the devices with its rows split over the mesh; advantages are computed on
@@ -336,7 +339,8 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   this process's episodes (maybe none); it builds, places and reads back only its block of
   the rows, and the batch-wide numbers are reduced over the processes."""
   if layout is None:
-    batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows))
+    batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows,
+                                                reply_budgets=reply_budgets))
     placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
     read, blocks = multihost.to_host, None
   else:
