@@ -87,7 +87,7 @@ def test_the_update_is_the_same_with_per_row_and_per_token_ids():
   per_token = jax.tree.map(jnp.asarray, _padded_batch(config.vocab_size))
   per_row = jax.tree.map(jnp.asarray, per_row_adapters(per_token))
   assert per_row.adapter_ids.shape == (ROWS,)
-  loss = LossConfig()
+  loss = LossConfig(policy_level="action")
   update = make_update(config, loss, optimizer, None, None, 2, epochs=1, minibatches=2)
   results = []
   for batch in (per_token, per_row):
