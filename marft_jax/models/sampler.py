@@ -316,15 +316,20 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   the prompt skips attending to it). Every array's shape is also part of the compile key,
   so `generate` buckets them:
 
-    P (prompt chunk width)  next quarter octave ≥ max(16, last real token + 1)
+    P (prompt chunk width)  next quarter octave ≥ max(16, last real token + 1, the
+                            caller's `prompt_width` bound), after a shared prefix (whose
+                            length is floored to a multiple of 16)
     N (new tokens)          next power of two ≥ max(16, max(max_new_tokens)), or
                             `max_new_tokens_bucket`
     M (stop ids per row)    next power of two ≥ max(4, number of stop ids)
-    S (cache slots)         fresh: `cache_size` or P + n, n = min(N, next quarter octave
-                            ≥ max(16, max(max_new_tokens))); continued: kept if
+    S (cache slots)         fresh: `cache_size` or prefix + P + n, n = min(N, next quarter
+                            octave ≥ max(16, max(max_new_tokens))); continued: kept if
                             index + P + n fits, else the next quarter octave ≥ that
 
   (quarter octaves: 16, 20, 24, 28, 32, 40, …, 64, 80, 96, 112, 128, 160, …; see `bucket`).
+  A (P, S) the same static arguments compiled before is reused instead when it is at most
+  `REUSE_FACTOR` wider, and a fresh-cache call that compiles a new P compiles the next P up
+  ahead (`_plan_shapes`): prompts that vary by a bucket compile nothing after the first call.
 
   Traced (changing them does not compile): tokens [B, P], mask [B, P], cache (S slots,
   donated: its buffers become the returned cache's), lora, adapter_ids [B], rng,
@@ -454,15 +459,22 @@ def _shared_prefix_length(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray
 
 
 def _shared_prefix_cache(params, shared: np.ndarray, lora, adapter_id: int, busy: np.ndarray,
-                         config: ModelConfig, width: int, size: int) -> KVCache:
+                         config: ModelConfig, width: int, size: int,
+                         compile_only: bool = False) -> KVCache:
   """A `size`-slot cache holding the `shared` prefix tokens (padded to `width`) for every
-  busy row (`_encode_shared_prefix`)."""
+  busy row (`_encode_shared_prefix`); `compile_only`: compiled, and its shapes returned."""
   head = np.zeros((1, width), np.int32)
   head[0, :len(shared)] = shared
-  return _encode_shared_prefix(
-      params, jax.device_put(head), jax.device_put(np.arange(width)[None] < len(shared)),
-      lora, jax.device_put(np.asarray([adapter_id], np.int32)), jax.device_put(busy),
-      config=config, size=size)
+  args = (params, jax.device_put(head), jax.device_put(np.arange(width)[None] < len(shared)),
+          lora, jax.device_put(np.asarray([adapter_id], np.int32)), jax.device_put(busy))
+  if not compile_only:
+    return _encode_shared_prefix(*args, config=config, size=size)
+  compiled = _encode_shared_prefix.lower(*args, config=config, size=size).compile()
+  # Its outputs are committed to their devices iff an input is: the compile key differs.
+  committed = any(getattr(x, "committed", False) for x in jax.tree.leaves(args))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=s if committed else None),
+                      compiled.out_info, compiled.output_shardings)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "size"))
@@ -779,16 +791,18 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
 
 def _launch(call: _Call, route: _Route, shapes: Shapes, *, config, cache, rng, pad_id, on_step,
             rows, compile_only: bool = False) -> Optional[SampleOutput]:
-  """Runs the planned call; `compile_only`: compiles the sampling loop without running it (a
-  fresh cache, or the shared prefix's, is still made: their small programs compile too)."""
+  """Runs the planned call; `compile_only`: compiles its programs without running them (a
+  fresh cache is still made, so that the small programs filling it compile too)."""
   tokens, mask, token_ids = _fit_prompt(call, route.prefix_length, shapes.prompt, pad_id)
   place = jax.device_put if rows is None else rows.put  # rows: this process's block -> global
   fresh = cache is None and not route.prefix_length
   if route.prefix_length:
     cache = _shared_prefix_cache(
         route.params, call.tokens[call.busy][0, :route.prefix_length], route.lora,
-        route.prefix_adapter, call.busy, config, width=shapes.prefix, size=shapes.slots)
-  cache = _fit_cache(cache, config, shapes.batch, shapes.slots, rows)
+        route.prefix_adapter, call.busy, config, width=shapes.prefix, size=shapes.slots,
+        compile_only=compile_only)
+  else:
+    cache = _fit_cache(cache, config, shapes.batch, shapes.slots, rows)
   args = (route.params, place(tokens), place(mask), cache, route.lora,
           place(route.adapter_ids.astype(np.int32)), rng, place(call.temperature),
           None if call.top_p is None else place(call.top_p),

@@ -25,12 +25,16 @@ A turn whose prompt plus max new tokens would pass `max_context` positions ends 
 cleanly (`Episode.dropped = "context_overflow"`, counted in the metrics); so does an
 environment that raises (`"env_error: ..."`). The run goes on.
 
-Shapes stay few, so the sampler compiles a handful of times per run: the batch is always the
-batch of environments (× the widest graph layer in the per-agent view), the number of new
-tokens is bucketed once for the team, and a shared stream's cache starts at its first call's
-size and grows to the next quarter octave (`sampler.bucket`) when a turn would not fit (slots
-are not reserved up front: every decode step attends over all of a cache's slots, so a cache
-sized for `max_context` would make every turn pay for the longest possible episode).
+Shapes stay few, so the sampler compiles a handful of times per run, all in its first
+iteration: the batch is always the batch of environments (× the widest graph layer in the
+per-agent view), the number of new tokens is bucketed once for the team, a per-agent prompt
+is bucketed from its length had every earlier reply of its episode used its whole
+max_new_tokens (so reply lengths never change its shapes; `sampler.generate(prompt_width=)`),
+and the sampler reuses or compiles ahead the neighbouring buckets. A shared stream's cache
+starts at its first call's size and grows to the next quarter octave (`sampler.bucket`) when
+a turn would not fit (slots are not reserved up front: every decode step attends over all of
+a cache's slots, so a cache sized for `max_context` would make every turn pay for the longest
+possible episode); its growth still follows the replies' lengths.
 """
 
 from __future__ import annotations
