@@ -34,6 +34,9 @@ from marft_jax.envs.profiles import AgentProfile
 TEAM_PREAMBLE = ("You are one of several agents solving a task together. The conversation "
                  "shows the task, then each agent's turn; every turn starts with that agent's "
                  "instructions.")
+# The shared stream's hand-over to the next agent ({role}: its display name); a team's config
+# may word it otherwise (`team.transition`).
+TRANSITION = "It is now the {role}'s turn."
 _PLACEHOLDER = "\u2063REPLY\u2063"  # invisible separators: never in a real reply
 
 
@@ -71,22 +74,26 @@ def per_agent_prompt(tokenizer, profile: AgentProfile, team: Sequence[AgentProfi
   return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def transition_text(profile: AgentProfile, feedback: str = "") -> str:
-  """The user message that hands the shared stream to `profile`'s agent."""
-  turn = f"It is now the {display_name(profile.role)}'s turn. {profile.system_prompt}"
+def transition_text(profile: AgentProfile, feedback: str = "",
+                    wording: str = TRANSITION) -> str:
+  """The user message that hands the shared stream to `profile`'s agent: `wording` with
+  {role} filled in, then the agent's own system prompt."""
+  turn = f"{wording.format(role=display_name(profile.role))} {profile.system_prompt}".strip()
   return f"Feedback: {feedback.strip()}\n\n{turn}" if feedback else turn
 
 
-def stream_start(tokenizer, task: str, profile: AgentProfile) -> list[int]:
+def stream_start(tokenizer, task: str, profile: AgentProfile,
+                 wording: str = TRANSITION) -> list[int]:
   """Token ids opening a shared stream: preamble, task, and the first agent's transition."""
+  first = transition_text(profile, wording=wording)
   messages = [{"role": "system", "content": TEAM_PREAMBLE},
-              {"role": "user", "content": f"{task.strip()}\n\n{transition_text(profile)}"}]
+              {"role": "user", "content": f"{task.strip()}\n\n{first}"}]
   text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
   return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def stream_transition(tokenizer, profile: AgentProfile, stopped: bool,
-                      feedback: str = "") -> list[int]:
+                      feedback: str = "", wording: str = TRANSITION) -> list[int]:
   """Token ids to append after a reply to hand the stream to `profile`'s agent.
 
   `stopped`: the reply ended with the tokenizer's EOS (the template's end-of-turn) token; if
@@ -96,7 +103,7 @@ def stream_transition(tokenizer, profile: AgentProfile, stopped: bool,
             {"role": "assistant", "content": _PLACEHOLDER}]
   before = tokenizer.apply_chat_template(closed, tokenize=False)
   after = tokenizer.apply_chat_template(
-      closed + [{"role": "user", "content": transition_text(profile, feedback)}],
+      closed + [{"role": "user", "content": transition_text(profile, feedback, wording)}],
       add_generation_prompt=True, tokenize=False)
   if not after.startswith(before):
     raise ValueError("the tokenizer's chat template does not extend a conversation by "

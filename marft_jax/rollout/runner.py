@@ -69,12 +69,15 @@ class RolloutConfig:
     as a context overflow. At most the model's max_position_embeddings; None: all of them.
   reencode: shared stream only: re-encode the whole stream every turn instead of continuing
     the KV cache (a reference for tests and benchmarks; slower).
+  transition: shared stream only: the hand-over to the next agent, {role} its name
+    (`context.TRANSITION`).
   """
 
   context_mode: str = "per_agent"
   horizon: int = 1
   max_context: Optional[int] = None
   reencode: bool = False
+  transition: str = context.TRANSITION
 
   def __post_init__(self):
     if self.context_mode not in CONTEXT_MODES:
@@ -409,13 +412,15 @@ class _Runner:
       profile = self.agents.profiles[agent]
       stream = self.streams[i]
       if stream is None:
-        chunk = context.stream_start(self.tokenizer, observations[i].task, profile)
+        chunk = context.stream_start(self.tokenizer, observations[i].task, profile,
+                                     self.config.transition)
       else:
         last = self.episodes[i].turns[-1] if self.episodes[i].turns else None
         stopped = last is None or last.stopped
         new_step = last is not None and last.env_step != env_step
         feedback = observations[i].feedback[-1] if new_step and observations[i].feedback else ""
-        chunk = context.stream_transition(self.tokenizer, profile, stopped, feedback)
+        chunk = context.stream_transition(self.tokenizer, profile, stopped, feedback,
+                                          self.config.transition)
       used = 0 if stream is None else len(stream)
       if used + len(chunk) + profile.sampling.max_new_tokens > self.config.max_context:
         self._overflow(i)

@@ -131,6 +131,9 @@ class TeamSection:
   # The ablation arm: the same team with neutral names (agent1, agent2, ...) and no system
   # prompts, to show what the roles contribute.
   anonymous: bool = False
+  # The shared stream's hand-over to the next agent, {role} its name ("" the default,
+  # "It is now the {role}'s turn."); the agent's system prompt follows it.
+  transition: str = ""
 
   def __post_init__(self):
     # Name order, as a ConfigDict holds them (the speaking order is `order`'s).
@@ -144,6 +147,11 @@ class TeamSection:
     check_int("orchestrator_max_calls", self.orchestrator_max_calls, 1)
     check_int("orchestrator_max_new_tokens", self.orchestrator_max_new_tokens, 1)
     check_bool("anonymous", self.anonymous)
+    try:
+      self.transition.format(role="Agent")
+    except (KeyError, IndexError, ValueError) as e:
+      raise ValueError(f"transition={self.transition!r}: a format string whose only field is "
+                       f"{{role}} ({e!r})") from None
     self._check_roles()
 
   @property

@@ -34,7 +34,7 @@ import numpy as np
 from marft_jax import envs as envs_lib
 from marft_jax.configs import from_config_dict
 from marft_jax.envs.math_grading import FORMATTED
-from marft_jax.rollout import RolloutConfig, rollout
+from marft_jax.rollout import rollout
 from marft_jax.train import algorithms
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 from marft_jax.train.config import TrainConfig
@@ -64,7 +64,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played greedily by the config's team with `policy` (None: adapters off).
   `rollout_weights`: `loop.rollout_model(model, config)` if the caller has it (else made)."""
-  from marft_jax.train.loop import build_envs, rollout_model
+  from marft_jax.train.loop import build_envs, rollout_model, rollout_settings
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
@@ -76,8 +76,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
                     num_envs=batch_size, group_size=1)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
-  settings = RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
-                           max_context=config.rollout.max_context or None)
+  settings = rollout_settings(config)
   episodes = []
   bar = None
   if progress:

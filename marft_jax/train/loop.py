@@ -119,6 +119,13 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
                            num_tasks=num_tasks, closing=shared)
 
 
+def rollout_settings(config: TrainConfig) -> RolloutConfig:
+  """How the trainer's and the evaluation's episodes are played."""
+  return RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
+                       max_context=config.rollout.max_context or None,
+                       transition=config.team.transition or RolloutConfig.transition)
+
+
 def load(config: TrainConfig) -> Model:
   params, model_config, tokenizer = loading.load_model(
       config.model.source, param_dtype=config.model.param_dtype,
@@ -259,9 +266,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
   metrics: dict = {}
   shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
   bar = _progress(progress, start, config.iterations)
-  rollout_settings = RolloutConfig(context_mode=config.rollout.context_mode,
-                                   horizon=config.task.horizon,
-                                   max_context=config.rollout.max_context or None)
+  settings = rollout_settings(config)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
       old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
@@ -282,7 +287,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
         t0 = time.perf_counter()
         result = rollout(envs, team, structure, rollout_params, rollout_config,
                          model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
-                         config=rollout_settings, policy_version=iteration, rows=layout)
+                         config=settings, policy_version=iteration, rows=layout)
         shaped = _shape_rewards(result.episodes, team, judge, reward_fn,
                                 jax.random.fold_in(key, 2))
         t1 = time.perf_counter()
