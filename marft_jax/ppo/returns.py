@@ -230,13 +230,17 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   _check_hops(gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
   gamma_agent = gamma if gamma_agent is None else gamma_agent
   lambda_agent = lambda_ if lambda_agent is None else lambda_agent
-  v_t = jnp.asarray(v_t, _float_dtype(v_t))
-  discount, lambdas = _agent_hops(done_t, r_t.shape[1], gamma, lambda_, gamma_agent,
-                                  lambda_agent, v_t.dtype)
-  adv = _gae(r_t.reshape(-1), discount.reshape(-1), lambdas.reshape(-1), v_t.reshape(-1),
-             jnp.ones(v_t.size, bool), v_bootstrap)
-  adv = adv.reshape(v_t.shape)
-  return adv, v_t + adv
+  # A regular team's turn chain (one agent a layer, N a step, one position a turn), its own
+  # rewards per turn: the trainer's `turn_chain_advantages`, not a second copy of it.
+  T, N = r_t.shape
+  ones = jnp.ones((T * N,), jnp.int32)
+  r = jnp.asarray(r_t, _float_dtype(r_t)).reshape(-1)
+  adv, ret = turn_chain_advantages(
+      jnp.repeat(jnp.arange(T), N), jnp.tile(jnp.arange(N), T), ones, ones, jnp.zeros_like(r),
+      r, jnp.repeat(jnp.asarray(done_t), N), jnp.asarray(v_t).reshape(-1), credit="per_step",
+      gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent,
+      v_bootstrap=v_bootstrap)
+  return adv.reshape(T, N), ret.reshape(T, N)
 
 
 def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
@@ -320,7 +324,8 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
                           gamma_agent: float | None = None, lambda_agent: float | None = None,
                           gamma_token: float = 1.0, lambda_token: float = 1.0,
                           credit_discount: float = 1.0,
-                          kl_reward_t: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                          kl_reward_t: jax.Array | None = None,
+                          v_bootstrap: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
   """Advantages of one episode's turns, sequential or in parallel layers (what the trainer
   runs for MARFT-A, MARFT-T, single-agent and shared-stream PPO, and GRPO's returns).
 
@@ -345,6 +350,8 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
     gamma … lambda_token: the hops' discounts and trace decays, in [0, 1].
     kl_reward_t: optional [W] rewards added at every position (KL-in-reward: on a token's
       position at the token level; summed over the reply at the action level by the caller).
+    v_bootstrap: the value after the last turn when the episode did not end there (the
+      trainer's episodes always end: 0).
 
   Returns:
     (advantages [W], returns [W]): 0 past the last position.
@@ -359,6 +366,6 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
       r_k, discount_k, lambda_k, next_k, length_k, width, gamma_token, lambda_token)
   if kl_reward_t is not None:
     r_t = r_t + jnp.where(mask_t, kl_reward_t, 0.0)
-  adv = successor_gae(r_t, discount_t, lambda_t, v_t, mask_t, next_t)
+  adv = successor_gae(r_t, discount_t, lambda_t, v_t, mask_t, next_t, v_bootstrap)
   v_t = jnp.asarray(v_t, adv.dtype)
   return adv, jnp.where(mask_t, v_t + adv, jnp.zeros_like(adv))

@@ -199,3 +199,27 @@ def test_returns_are_jittable_and_vmappable():
                                                           0.9, 0.5))
   batched = jax.vmap(fn)(np.stack([r, r]), np.stack([v, v]), np.stack([mask, mask]))
   np.testing.assert_allclose(batched[0][1], fn(r, v, mask)[0], atol=ATOL)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_level_form_equals_the_trainers_turn_chain(seed):
+  """`token_level_advantages` (the paper's regular [T, N, K] form, which also takes holes and
+  empty actions) and the trainer's `turn_chain_advantages` agree on what both express: every
+  action's tokens a prefix of its K slots, at least one each."""
+  rng = np.random.default_rng(seed)
+  T, N, K = 3, 2, 4
+  lengths = rng.integers(1, K + 1, (T, N))
+  mask = np.arange(K)[None, None] < lengths[..., None]
+  v = rng.normal(0, 1, (T, N, K)).astype(np.float32)
+  r = rng.normal(0, 1, (T, N)).astype(np.float32)
+  done = np.zeros(T, bool)
+  done[-1] = True
+  hops = dict(gamma=0.9, lambda_=0.8, gamma_agent=0.95, lambda_agent=0.7)
+  adv, _ = ppo.token_level_advantages(r, v, mask, done, 0.0, gamma_token=0.97,
+                                      lambda_token=0.9, **hops)
+  W = int(lengths.sum())
+  chain_adv, _ = ppo.turn_chain_advantages(
+      np.repeat(np.arange(T), N), np.tile(np.arange(N), T), np.ones(T * N, int),
+      lengths.reshape(-1), np.zeros(T * N, np.float32), r.reshape(-1), np.repeat(done, N),
+      v[mask], credit="per_step", gamma_token=0.97, lambda_token=0.9, **hops)
+  np.testing.assert_allclose(np.asarray(chain_adv)[:W], np.asarray(adv)[mask], atol=1e-5)
