@@ -65,6 +65,34 @@ _CODE_ROLES = {r.name: r for r in (
                 f"corrected if needed. {_FENCE}", "Reviews the program and gives the final "
                 "version."),
 )}
+# Multi-step word problems (task "math_jsonl": GSM8K, MATH, MATH-500 style files). Each turn
+# asks for one thing in a worked form (SmolLM2-135M copies forms, not instructions): the
+# quantities, one calculation per line, and the final number in \boxed{}. Calibration (untuned
+# team, greedy, the bundled fixtures; docs/results.md, "Math word-problem prompts"): CALIBRATION.
+_WORKED = ("e.g. 24 + 18 = 42\n42 - 30 = 12\nAnswer: \\boxed{12}")
+_WORD_SOLVER = RoleSection(
+    "solver", "You solve math word problems. Write one calculation per line with its result, "
+    f"then the final answer in \\boxed{{}}, {_WORKED}", "Solves the problem.", graded=True)
+_WORD_ROLES = {r.name: r for r in (
+    RoleSection("reasoner", "You are the Reasoner of a small math team. Solve the word problem: "
+                "write one calculation per line with its result, then the final answer in "
+                f"\\boxed{{}}, {_WORKED}", "Writes the calculations and their results."),
+    RoleSection("actor", "You are the Actor of a small math team. Reply with only the final "
+                "answer of the Reasoner, in \\boxed{}, e.g. \\boxed{12}.",
+                "States the final answer."),
+    RoleSection("verifier", "You are the Verifier of a small math team. Check the calculations "
+                "before you. Reply with only the final answer, corrected if needed, in "
+                "\\boxed{}, e.g. \\boxed{12}.", "Checks the answer and gives the final answer."),
+    RoleSection("analyst", "You are the Analyst of a math team. List every number in the "
+                "problem with what it means, one per line, e.g. 24 = rolls baked in the "
+                "morning. Do not solve it.", "Lists the problem's quantities."),
+    RoleSection("planner", "You are the Planner of a math team. Write the calculations that "
+                "solve the problem, one per line, e.g. rolls baked = 24 + 18. Do not compute "
+                "them.", "Writes the calculations to do."),
+    RoleSection("solver", "You are the Solver of a math team. Carry out the calculations "
+                f"before you, one per line with its result, then the final answer in \\boxed{{}}, "
+                f"{_WORKED}", "Carries out the calculations and computes the answer."),
+)}
 _MATH_TEAMS = {1: ("solver",), 2: ("reasoner", "actor"), 3: ("reasoner", "actor", "verifier"),
                4: ("analyst", "planner", "solver", "verifier")}
 _CODE_TEAMS = {2: ("planner", "coder"), 3: ("planner", "coder", "reviewer")}
@@ -80,9 +108,10 @@ def shipped(task: str, num_roles: int) -> dict:
                             "Says the number." if n != "repeater" else "Repeats it.")
              for n in names}
   else:
-    roles, teams = (_CODE_ROLES, _CODE_TEAMS) if task == "code" else (_MATH_ROLES, _MATH_TEAMS)
+    roles, teams = {"code": (_CODE_ROLES, _CODE_TEAMS),
+                    "math_jsonl": (_WORD_ROLES, _MATH_TEAMS)}.get(task, (_MATH_ROLES, _MATH_TEAMS))
     if task != "code" and num_roles == 1:
-      roles = {"solver": _SINGLE_SOLVER}
+      roles = {"solver": _WORD_SOLVER if task == "math_jsonl" else _SINGLE_SOLVER}
     if num_roles not in teams:
       raise ValueError(f"team.num_roles={num_roles}: the shipped {task} teams have "
                        f"{sorted(teams)} roles (or declare team.roles)")
