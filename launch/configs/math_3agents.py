@@ -10,9 +10,10 @@ def get_config():
       algorithm="marft_a",
       task=TaskSection(name="math_jsonl"),
       # Multi-step budgets (docs/results.md, "Math word-problem prompts: calibration"): with
-      # 48 / 16 tokens the untuned reasoner was cut off mid-calculation on most GSM8K-style
-      # problems (mean 34 tokens, at the cap on most) and every actor reply hit 16 before any
-      # \boxed{}; 128 fits the quantities and 2-3 calculation lines, 32 a boxed answer.
+      # 48 / 16 tokens the untuned reasoner was cut off at 48 on 5 of the 12 GSM8K-style
+      # fixtures and 11 of 12 actor replies hit 16 before any answer form. With 128 / 32 the
+      # reasoner still hits 128 on 8 of 12 (mean 120) and the actor uses 28 on average: both
+      # sized to hold 2-3 calculation lines and a boxed answer, not cut lower.
       team=TeamSection(**teams.shipped("math_jsonl", 3), max_new_tokens=128,
                        last_max_new_tokens=32),
   ))

@@ -13,6 +13,10 @@ teams below are such data, which a config file copies in with `shipped(task, num
   code, 3 roles: planner → coder → reviewer (the reviewer returns the final program)
   echo (tests), n roles: helper0 … → repeater
 
+The math roles have two prompt sets: one-line arithmetic ("arithmetic", tuned on level-1
+problems) and multi-step word problems ("math_jsonl"; the same role names, calibrated
+below `_WORD_ROLES`).
+
 Adapters: each "own" role gets its own adapter, in `order`; every "shared" role runs one more
 adapter; a "base" role runs none (the frozen model speaks for it and it is not trained); an
 orchestrator gets the next adapter. `team.shared_adapter` puts every agent on adapter 0.
@@ -66,9 +70,15 @@ _CODE_ROLES = {r.name: r for r in (
                 "version."),
 )}
 # Multi-step word problems (task "math_jsonl": GSM8K, MATH, MATH-500 style files). Each turn
-# asks for one thing in a worked form (SmolLM2-135M copies forms, not instructions): the
-# quantities, one calculation per line, and the final number in \boxed{}. Calibration (untuned
-# team, greedy, the bundled fixtures; docs/results.md, "Math word-problem prompts"): CALIBRATION.
+# asks for one thing in a worked form (SmolLM2-135M copies forms more than it follows
+# instructions): the quantities, one calculation per line, the final number in \boxed{}.
+# Calibration, untuned reasoner → actor, greedy, the 12 bundled GSM8K-style problems
+# (docs/results.md, "Math word-problem prompts: calibration"): these prompts with 128 + 32
+# tokens 0/12 right, answer format 25 % (3 "the answer is", no \boxed{}), replies 120 + 28
+# tokens; the arithmetic prompts with 48 + 16 tokens 0/12, format 0 %, replies 34 + 16. The
+# model still opens with "To solve this problem, ..." and reaches the 128 cap on 8 of 12
+# before its "Answer:" line; the actor copies the reasoner's opening. A floor to train from,
+# not a tuned prompt.
 _WORKED = ("e.g. 24 + 18 = 42\n42 - 30 = 12\nAnswer: \\boxed{12}")
 _WORD_SOLVER = RoleSection(
     "solver", "You solve math word problems. Write one calculation per line with its result, "
