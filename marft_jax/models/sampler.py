@@ -94,6 +94,14 @@ def bucket(n: int, minimum: int, per_octave: int = 1) -> int:
   return -(-n // step) * step
 
 
+def prompt_bucket(n: int) -> int:
+  """A prompt chunk's width P: the quarter octave ≥ n (`bucket`), in steps of at least
+  `MIN_PROMPT_BUCKET` (16, 32, 48, …, 128, 160, 192, …): a few tokens of padding cost little,
+  and prompts whose lengths wander by a few tokens then keep one or two widths."""
+  width = bucket(n, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+  return -(-width // MIN_PROMPT_BUCKET) * MIN_PROMPT_BUCKET
+
+
 # --- sampling one token ---------------------------------------------------------------------
 
 
@@ -316,9 +324,10 @@ def generate_jit(params: Params, tokens: jax.Array, mask: jax.Array, cache: KVCa
   the prompt skips attending to it). Every array's shape is also part of the compile key,
   so `generate` buckets them:
 
-    P (prompt chunk width)  next quarter octave ≥ max(16, last real token + 1, the
-                            caller's `prompt_width` bound), after a shared prefix (whose
-                            length is floored to a multiple of 16)
+    P (prompt chunk width)  `prompt_bucket` of max(last real token + 1, the caller's
+                            `prompt_width` bound), after a shared prefix (whose length is
+                            floored to a multiple of 16): a multiple of 16 ≥ the quarter
+                            octave
     N (new tokens)          next power of two ≥ max(16, max(max_new_tokens)), or
                             `max_new_tokens_bucket`
     M (stop ids per row)    next power of two ≥ max(4, number of stop ids)
@@ -663,7 +672,7 @@ def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optiona
     raise ValueError(f"max_new_tokens_bucket={num_new} < max(max_new_tokens)={longest}")
   # The cache needs room for the tokens asked for, not for the output's N columns.
   room = min(num_new, bucket(longest, MIN_NEW_TOKENS_BUCKET, SLOT_BUCKETS_PER_OCTAVE))
-  prompt = bucket(used, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+  prompt = prompt_bucket(used)
   prefix = route.prefix_length and bucket(route.prefix_length, MIN_PROMPT_BUCKET,
                                           SLOT_BUCKETS_PER_OCTAVE)
   if cache is None:  # fresh (after any shared prefix)
@@ -681,7 +690,7 @@ def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optiona
   shapes = Shapes(batch, prompt, num_new, slots, prefix, greedy)
   ahead = []
   if new and cache is None and rows is None:  # and the next prompt bucket up, at once
-    wider = bucket(prompt + 1, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
+    wider = prompt_bucket(prompt + 1)
     wider_slots = max(prefix + wider + room, cache_size or 0)
     if _COMPILED.claim(key, wider, wider_slots):
       ahead.append(dataclasses.replace(shapes, prompt=wider, slots=wider_slots))
