@@ -9,7 +9,7 @@ unbatched arrays (one sequence or trajectory) or arrays of any shape, and works 
 - credit: token frame → action frame, and where each turn's reward lands (`turn_credit`).
 - returns: `masked_gae`, `successor_gae`, `turn_chain_advantages` (the trainer's),
   `action_level_advantages` (MARFT-A), `token_level_advantages` (MARFT-T).
-- logprobs: token and action log-probabilities, entropies.
+- logprobs: token log-probabilities and entropies (the trainer's), action log-probabilities.
 - policy_loss / value_loss / kl: PPO-family losses, critic losses, KL estimators.
 - normalize: reward shaping and batch / agent-within-group normalisation.
 - masked: masked reductions.
@@ -51,9 +51,7 @@ from marft_jax.ppo.kl import (
 from marft_jax.ppo.logprobs import (
     action_log_prob,
     action_log_prob_per_token,
-    masked_entropy,
-    token_entropy,
-    token_logprobs,
+    logprobs_and_entropy,
 )
 from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
 from marft_jax.ppo.normalize import (
@@ -65,7 +63,6 @@ from marft_jax.ppo.policy_loss import (
     clip_fraction,
     clipped_surrogate,
     decoupled_ppo_loss,
-    gspo_loss,
     ppo_clip_loss,
 )
 from marft_jax.ppo.returns import (

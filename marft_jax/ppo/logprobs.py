@@ -1,8 +1,8 @@
 """Log-probabilities and entropies of actions from per-token logits.
 
 An action is one agent's reply: a run of tokens w_0 … w_{ℓ−1}, selected by a mask over a
-padded [T] axis. logits_t[t] is the model's output that scores tokens_t[t] (the caller
-aligns them: the logits at sequence position p predict the token at p+1).
+padded [T] axis. logits[t] is the model's output that scores tokens[t] (the caller aligns
+them: the logits at sequence position p predict the token at p+1).
 
 Score at the sampling temperature (reference defect D9 in docs/references.md: the
 original sampled at T = 0.5 and scored at T = 1, so its π_old was not the behaviour policy).
@@ -26,72 +26,59 @@ from marft_jax.validation import check_positive
 from marft_jax.ppo.masked import masked_mean, masked_sum
 
 
-def _log_softmax(logits_t: jax.Array, temperature: float) -> jax.Array:
-  # bf16 logits are scored in f32: the log-probs feed exp(Δ) ratios, where bf16 rounding
-  # would read as a spurious policy change.
-  check_positive("temperature", temperature)
-  logits_t = jnp.asarray(logits_t)
-  logits_t = logits_t.astype(jnp.promote_types(logits_t.dtype, jnp.float32))
-  return jax.nn.log_softmax(logits_t / temperature, axis=-1)
+def logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature=1.0,
+                         with_entropy: bool = True) -> tuple[jax.Array, jax.Array]:
+  """log π(w) and H(π) of the distribution π = softmax(logits / τ) at each position.
 
+      log π(w) = z_w − lse(z),    H = −Σ_v π_v log π_v = lse(z) − Σ_v π_v z_v,    z = logits/τ
 
-def token_logprobs(logits_t: jax.Array, tokens_t: jax.Array,
-                   temperature: float = 1.0) -> jax.Array:
-  """log π(w_t) = log_softmax(logits_t / τ)[w_t].
+  with lse(z) = m + log Σ_v e^(z_v − m), m = max_v z_v. e^(z − m) is formed once and shared
+  by the normaliser and the entropy; no [..., V] log-softmax is materialised (the trainer's
+  SmolLM2 update on XLA:CPU spends its time in these exponentials). The gradient is exact:
+  lse does not depend on m, so m carries none.
 
-  A token id outside [0, V) scores NaN (negative ids do not wrap around): harmless at a
-  masked position, since every masked reduction here selects it away, and loud anywhere
-  else. So padding may hold −1 or −100.
+  Vocabulary entries with probability 0 (logit −inf) contribute 0, not NaN, to the entropy
+  and to its gradient. A token id outside [0, V) scores NaN (negative ids do not wrap
+  around): harmless at a masked position once a masked reduction (`action_log_prob`)
+  selects it away, loud anywhere else, so padding may hold −1 or −100. Positions are
+  independent, but a NaN or inf logit row gives NaN in the gradient of the whole call even
+  where its value is masked away: gather the positions to score first (the trainer does).
 
   Args:
-    logits_t: [T, V] logits scoring position t.
-    tokens_t: [T] int token ids.
-    temperature: τ, the sampling temperature, finite and > 0.
+    logits: [..., V] logits scoring each position; bfloat16 is scored in float32 (the
+      log-probs feed exp(Δ) ratios, where bf16 rounding would read as a policy change).
+    tokens: [...] int token ids.
+    temperature: τ, the sampling temperature, finite and > 0: a scalar, or [...] per
+      position.
+    with_entropy: False returns zeros for the entropy (the normaliser alone is computed).
   Returns:
-    [T] log-probabilities, at least float32.
+    (log π(w) [...], H [...]), at least float32.
   Raises:
-    ValueError: temperature ≤ 0, NaN or inf (see the module docstring for τ = 0).
+    ValueError: a concrete temperature ≤ 0, NaN or inf (see the module docstring for τ = 0).
   """
-  chex.assert_rank([logits_t, tokens_t], [2, 1])
-  chex.assert_equal_shape_prefix([logits_t, tokens_t], 1)
-  logp = _log_softmax(logits_t, temperature)
-  tokens_t = jnp.asarray(tokens_t)
-  in_vocab = (tokens_t >= 0) & (tokens_t < logp.shape[-1])
-  safe = jnp.where(in_vocab, tokens_t, 0)
-  picked = jnp.take_along_axis(logp, safe[:, None], axis=-1)[:, 0]
-  return jnp.where(in_vocab, picked, jnp.full_like(picked, jnp.nan))
-
-
-def token_entropy(logits_t: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """H_t = −Σ_v p_v log p_v with p = softmax(logits_t / τ); [T, V] → [T], at least f32.
-
-  Vocabulary entries with probability 0 (logit −inf) contribute 0, not NaN, to the value
-  and to the gradient. Raises ValueError for temperature ≤ 0, NaN or inf.
-  """
-  chex.assert_rank(logits_t, 2)
-  logp = _log_softmax(logits_t, temperature)
-  p = jnp.exp(logp)
-  # Select before multiplying: 0 · (−inf) would be NaN in the gradient, not only the value.
-  return -jnp.sum(p * jnp.where(p > 0, logp, jnp.zeros_like(logp)), axis=-1)
-
-
-def masked_entropy(logits_t: jax.Array, mask_t: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """Mean token entropy over an action, (1/ℓ) Σ_t m_t H_t; 0 for an empty action.
-
-  Logit rows at masked positions are replaced before the softmax, so NaN or inf there
-  reaches neither the value nor the gradient.
-
-  Args:
-    logits_t: [T, V]. mask_t: [T] non-zero on the action's tokens.
-    temperature: τ, finite and > 0 (ValueError otherwise).
-  Returns:
-    scalar.
-  """
-  chex.assert_rank([logits_t, mask_t], [2, 1])
-  chex.assert_equal_shape_prefix([logits_t, mask_t], 1)
-  valid = (jnp.asarray(mask_t) != 0)[:, None]
-  logits_t = jnp.where(valid, logits_t, jnp.zeros((), jnp.asarray(logits_t).dtype))
-  return masked_mean(token_entropy(logits_t, temperature), mask_t)
+  check_positive("temperature", temperature)
+  logits, tokens, temperature = (jnp.asarray(x) for x in (logits, tokens, temperature))
+  chex.assert_rank(tokens, logits.ndim - 1)
+  chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
+  if temperature.ndim:
+    chex.assert_equal_shape([tokens, temperature])
+    temperature = temperature[..., None]
+  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  logits = logits / temperature
+  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  exps = jnp.exp(logits - top)  # [..., V]
+  total = jnp.sum(exps, axis=-1)
+  lse = top[..., 0] + jnp.log(total)
+  in_vocab = (tokens >= 0) & (tokens < logits.shape[-1])
+  safe = jnp.where(in_vocab, tokens, 0)
+  logp = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0] - lse
+  logp = jnp.where(in_vocab, logp, jnp.full_like(logp, jnp.nan))
+  entropy = jnp.zeros_like(logp)
+  if with_entropy:
+    # Select before multiplying: 0 · (−inf) would be NaN in the gradient, not only the value.
+    z = jnp.where(exps > 0, logits, jnp.zeros_like(logits))
+    entropy = lse - jnp.sum(exps * z, axis=-1) / total
+  return logp, entropy
 
 
 def action_log_prob(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
@@ -106,7 +93,8 @@ def action_log_prob(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
 def action_log_prob_per_token(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
   """(1/ℓ) Σ_t m_t log π(w_t) with ℓ = Σ_t m_t (original mode `token`, TWOSOME).
 
-  The original divided by the last valid index + 1, which is ℓ for a prefix mask.
+  The ratio exp of its difference is GSPO's length-normalised sequence ratio (Zheng et al.
+  2025). The original divided by the last valid index + 1, which is ℓ for a prefix mask.
   logp_t, mask_t: [T]; returns scalar, 0 for an empty action.
   """
   chex.assert_rank([logp_t, mask_t], 1)

@@ -1,4 +1,4 @@
-"""PPO policy losses: clipped surrogate, dual clip, clip-higher, decoupled PPO, GSPO.
+"""PPO policy losses: clipped surrogate, dual clip, clip-higher, decoupled PPO.
 
 Index convention: t indexes whatever carries a ratio. For action-level PPO (MARFT-A) it
 is one action per (sample, agent) and log-probs come from `action_log_prob*`; for
@@ -157,36 +157,6 @@ def importance_weights(prox_logp_t: jax.Array, behav_logp_t: jax.Array, mask_t: 
   if imp_weight_cap is not None:
     keep = keep & (weight <= imp_weight_cap)
   return weight, keep
-
-
-def gspo_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv: jax.Array, mask_t: jax.Array,
-              epsilon: float, epsilon_high: float | None = None) -> jax.Array:
-  """GSPO (Zheng et al. 2025): one length-normalised ratio per sequence.
-
-      s = exp((1/|y|) Σ_t m_t (log π(w_t) − log π_old(w_t))),    L = ℓ(s, A)
-
-  with ℓ the clipped surrogate and A the sequence advantage. This is action-level PPO
-  with `action_log_prob_per_token`; GSPO's ε is small (3e-4 to 4e-4 in the paper).
-  Batch with vmap and average over sequences.
-
-  Args:
-    logp_t, old_logp_t, mask_t: [T] tokens of one sequence.
-    adv: scalar sequence advantage.
-    epsilon, epsilon_high: as `clipped_surrogate`.
-  Returns:
-    scalar loss, 0 for a sequence with no valid token (whatever adv holds).
-  Raises:
-    ValueError: a concrete epsilon or epsilon_high < 0 or NaN.
-  """
-  adv = jnp.asarray(adv)
-  chex.assert_rank([logp_t, adv], [1, 0])
-  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
-  _check_clip(epsilon, epsilon_high)
-  log_ratio = masked_mean(_select(logp_t, mask_t) - _sg(_select(old_logp_t, mask_t)), mask_t)
-  has_tokens = masked_count(mask_t) > 0
-  adv = _sg(jnp.where(has_tokens, adv, jnp.zeros_like(adv)))
-  loss = _surrogate(jnp.exp(log_ratio), adv, epsilon, epsilon_high, None)
-  return jnp.where(has_tokens, loss, jnp.zeros_like(loss))
 
 
 def clip_fraction(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array,

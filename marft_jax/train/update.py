@@ -73,7 +73,9 @@ class LossConfig:
   # "action": one ratio per turn; "token": one per token; "auto": the algorithm's
   # (train/algorithms.py resolves it before the update is built)
   policy_level: str = "auto"
-  action_logprob: str = "sum"  # action level: "sum" (the sequence's) or "mean" (per token)
+  # action level: "sum" (the sequence's log-prob) or "mean" (per token): "mean" makes the
+  # ratio GSPO's length-normalised sequence ratio (Zheng et al. 2025)
+  action_logprob: str = "sum"
   clip_eps: float = 0.2
   clip_eps_high: Optional[float] = None
   value_coef: float = 1.0
@@ -173,7 +175,8 @@ def token_logp_and_entropy(params, policy, batch: TrainBatch, model_config: Mode
                            with_entropy: bool) -> tuple[jax.Array, jax.Array]:
   """[B, T] log-prob of token t+1 at decision t under the sampling temperature, and the
   entropy of that distribution (zeros unless `with_entropy`), at the trained decisions
-  (`batch.act_positions`; 0 elsewhere). `policy=None`: the base."""
+  (`batch.act_positions`; 0 elsewhere): `ppo.logprobs_and_entropy` of the logits gathered
+  there. `policy=None`: the base."""
   h, _ = transformer.hidden_states(params, batch.tokens, model_config, mask=batch.mask,
                                    lora=policy,
                                    adapter_ids=None if policy is None else batch.adapter_ids)
@@ -183,32 +186,22 @@ def token_logp_and_entropy(params, policy, batch: TrainBatch, model_config: Mode
   pick = lambda x: jnp.take_along_axis(x, at, axis=1)
   h = jnp.take_along_axis(h, at[..., None], axis=1)  # [B, P, D]
   logits = transformer.logits_from_hidden(params, h, model_config)
-  logits = logits / pick(batch.act_temperature)[..., None]
-  # log p = logit - logsumexp and H = logsumexp - Σ p·logit: no [B, P, V] log-softmax is
-  # materialised, only exp(logit - max), once: left inside the normaliser's reduction,
-  # XLA:CPU computes the exponentials on one thread (a SmolLM2 update's 0.17 s).
-  top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  exps = jnp.exp(logits - top)  # [B, P, V]
-  total = jnp.sum(exps, axis=-1)
-  lse = top[..., 0] + jnp.log(total)  # [B, P]
   next_tokens = jnp.concatenate([batch.tokens[:, 1:], batch.tokens[:, -1:]], axis=1)
-  logp = jnp.take_along_axis(logits, pick(next_tokens)[..., None], axis=-1)[..., 0] - lse
-  entropy = jnp.zeros_like(logp)
-  if with_entropy:
-    entropy = lse - jnp.sum(exps * logits, axis=-1) / total
+  logp, entropy = ppo.logprobs_and_entropy(logits, pick(next_tokens),
+                                           pick(batch.act_temperature), with_entropy)
   rows, cols = jnp.arange(B)[:, None], jnp.where(valid, at, T)  # T: dropped
   scatter = lambda x: jnp.zeros((B, T), x.dtype).at[rows, cols].set(x, mode="drop")
   return scatter(logp), scatter(entropy)
 
 
 def _per_turn(x: jax.Array, batch: TrainBatch, mean: bool) -> jax.Array:
-  """[B, T] per-decision values summed (or averaged) over each turn -> [B, K]."""
+  """[B, T] per-decision values -> [B, K]: each turn's `ppo.action_log_prob` (the sum over
+  its tokens) or `ppo.action_log_prob_per_token` (their mean)."""
   K = batch.turn_valid.shape[1]
-  onehot = jax.nn.one_hot(batch.act_turn, K, dtype=x.dtype)  # -1 rows are all zero
-  total = jnp.einsum("bt,btk->bk", jnp.where(batch.act_mask, x, 0.0), onehot)
-  if mean:
-    total = total / jnp.maximum(batch.turn_length, 1).astype(x.dtype)
-  return total
+  in_turn = batch.act_mask[:, None, :] & (batch.act_turn[:, None, :] ==
+                                          jnp.arange(K)[None, :, None])  # [B, K, T]
+  reduce = ppo.action_log_prob_per_token if mean else ppo.action_log_prob
+  return jax.vmap(jax.vmap(reduce, in_axes=(None, 0)))(x, in_turn)
 
 
 def _at_policy_level(x: jax.Array, batch: TrainBatch, config: LossConfig) -> jax.Array:

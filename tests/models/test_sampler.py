@@ -149,7 +149,8 @@ def test_bfloat16_temperature_one_logprobs_make_the_first_ppo_ratio_one():
                          temperature=1.0)
   full = np.concatenate([prompts, np.asarray(out.tokens[:, :N])], axis=1)
   logits, _ = transformer.forward(params, jnp.asarray(full), bf16)
-  logp = jax.vmap(ppo.token_logprobs)(logits[:, 9:-1], jnp.asarray(full[:, 10:]))
+  logp, _ = ppo.logprobs_and_entropy(logits[:, 9:-1], jnp.asarray(full[:, 10:]),
+                                     with_entropy=False)
   ratio = np.exp(np.asarray(logp) - np.asarray(out.logprobs[:, :N]))
   np.testing.assert_allclose(ratio, 1.0, atol=2e-6, rtol=0)
 

@@ -78,12 +78,10 @@ CALLS = {
         (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), x), [-0.1, NAN]),
         (lambda x: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), x), [-0.1, NAN]),
         (lambda x: ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), x), [-1.0]),
-        (lambda x: ppo.gspo_loss(_r(T), _r(T), 0.5, _m(T), x), [-1e-4, NAN]),
         (lambda x: ppo.clip_fraction(_r(T), _r(T), _m(T), x), [-0.2]),
     ],
     "epsilon_high": [
         (lambda x: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.2, x), [-0.1, NAN]),
-        (lambda x: ppo.gspo_loss(_r(T), _r(T), 0.5, _m(T), 0.2, x), [-0.1]),
     ],
     "dual_clip": [
         (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), 0.2, dual_clip=x), [1.0, 0.5, NAN]),
@@ -121,9 +119,11 @@ CALLS = {
     "bias": [(lambda x: ppo.shape_rewards(_r(T), bias=x), [NAN, -INF])],
     "clip": [(lambda x: ppo.shape_rewards(_r(T), clip=x), [0.0, -1.0, NAN])],
     "temperature": [
-        (lambda x: ppo.token_logprobs(LOGITS, np.arange(T), x), [0.0, -1.0, NAN, INF]),
-        (lambda x: ppo.token_entropy(LOGITS, x), [0.0, -0.5, NAN, INF]),
-        (lambda x: ppo.masked_entropy(LOGITS, _m(T), x), [0.0, NAN]),
+        (lambda x: ppo.logprobs_and_entropy(LOGITS, np.arange(T), x), [0.0, -1.0, NAN, INF]),
+        (lambda x: ppo.logprobs_and_entropy(LOGITS, np.arange(T), np.full(T, 1.0) * x),
+         [0.0, -0.5, NAN, INF]),  # per position: one bad entry is enough
+        (lambda x: ppo.logprobs_and_entropy(LOGITS, np.arange(T), np.array([1.0, 0.5, 2.0, x]),
+                                            with_entropy=False), [0.0, NAN]),
     ],
 }
 
@@ -164,7 +164,8 @@ def test_edge_values_are_accepted():
   ppo.clipped_huber_value_loss(_r(T), _r(T), _r(T), _m(T), 1e-3, INF)
   ppo.kl_reward(_r(T), _r(T), _m(T), 0.0)
   ppo.shape_rewards(_r(T), clip=INF)
-  ppo.token_logprobs(LOGITS, np.arange(T), 1e-3)
+  ppo.logprobs_and_entropy(LOGITS, np.arange(T), 1e-3)
+  ppo.logprobs_and_entropy(LOGITS, np.arange(T), np.full(T, 1e-3, np.float32))
 
 
 def test_bad_value_closed_over_by_jit_is_refused_at_trace_time():
@@ -217,7 +218,8 @@ TRACED = {
               np.float32(1.5)),
     "epsilon": (lambda e: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), e), np.float32(-0.1)),
     "delta": (lambda d: ppo.huber_loss(_r(T), d), np.float32(0.0)),
-    "temperature": (lambda t: ppo.token_logprobs(LOGITS, np.arange(T), t), np.float32(0.0)),
+    "temperature": (lambda t: ppo.logprobs_and_entropy(LOGITS, np.arange(T), t)[0],
+                    np.float32(0.0)),
     "gamma_c": (lambda g: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount",
                                           g), np.float32(1.5)),
     "group_ids": (lambda g: ppo.agent_group_normalize(_r(T), _m(T), g, np.zeros(T, int), 2, 1),

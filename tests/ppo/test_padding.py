@@ -83,7 +83,6 @@ POLICY_LOSSES = {
     "ppo_clip_loss": lambda lp, old, adv: ppo.ppo_clip_loss(lp, old, adv, MASK, 0.2, 0.28, 3.0),
     "decoupled_ppo_loss": lambda lp, old, adv: ppo.decoupled_ppo_loss(
         lp, old, old - 0.1 * jnp.where(MASK, 1.0, old), adv, MASK, 0.2, imp_weight_cap=5.0),
-    "gspo_loss": lambda lp, old, adv: ppo.gspo_loss(lp, old, adv[0], MASK, 0.2),
     "kl_penalty_k2": lambda lp, old, adv: ppo.kl_penalty(lp, old, MASK, ppo.kl_k2),
     "kl_penalty_k3": lambda lp, old, adv: ppo.kl_penalty(lp, old, MASK, ppo.kl_k3),
     "action_log_prob": lambda lp, old, adv: ppo.action_log_prob(lp, MASK),
@@ -98,25 +97,23 @@ def test_policy_losses_ignore_nan_padding(name):
   _assert_padding_is_inert(POLICY_LOSSES[name], (logp, old, adv), padded, MASK)
 
 
-def test_gspo_empty_sequence_with_nan_advantage():
-  logp, old, _ = _policy(3)
-  none = np.zeros(T, bool)
-  assert ppo.gspo_loss(logp, old, np.float32(np.nan), none, 0.2) == 0.0
-  grad = jax.grad(ppo.gspo_loss)(logp, old, np.float32(np.nan), none, 0.2)
-  np.testing.assert_array_equal(grad, 0.0)
-
-
-def test_masked_entropy_ignores_nan_logit_rows():
+def test_logprobs_and_entropy_rows_are_independent():
+  # A NaN or inf logit row (the vocabulary scores of a position never trained) changes only
+  # its own position's values.
   logits = np.random.default_rng(4).normal(size=(T, 5)).astype(np.float32)
-  _assert_padding_is_inert(lambda l: ppo.masked_entropy(l, MASK, 0.7), (logits,),
-                           (_pad(logits, MASK),), MASK)
+  tokens, temperature = np.arange(T) % 5, np.full(T, 0.7, np.float32)
+  clean = ppo.logprobs_and_entropy(logits, tokens, temperature)
+  padded = ppo.logprobs_and_entropy(_pad(logits, MASK), tokens, temperature)
+  for c, p in zip(clean, padded):
+    np.testing.assert_array_equal(np.asarray(p)[MASK], np.asarray(c)[MASK])
 
 
 def test_entropy_gradient_with_masked_vocabulary_is_finite():
   # A −inf logit (a vocabulary entry ruled out) has probability 0: no NaN in the gradient,
   # and the gradient on the other entries equals that of the entropy over them alone.
   logits = jnp.array([[0.3, -0.2, -jnp.inf, 1.0]])
-  entropy_grad = jax.jit(jax.grad(lambda l: ppo.token_entropy(l).sum()))
+  entropy_grad = jax.jit(jax.grad(lambda l: ppo.logprobs_and_entropy(l, np.zeros(1, int))[1]
+                                  .sum()))
   grad = entropy_grad(logits)
   assert np.all(np.isfinite(grad))
   alone = entropy_grad(logits[:, [0, 1, 3]])
@@ -124,14 +121,15 @@ def test_entropy_gradient_with_masked_vocabulary_is_finite():
   assert grad[0, 2] == 0.0
 
 
-def test_token_logprobs_out_of_vocabulary_is_nan_not_wrapped():
+def test_logprobs_out_of_vocabulary_is_nan_not_wrapped():
   logits = np.random.default_rng(5).normal(size=(4, 5)).astype(np.float32)
-  logp = np.asarray(ppo.token_logprobs(logits, np.array([0, -1, 5, -100])))
+  tokens = np.array([0, -1, 5, -100])
+  logp = np.asarray(ppo.logprobs_and_entropy(logits, tokens)[0])
   assert np.isfinite(logp[0]) and np.all(np.isnan(logp[1:]))
   mask = np.array([1, 0, 0, 0])
   np.testing.assert_allclose(ppo.action_log_prob(logp, mask), logp[0])
   grad = jax.grad(lambda l: ppo.action_log_prob(
-      ppo.token_logprobs(l, np.array([0, -1, 5, -100])), mask))(logits)
+      ppo.logprobs_and_entropy(l, tokens, with_entropy=False)[0], mask))(logits)
   assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[1:] == 0.0)
 
 

@@ -88,10 +88,8 @@ EXAMPLES = {
                               lambda r: (_step_ids(r),)),
     "turn_credit": (functools.partial(ppo.turn_credit, credit="step_discount", gamma_c=0.5),
                     lambda r: (_f(r, T), _f(r, T), *_turns(r)[:3])),
-    "token_logprobs": (functools.partial(ppo.token_logprobs, temperature=0.7),
-                       lambda r: (_f(r, T, V), r.integers(0, V, T))),
-    "token_entropy": (ppo.token_entropy, lambda r: (_f(r, T, V),)),
-    "masked_entropy": (ppo.masked_entropy, lambda r: (_f(r, T, V), _mask(r, T))),
+    "logprobs_and_entropy": (ppo.logprobs_and_entropy, lambda r: (
+        _f(r, T, V), r.integers(0, V, T), r.uniform(0.5, 2.0, T).astype(np.float32))),
     "action_log_prob": (ppo.action_log_prob, lambda r: (_logp(r, T), _mask(r, T))),
     "action_log_prob_per_token": (ppo.action_log_prob_per_token,
                                   lambda r: (_logp(r, T), _mask(r, T))),
@@ -102,8 +100,6 @@ EXAMPLES = {
     "decoupled_ppo_loss": (
         functools.partial(ppo.decoupled_ppo_loss, epsilon=0.2, imp_weight_cap=2.0),
         lambda r: (_logp(r, T), _logp(r, T), _logp(r, T), _f(r, T), _mask(r, T))),
-    "gspo_loss": (functools.partial(ppo.gspo_loss, epsilon=0.2),
-                  lambda r: (_logp(r, T), _logp(r, T), _f(r), _mask(r, T))),
     "clip_fraction": (functools.partial(ppo.clip_fraction, epsilon=0.2),
                       lambda r: (_logp(r, T), _logp(r, T), _mask(r, T))),
     "huber_loss": (functools.partial(ppo.huber_loss, delta=1.0), lambda r: (_f(r, T) * 3,)),
@@ -174,7 +170,9 @@ LOSSES = {
                                                                dual_clip=1.1),
     "decoupled_ppo_loss": lambda lp, old, adv, m: ppo.decoupled_ppo_loss(
         lp, old, old + 0.1, adv, m, 0.2, imp_weight_cap=5.0),
-    "gspo_loss": lambda lp, old, adv, m: ppo.gspo_loss(lp, old, adv[0], m, 0.2),
+    "gspo": lambda lp, old, adv, m: ppo.ppo_clip_loss(  # loss.action_logprob="mean"
+        ppo.action_log_prob_per_token(lp, m), ppo.action_log_prob_per_token(old, m), adv[0],
+        jnp.ones((), bool), 0.2),
     "kl_penalty_k2": lambda lp, old, adv, m: ppo.kl_penalty(lp, old, m, ppo.kl_k2),
     "kl_penalty_k3": lambda lp, old, adv, m: ppo.kl_penalty(lp, old, m, ppo.kl_k3),
 }
@@ -207,9 +205,14 @@ def test_value_loss_gradients_match_finite_differences(huber):
                 rtol=1e-6)
 
 
-def test_entropy_bonus_gradient_matches_finite_differences():
+def test_logprob_and_entropy_gradients_match_finite_differences():
+  # The max subtracted inside carries no gradient; the exact gradient must not need it.
   with jax.enable_x64(True):
-    logits = jnp.asarray(np.random.default_rng(3).normal(size=(T, V)))
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(T, V)))
+    tokens, temperature = rng.integers(0, V, T), jnp.asarray(rng.uniform(0.5, 2.0, T))
     mask = jnp.asarray(np.array([1, 1, 0, 1, 0, 1], bool))
-    check_grads(lambda l: ppo.masked_entropy(l, mask, 0.7), (logits,), order=1, modes=("rev",),
-                eps=1e-6, atol=1e-6, rtol=1e-6)
+    for part in (0, 1):  # log-prob of the sampled token, entropy bonus
+      check_grads(lambda l: ppo.masked_mean(
+          ppo.logprobs_and_entropy(l, tokens, temperature)[part], mask), (logits,), order=1,
+                  modes=("rev",), eps=1e-6, atol=1e-6, rtol=1e-6)

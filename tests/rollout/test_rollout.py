@@ -55,7 +55,7 @@ def _play(model, team, structure=None, seed=0, **config):
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _token_logprobs(params, lora, tokens, adapter_ids, temperature, config):
+def _teacher_forced_logp(params, lora, tokens, adapter_ids, temperature, config):
   logits, _ = transformer.forward(params, tokens[None], config, lora=lora,
                                   adapter_ids=adapter_ids[None])
   logp = jax.nn.log_softmax(logits[0, :-1] / temperature[1:, None], axis=-1)
@@ -65,7 +65,7 @@ def _token_logprobs(params, lora, tokens, adapter_ids, temperature, config):
 def _assert_rescoring_reproduces(model, sequence):
   """Teacher-forced log-probs (training layout, recorded adapter ids) = behaviour log-probs."""
   a = sequence.arrays()
-  logp = _token_logprobs(model["params"], model["lora"], jnp.asarray(a["tokens"]),
+  logp = _teacher_forced_logp(model["params"], model["lora"], jnp.asarray(a["tokens"]),
                          jnp.asarray(a["adapter_ids"]), jnp.asarray(a["temperature"]),
                          model["base"])
   mask = a["loss_mask"][1:]
