@@ -9,6 +9,8 @@ function's name. One listener, registered on first use, adds them up for the who
     ...  # one training iteration
     stats = counter.delta()  # CompileStats(count=0, seconds=0.0, names=()) in steady state
 
+The trainer reports each iteration's as time/compiles and time/compile_s.
+
 Tracing alone (a cached executable reused for a new Python call) is not counted: only the
 programs XLA builds, which is where a recompile's seconds go.
 """
@@ -32,8 +34,10 @@ class CompileStats:
   seconds: float = 0.0
   names: tuple = ()
 
-  def metrics(self, prefix: str = "compile/") -> dict:
-    return {f"{prefix}count": self.count, f"{prefix}seconds": self.seconds}
+  def metrics(self) -> dict:
+    """As the trainer's per-iteration metrics: with the times (they vary from host to host
+    and with what this process compiled before, so a resumed run's differ too)."""
+    return {"time/compiles": self.count, "time/compile_s": self.seconds}
 
 
 class _Totals:

@@ -276,7 +276,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
       num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
   heldout = functools.partial(_heldout, config=config, model=model,
                               weights=(rollout_params, rollout_config))
-  compiles = compile_stats.CompileCounter()  # per iteration: compile/count, compile/seconds
+  compiles = compile_stats.CompileCounter()  # per iteration: time/compiles, time/compile_s
   try:
     with PreemptionFlag() as preempt, checkpointer:
       for iteration in range(start, config.iterations):

@@ -5,7 +5,7 @@ The tiny model at temperature 1 with its EOS embedding boosted stops at a random
 the second agent's prompt (which holds the first agent's reply), the rows the update trains
 on and their trained positions all change from iteration to iteration. The reference is
 JAX's own count of XLA compilations (`compile_stats`), which the trainer reports per
-iteration as compile/count and compile/seconds.
+iteration as time/compiles and time/compile_s.
 """
 
 import dataclasses
@@ -54,7 +54,7 @@ def test_iterations_after_the_first_compile_nothing(model, tmp_path):
   loop.train(config, str(tmp_path), model=model, progress=False, on_iteration=record)
   lengths = [m["generated_tokens"] for m in seen]
   assert len(set(lengths)) > 2, lengths  # the replies' lengths did vary
-  counts = [(m["compile/count"], round(m["compile/seconds"], 2)) for m in seen]
+  counts = [(m["time/compiles"], round(m["time/compile_s"], 2)) for m in seen]
   assert counts[0][0] > 0 and counts[0][1] > 0, counts
   assert all(count == 0 and seconds == 0 for count, seconds in counts[2:]), (counts, names)
 
@@ -70,4 +70,4 @@ def test_compile_counter_counts_a_new_shape_once():
   assert first.count >= 1 and first.seconds > 0 and any("lambda" in n for n in first.names)
   assert again.count == 0 and again.seconds == 0
   assert counter.delta().count >= 1
-  assert again.metrics() == {"compile/count": 0, "compile/seconds": 0.0}
+  assert again.metrics() == {"time/compiles": 0, "time/compile_s": 0.0}
