@@ -151,3 +151,25 @@ def test_launch_refuses_a_reward_fn_it_cannot_import(tmp_path):
       capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert out.returncode == 2
   assert "config.reward.fn='tests.rollout.test_rewards:no_such_function'" in out.stderr
+
+
+def test_the_judge_can_be_a_second_model_with_its_own_adapter(tmp_path):
+  """reward.judge_model (another model folder) and reward.judge_adapter (a PEFT folder) are
+  what `build_judge` loads: that model's weights, tokenizer and the adapter."""
+  from marft_jax import lora as lora_lib
+  from marft_jax.train import algorithms
+  from marft_jax.train.config import TrainConfig
+  folder = tiny.save_tiny_model(tmp_path / "judge")
+  policy_model = loop.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  _, judge_config, _ = tiny.tiny_model(max_position_embeddings=1024)
+  adapter = lora_lib.init_adapters(lora_lib.LoraConfig(rank=2, alpha=4.0), judge_config,
+                                   jax.random.key(3), 1)
+  lora_lib.save_peft_adapter(tmp_path / "adapter", adapter)
+  config = algorithms.resolve(TrainConfig(reward=RewardSection(
+      judge=True, judge_model=str(folder), judge_adapter=str(tmp_path / "adapter"),
+      judge_weight=0.3)))
+  weights = loop.rollout_model(policy_model, config)
+  judge = loop.build_judge(config, policy_model, weights)
+  assert judge.params is not weights[0] and judge.weight == 0.3
+  assert judge.adapter is not None and judge.adapter.num_adapters == 1
+  assert judge.tokenizer is not policy_model.tokenizer
