@@ -117,7 +117,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
   loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
-  team = _resolve_team(config.team, config.task.name, _team_size(a, config.team, pick))
+  team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
   return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
                              rollout=rollout, team=team)
 
@@ -140,18 +140,6 @@ def _check_sampling(team) -> None:
   for role in team.roles:
     if role.top_p:
       update.check_untruncated_sampling(role.top_p, 0, prefix=f"team.roles.{role.name}.")
-
-
-def _resolve_team(team, task: str, num_roles: int):
-  """The team with its roles spelled out: the declared ones, or the task's shipped team of
-  `num_roles` (so a resolved config, and a checkpoint's, names every role)."""
-  if team.roles:
-    return dataclasses.replace(team, num_roles=num_roles)
-  from marft_jax.train import teams  # teams imports the config, which imports this module
-  try:
-    return dataclasses.replace(team, **teams.shipped(task, num_roles), num_roles=num_roles)
-  except ValueError as e:
-    raise ValueError(f"{e} (task.name={task!r})") from None
 
 
 def _team_size(a: Algorithm, team, pick) -> int:

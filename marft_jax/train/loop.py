@@ -59,7 +59,7 @@ from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
 from marft_jax.train import local_batch
-from marft_jax.train.config import TeamSection, TrainConfig, check_processes
+from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves
 from marft_jax.train.update import TrainState, make_update, prepare
 
@@ -398,12 +398,9 @@ def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: d
 
 
 def _resolved_defaults(config: TrainConfig) -> dict:
-  """What a key missing from an older checkpoint's config meant when it was written (its
-  fields predate the key): the algorithm's resolved defaults, with the shipped team of the
-  run's task and size (a checkpoint from before `team.roles` trained that team)."""
-  team = TeamSection(num_roles=config.team.num_roles)
-  return to_config_dict(algorithms.resolve(TrainConfig(
-      algorithm=config.algorithm, task=config.task, team=team))).to_dict()
+  """The algorithm's resolved defaults: what a key missing from an older checkpoint's config
+  meant when that checkpoint was written (its fields predate the key)."""
+  return to_config_dict(algorithms.resolve(TrainConfig(algorithm=config.algorithm))).to_dict()
 
 
 def build_judge(config: TrainConfig, model: Model, weights) -> Optional[rewards_lib.Judge]:

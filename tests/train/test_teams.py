@@ -65,10 +65,10 @@ def test_a_role_override_by_name_changes_that_role_only():
 def test_team_wide_sampling_reaches_the_roles_that_inherit_it():
   profiles = teams.build_team(_file("train.py", **{"team.max_new_tokens": 8,
                                                     "team.last_max_new_tokens": 4,
-                                                    "team.temperature": 0.6}).team,
+                                                    "team.top_p": 0.9}).team,
                               "arithmetic")[0]
   assert [p.sampling.max_new_tokens for p in profiles] == [8, 4]
-  assert [p.sampling.temperature for p in profiles] == [0.6, 0.6]
+  assert [p.sampling.top_p for p in profiles] == [0.9, 0.9]
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -201,18 +201,3 @@ def test_the_transition_wording_reaches_the_shared_stream(tmp_path):
   assert loop.rollout_settings(_file("train.py")).transition == context.TRANSITION
   with pytest.raises(ValueError, match=r"team: transition="):
     _file("train.py", **{"team.transition": "Now {speaker}."})
-
-
-def test_an_old_checkpoints_team_is_the_shipped_team_it_trained():
-  """Resolution spells the shipped team out, so a checkpoint written before `team.roles`
-  (only team.num_roles saved) compares equal to the file that spells the team out."""
-  from marft_jax.configs import to_config_dict
-  from marft_jax.train import loop
-  current = _file("math_3agents.py")
-  resolved_library = algorithms.resolve(TrainConfig(task=current.task,
-                                                    team=TeamSection(num_roles=3)))
-  spelled = lambda team: (team.roles, team.order, team.num_roles)
-  assert spelled(resolved_library.team) == spelled(current.team)
-  defaults, saved = loop._resolved_defaults(current)["team"], to_config_dict(current).to_dict()
-  assert (defaults["roles"], defaults["order"]) == (saved["team"]["roles"],
-                                                    saved["team"]["order"])
