@@ -65,10 +65,10 @@ def test_a_role_override_by_name_changes_that_role_only():
 def test_team_wide_sampling_reaches_the_roles_that_inherit_it():
   profiles = teams.build_team(_file("train.py", **{"team.max_new_tokens": 8,
                                                     "team.last_max_new_tokens": 4,
-                                                    "team.top_p": 0.9}).team,
+                                                    "team.temperature": 0.6}).team,
                               "arithmetic")[0]
   assert [p.sampling.max_new_tokens for p in profiles] == [8, 4]
-  assert [p.sampling.top_p for p in profiles] == [0.9, 0.9]
+  assert [p.sampling.temperature for p in profiles] == [0.6, 0.6]
 
 
 @pytest.mark.parametrize("overrides,key", [
