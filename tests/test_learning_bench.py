@@ -11,6 +11,7 @@ from ml_collections import config_flags
 
 from bench import learning, learning_results
 from marft_jax.configs import from_config_dict
+from marft_jax.train import algorithms
 from marft_jax.train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +80,7 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
 
 
 def _parse(command):
-  """The typed config a printed command gives, parsed as the launch scripts parse it."""
+  """The typed config a printed command gives, parsed and resolved as the launch scripts do."""
   words = command.split()
   assert words[0] == "python" and words[1] == "-m" and words[2] in ("launch.train", "launch.eval")
   values = flags.FlagValues()
@@ -89,7 +90,8 @@ def _parse(command):
   config_flags.DEFINE_config_file("config", flag_values=values, lock_config=True, sys_argv=argv)
   values(argv)
   others = [w for w in words[3:] if not w.startswith("--config")]
-  return from_config_dict(TrainConfig, values.config), words[2], others
+  # resolved as both launch scripts resolve it (the team's size, the algorithm's auto keys)
+  return algorithms.resolve(from_config_dict(TrainConfig, values.config)), words[2], others
 
 
 @pytest.mark.parametrize("arm", sorted(learning.ARMS))

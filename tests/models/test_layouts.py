@@ -250,17 +250,21 @@ def test_remat_gives_the_same_gradient_in_less_memory():
   adapters = _adapters(base)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (4, 64)))
   ids = jnp.asarray(np.repeat([[0], [1], [-1], [1]], 64, axis=1))
+  probe = jnp.asarray(np.random.default_rng(3).normal(size=(4, 64, base.hidden_size)),
+                      jnp.float32)
 
   def grad_fn(config):
     def loss(layers):
       h, _ = transformer.hidden_states(params, tokens, config,
                                        lora=adapters.replace(layers=layers), adapter_ids=ids)
-      return jnp.sum(jnp.sin(h))
+      return jnp.vdot(probe, h)  # linear in h: no amplification of h's rounding (sin(h) had)
     return jax.jit(jax.grad(loss))
 
   stored, remat = grad_fn(base), grad_fn(base.replace(layout=layout.Layout(remat=True)))
-  # Float rounding relative to each gradient's scale: the two compile the forward apart.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max()),
+  # Float rounding relative to each gradient's scale: the two compile the forward apart, and
+  # how XLA fuses it depends on the host's vector ISA (2e-5 of the scale seen on one host; a
+  # wrong recomputation is off by the order of the gradient itself).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max()),
                remat(adapters.layers), stored(adapters.layers))
   temp = lambda fn: fn.lower(adapters.layers).compile().memory_analysis().temp_size_in_bytes
   assert temp(remat) < 0.8 * temp(stored)
