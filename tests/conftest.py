@@ -1,5 +1,6 @@
 """Test-wide JAX settings: f32 on CPU, and no silent rank promotion."""
 
+import gc
 import os
 
 # Sharding tests need several devices; the flag must be set before JAX starts.
@@ -9,6 +10,16 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Drop each test file's compiled programs when the file ends. An xdist worker runs half the
+  suite in one process, and every XLA:CPU executable holds its own memory mappings: kept,
+  they reached the kernel's limit (vm.max_map_count, 65530) and XLA segfaulted in a compile."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def pytest_configure(config):
