@@ -652,11 +652,12 @@ _COMPILED = _CompiledShapes()
 
 def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optional[KVCache], *,
                  cache_size: Optional[int], prompt_width: Optional[int],
-                 new_tokens: Optional[int], rows) -> tuple[Shapes, list]:
+                 new_tokens: Optional[int], rows, compile_ahead: bool = False
+                 ) -> tuple[Shapes, list]:
   """The call's `Shapes`: P, N, S bucketed (see `generate_jit`), P from `prompt_width` when
   given, and an already compiled (P, S) reused when one fits (`_CompiledShapes`); and the
-  `Shapes` to compile ahead: when a fresh-cache call compiles a new P, the next bucket up
-  too (its prompts then vary by a bucket in the run without compiling again)."""
+  `Shapes` to compile ahead (`compile_ahead`): when a fresh-cache call compiles a new P, the
+  next bucket up too (its prompts then vary by a bucket in the run without compiling again)."""
   real = call.mask[:, route.prefix_length:].any(axis=0)
   used = int(np.max(np.nonzero(real)[0], initial=-1)) + 1
   used = max(used, (prompt_width or 0) - route.prefix_length)
@@ -689,7 +690,7 @@ def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optiona
   prompt, slots, new = _COMPILED.choose(key, prompt, room, slots, start=start, kept=kept)
   shapes = Shapes(batch, prompt, num_new, slots, prefix, greedy)
   ahead = []
-  if new and cache is None and rows is None:  # and the next prompt bucket up, at once
+  if compile_ahead and new and cache is None and rows is None:  # the next bucket up, now
     wider = prompt_bucket(prompt + 1)
     wider_slots = max(prefix + wider + room, cache_size or 0)
     if _COMPILED.claim(key, wider, wider_slots):
@@ -720,7 +721,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
              on_step: Optional[Callable[[jax.Array], None]] = None,
              rows: Optional[multihost.ProcessRows] = None, merge_lora: bool = True,
-             share_prefix: bool = True, prompt_width: Optional[int] = None) -> SampleOutput:
+             share_prefix: bool = True, prompt_width: Optional[int] = None,
+             compile_ahead: bool = False) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
   For speed pass params and config in `layout.decoding()` (`layout.convert_params`, once):
@@ -780,6 +782,10 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       (e.g. the prompt as it would be had every earlier reply used its whole
       `max_new_tokens`): P is bucketed from it, not from this call's tokens, so calls whose
       prompts vary below the bound compile once (`_plan_shapes`).
+    compile_ahead: for a loop that calls again with prompts of other lengths (a trainer's
+      rollouts): when this call compiles a fresh-cache program for a new prompt bucket, the
+      next bucket up compiles too, now, so that a later, longer prompt does not stop the loop
+      to compile. Off for a one-off call (it would pay for a program it never runs).
   Returns:
     A `SampleOutput` with N output columns.
   Raises:
@@ -790,7 +796,7 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   route = _route(params, config, call, lora, cache, rows, merge_lora, share_prefix)
   shapes, ahead = _plan_shapes(call, route, config, cache, cache_size=cache_size,
                                prompt_width=prompt_width, new_tokens=max_new_tokens_bucket,
-                               rows=rows)
+                               rows=rows, compile_ahead=compile_ahead)
   run = functools.partial(_launch, call, route, config=config, cache=cache, rng=rng,
                           pad_id=int(pad_id), on_step=on_step, rows=rows)
   for wider in ahead:

@@ -114,7 +114,7 @@ def apply_judge(episodes: Sequence[Any], team, judge: Judge, rng: jax.Array) -> 
       prompt_lens=np.asarray([len(p) for p in prompts], np.int32), temperature=0.0,
       lora=judge.adapter, adapter_ids=None if judge.adapter is None else np.zeros(len(prompts),
                                                                                  np.int32),
-      eos_ids=judge.tokenizer.eos_token_id, pad_id=pad)
+      eos_ids=judge.tokenizer.eos_token_id, pad_id=pad, compile_ahead=True)  # every iteration
   new_tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
   scores, unparseable = [], 0
   for r, episode in enumerate(kept):

@@ -334,7 +334,7 @@ class _Runner:
         temperature=temperature,
         top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self.eos,
         pad_id=self.pad, max_new_tokens_bucket=self.num_new, rows=self.layout,
-        prompt_width=prompt_width)
+        prompt_width=prompt_width, compile_ahead=True)  # a run calls with every length
     read = multihost.to_host if self.layout is None else self.layout.get  # only its own rows
     result = tuple(read(x) for x in (out.tokens, out.logprobs, out.lengths))
     self.metrics["sampler_s"] += time.perf_counter() - start

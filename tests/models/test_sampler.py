@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marft_jax import compile_stats
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import layout, sampler, targets, transformer
 from marft_jax.models.config import tiny_config
@@ -244,6 +245,25 @@ def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):
                   top_p=None, max_new_tokens=np.array([9, 2, 16]))
   assert sampler._generate_jit._cache_size() == compiled
   np.testing.assert_array_equal(np.asarray(out.lengths), [9, 2, 16])
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_compile_ahead_compiles_the_next_prompt_bucket_at_once(params, ahead):
+  """`compile_ahead` (the trainer's rollouts): a fresh prompt bucket's first call compiles the
+  next bucket up too, so the longer prompts that follow compile nothing; without it (a
+  one-off call) only what runs compiles, and the longer prompts compile when they come."""
+  rng = np.random.default_rng(1)
+  short, long = rng.integers(0, V, (2, 10)), rng.integers(0, V, (2, 20))  # P = 16, then 32
+  # top_k makes a call signature that no other test of this process compiles.
+  kw = dict(max_new_tokens=3, temperature=1.0, top_k=5 + ahead, compile_ahead=ahead)
+  programs = lambda stats: sum(name == "jit(_generate)" for name in stats.names)
+  counter = compile_stats.CompileCounter()
+  first = _generate(params, short, lens=np.array([10, 7]), **kw)
+  compiled_first = programs(counter.delta())
+  second = _generate(params, long, lens=np.array([20, 18]), **kw)
+  compiled_second = programs(counter.delta())
+  assert (compiled_first, compiled_second) == ((2, 0) if ahead else (1, 1))
+  assert first.tokens.shape == second.tokens.shape == (2, 16)
 
 
 def _random_adapters(config, num_adapters=2, rank=4):

@@ -68,14 +68,24 @@ def sampled(dtype: str):
   return config, params, policy, jax.tree.map(jnp.asarray, TrainBatch(**f))
 
 
+OPTIMIZER = optax.adamw(1e-2, eps=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_update(dtype: str, loss: LossConfig, epochs: int):
+  """One jitted update per (dtype, loss, epochs): the tests reuse it across batches, as the
+  trainer does across iterations (each compile costs seconds on CPU)."""
+  return make_update(sampled(dtype)[0], loss, OPTIMIZER, None, None, 2, epochs=epochs,
+                     minibatches=2)
+
+
 def run_update(dtype: str, batch=None, epochs=1, **loss_keys):
   config, params, policy, sampled_batch = sampled(dtype)
   batch = sampled_batch if batch is None else batch
   loss = LossConfig(**{"policy_level": "token", **loss_keys})
-  optimizer = optax.adamw(1e-2, eps=1e-5)
-  state = TrainState(policy=policy, critic=None, policy_opt=optimizer.init(policy),
+  state = TrainState(policy=policy, critic=None, policy_opt=OPTIMIZER.init(policy),
                      critic_opt=None, step=jnp.zeros((), jnp.int32))
-  update = make_update(config, loss, optimizer, None, None, 2, epochs=epochs, minibatches=2)
+  update = compiled_update(dtype, loss, epochs)
   extras = prepare(params, policy, batch, config, loss, minibatches=2)
   new_state, metrics = update(state, params, batch, extras, jnp.ones((2,), bool),
                               jnp.asarray(True), jax.random.key(3))
