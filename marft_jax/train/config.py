@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from marft_jax.architecture import precision
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
@@ -38,9 +39,13 @@ class ModelSection:
   # The update recomputes each layer's activations in its backward pass instead of storing
   # them (models.layout.Layout.remat): far less memory, about one more forward of compute.
   remat: bool = False
+  # "auto": f32 matmuls are exact f32 on every platform (not TF32 on NVIDIA), a bf16 model's
+  # run at the platform's default; or "default", "high", "highest" (architecture/precision.py).
+  matmul_precision: str = "auto"
 
   def __post_init__(self):
     _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    _one_of("matmul_precision", self.matmul_precision, precision.PRECISIONS)
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
 

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from marft_jax import envs as envs_lib
+from marft_jax.architecture import precision
 from marft_jax.configs import from_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import rollout
@@ -85,8 +86,9 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   try:
     key = jax.random.key(config.seed)
     while len(episodes) < total:
-      result = rollout(envs, team, structure, params, model_config, model.tokenizer,
-                       jax.random.fold_in(key, len(episodes)), lora=policy, config=settings)
+      with precision.scope(config.model.matmul_precision, config.model.param_dtype):
+        result = rollout(envs, team, structure, params, model_config, model.tokenizer,
+                         jax.random.fold_in(key, len(episodes)), lora=policy, config=settings)
       new = result.episodes[:total - len(episodes)]
       episodes += new
       if bar is not None:

@@ -45,6 +45,7 @@ from absl import logging
 from marft_jax import envs as envs_lib
 from marft_jax import lora as lora_lib
 from marft_jax import compile_stats, multihost, sharding
+from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
@@ -209,7 +210,8 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
   model = load(config) if model is None else model
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
+                                           config.model.param_dtype):
     return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
                   reward_fn)
 

@@ -47,9 +47,12 @@ def test_iterations_after_the_first_compile_nothing(model, tmp_path):
   seen, names = [], []
   counter = compile_stats.CompileCounter()  # for the names of what compiled, if anything
 
+  precisions = set()
+
   def record(iteration, metrics):
     seen.append(metrics)
     names.append(sorted(set(counter.delta().names)))
+    precisions.add(jax.config.jax_default_matmul_precision)  # the run's (model.matmul_precision)
 
   loop.train(config, str(tmp_path), model=model, progress=False, on_iteration=record)
   lengths = [m["generated_tokens"] for m in seen]
@@ -57,6 +60,8 @@ def test_iterations_after_the_first_compile_nothing(model, tmp_path):
   counts = [(m["time/compiles"], round(m["time/compile_s"], 2)) for m in seen]
   assert counts[0][0] > 0 and counts[0][1] > 0, counts
   assert all(count == 0 and seconds == 0 for count, seconds in counts[2:]), (counts, names)
+  assert precisions == {"highest"}  # "auto" on a float32 model: exact f32 on every platform
+  assert jax.config.jax_default_matmul_precision is None  # and only inside the run
 
 
 def test_compile_counter_counts_a_new_shape_once():
