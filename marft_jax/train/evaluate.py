@@ -137,7 +137,7 @@ def restore_policy(config: TrainConfig, model, workdir: str):
   budgets, algorithm, critic, ...) may differ. The checkpoint is read into a state shaped by
   its own saved config. A difference is a `CheckpointMismatchError` naming the keys.
   """
-  from marft_jax.train.loop import _optimizers, init_state
+  from marft_jax.train.loop import new_state
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise FileNotFoundError(f"{workdir}: no checkpoints folder to evaluate (train first, or "
                             "evaluate the untuned model)")
@@ -149,9 +149,7 @@ def restore_policy(config: TrainConfig, model, workdir: str):
                               "evaluate the untuned model)")
     saved = _saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
     _check_same_adapters(saved, config, f"{workdir}: step {step}")
-    team, structure = greedy_team(saved)
-    template = init_state(dataclasses.replace(saved, init_from=""), model,
-                          len(team) + (structure is not None), *_optimizers(saved))
+    template = new_state(dataclasses.replace(saved, init_from=""), model)
     state, _ = checkpointer.restore(template, step=step)
   return state.policy, step
 

@@ -176,7 +176,16 @@ def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimi
                     step=jnp.zeros((), jnp.int32))
 
 
-def _optimizers(config: TrainConfig):
+def new_state(config: TrainConfig, model: Model) -> TrainState:
+  """The state a run of `config` starts from (or a checkpoint of it restores into): the
+  adapters (`init_from`'s, if given), the critic for the team `build_team` makes, and the
+  optimizers' states."""
+  team, structure = build_team(config)
+  return init_state(config, model, len(team) + (structure is not None), *optimizers(config))
+
+
+def optimizers(config: TrainConfig):
+  """(the policy's optimizer, the critic's), with the learning-rate schedule of `config`."""
   o = config.optimizer
   steps_per_iteration = o.epochs * o.minibatches
   schedule = optim.learning_rate(o.lr, o.warmup_iterations * steps_per_iteration,
@@ -237,7 +246,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
   layout = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
   envs = build_envs(config, team, seed=config.seed,
                     owned=None if layout is None else layout.block(config.rollout.num_envs))
-  policy_optimizer, critic_optimizer = _optimizers(config)
+  policy_optimizer, critic_optimizer = optimizers(config)
   state = init_state(config, model, num_agents, policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)

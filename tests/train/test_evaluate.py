@@ -184,9 +184,7 @@ def run(tmp_path_factory):
 
 def _checkpoint(workdir, config, model, policy):
   """Writes `policy` as the trainer would: a checkpoint with its config in the meta."""
-  team, structure = loop.build_team(config)
-  state = loop.init_state(config, model, len(team) + (structure is not None),
-                          *loop._optimizers(config)).replace(policy=policy)
+  state = loop.new_state(config, model).replace(policy=policy)
   with Checkpointer(workdir) as checkpointer:
     checkpointer.save(3, state, {"iteration": 3, "config": to_config_dict(config).to_dict()},
                       force=True)

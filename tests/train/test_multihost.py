@@ -77,10 +77,7 @@ def _env_records(workdir):
 
 def _initial(config, model):
   """The state training starts from (the run's seed)."""
-  team, structure = loop.build_team(config)
-  policy_opt, critic_opt = loop._optimizers(config)
-  return loop.init_state(config, model, len(team) + (structure is not None), policy_opt,
-                         critic_opt)
+  return loop.new_state(config, model)
 
 
 def _restored(config, model, workdir, mesh):

@@ -46,10 +46,7 @@ def _metrics(workdir):
 def _final_state(config, model, workdir, step=None):
   """The state in `workdir`'s checkpoint `step` (default the latest), restored into the run's
   structure."""
-  team, structure = loop.build_team(config)
-  policy_opt, critic_opt = loop._optimizers(config)
-  template = loop.init_state(config, model, len(team) + (structure is not None), policy_opt,
-                             critic_opt)
+  template = loop.new_state(config, model)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
     return checkpointer.restore(template, step=step)[0], template
 
@@ -217,9 +214,7 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
   exports = os.path.join(first, "exports", "step_1")
   folders = ",".join(os.path.join(exports, role) for role in ("helper0", "repeater"))
   restarted = dataclasses.replace(train_config, init_from=folders)
-  team, _ = loop.build_team(restarted)
-  policy_opt, critic_opt = loop._optimizers(restarted)
-  start = loop.init_state(restarted, model, len(team), policy_opt, critic_opt)
+  start = loop.new_state(restarted, model)
   for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
