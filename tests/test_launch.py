@@ -32,8 +32,8 @@ def test_help_lists_every_config_field_and_exits_0():
 
 
 @pytest.mark.parametrize("arg,message", [
-    ("--config.xyz=3", "error: --config.xyz: unknown key 'xyz' in config; allowed: model, "
-     "param_dtype, prompt, sampling, seed, system_prompt"),
+    ("--config.xyz=3", "error: --config.xyz: unknown key 'xyz' in config; allowed: "
+     "matmul_precision, model, param_dtype, prompt, sampling, seed, system_prompt"),
     ("--config.sampling.tmp=1", "error: --config.sampling.tmp: unknown key 'tmp' in "
      "config.sampling; allowed: max_new_tokens, temperature, top_k, top_p"),
     ("--config.sampling.top_p=1.5", "error: config.sampling: top_p=1.5: must be in (0, 1]"),

@@ -650,6 +650,14 @@ class _CompiledShapes:
 _COMPILED = _CompiledShapes()
 
 
+def forget_compiled_shapes() -> None:
+  """Forgets which shapes have compiled: call it after `jax.clear_caches()`, which drops the
+  programs, or the sampler keeps choosing widths it believes compiled (and compiles them
+  mid-run instead of ahead)."""
+  global _COMPILED
+  _COMPILED = _CompiledShapes()
+
+
 def _plan_shapes(call: _Call, route: _Route, config: ModelConfig, cache: Optional[KVCache], *,
                  cache_size: Optional[int], prompt_width: Optional[int],
                  new_tokens: Optional[int], rows, compile_ahead: bool = False
