@@ -8,11 +8,11 @@ import optax
 import pytest
 
 from bench.update import turn_batch
-from marft_jax import lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train.batching import act_positions, per_row_adapters, positions_width
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+from tests.train.nonzero_adapters import nonzero_adapters
 
 ROWS, PROMPT, REPLY = 4, 8, 8
 
@@ -76,11 +76,7 @@ def test_a_row_mixing_adapters_keeps_per_token_ids(where):
 def test_the_update_is_the_same_with_per_row_and_per_token_ids():
   config = tiny_config()
   params = transformer.init_params(config, jax.random.key(0))
-  policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4, alpha=8.0), config,
-                                  jax.random.key(1), 2)
-  # Nonzero B factors, different per agent: every route then changes the outputs.
-  policy = policy.replace(layers=jax.tree.map(
-      lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), policy.layers))
+  policy = nonzero_adapters(config)
   optimizer = optax.adamw(1e-2, eps=1e-5)
   state = TrainState(policy=policy, critic=None, policy_opt=optimizer.init(policy),
                      critic_opt=None, step=jnp.zeros((), jnp.int32))

@@ -15,12 +15,12 @@ import numpy as np
 import optax
 import pytest
 
-from marft_jax import lora as lora_lib
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import sampler, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train.batching import TrainBatch, act_positions, padding_fields
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+from tests.train.nonzero_adapters import nonzero_adapters
 
 ROWS, PROMPT, REPLY, TEMPERATURE = 8, 6, 12, 0.7
 # What the correction bounds. Its loss weights each advantage by w·ρ = π_θ/π_behav, split
@@ -37,10 +37,7 @@ def sampled(dtype: str):
   """(model config, params, adapters, a batch of ROWS sampled replies, one turn a row)."""
   config = tiny_config(param_dtype=dtype, compute_dtype=dtype)
   params = transformer.init_params(config, jax.random.key(0), std=0.2)
-  policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4, alpha=8.0), config,
-                                  jax.random.key(1), 2)
-  policy = policy.replace(layers=jax.tree.map(
-      lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), policy.layers))
+  policy = nonzero_adapters(config)
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, config.vocab_size, (ROWS, PROMPT)).astype(np.int32)
   agents = (np.arange(ROWS) % 2).astype(np.int32)

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marft_jax import lora as lora_lib
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train.batching import TrainBatch, act_positions, padding_fields
 from marft_jax.train.update import (Extras, LossConfig, check_untruncated_sampling, losses,
                                     resolve_behaviour_correction, token_logp_and_entropy)
+from tests.train.nonzero_adapters import nonzero_adapters
 
 B, PROMPT, REPLY = 4, 5, 6
 T = PROMPT + REPLY
@@ -32,10 +32,7 @@ def setup():
   log-probs: the learner's, a π_old off by up to ±0.5 nats, a sampler's off by up to ±1.5."""
   config = tiny_config()
   params = transformer.init_params(config, jax.random.key(0), std=0.2)
-  policy = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4, alpha=8.0), config,
-                                  jax.random.key(1), 2)
-  policy = policy.replace(layers=jax.tree.map(
-      lambda x: x + 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), policy.layers))
+  policy = nonzero_adapters(config)
   rng = np.random.default_rng(0)
   f = padding_fields(B, T, 2, 0, pad_id=0)
   f["tokens"] = rng.integers(1, config.vocab_size, (B, T)).astype(np.int32)
