@@ -40,8 +40,9 @@ def chat(config: GenerateConfig) -> str:
     bar.update()
 
   s = config.sampling
-  with precision.scope(config.matmul_precision, config.param_dtype), tqdm(total=s.max_new_tokens, desc="generating (first step compiles)", unit="tok",
-            file=sys.stderr) as bar:
+  with precision.scope(config.matmul_precision, config.param_dtype), tqdm(
+      total=s.max_new_tokens, desc="generating (first step compiles)", unit="tok",
+      file=sys.stderr) as bar:
     start = time.perf_counter()
     out = sampler.generate(
         params, np.asarray([prompt_ids]), fast, rng=jax.random.key(config.seed),

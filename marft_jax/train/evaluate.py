@@ -84,15 +84,15 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
     from tqdm import tqdm
     bar = tqdm(total=total, desc="evaluating", unit="ep")
   try:
-    key = jax.random.key(config.seed)
-    while len(episodes) < total:
-      with precision.scope(config.model.matmul_precision, config.model.param_dtype):
+    with precision.scope(config.model.matmul_precision, config.model.param_dtype):
+      key = jax.random.key(config.seed)
+      while len(episodes) < total:
         result = rollout(envs, team, structure, params, model_config, model.tokenizer,
                          jax.random.fold_in(key, len(episodes)), lora=policy, config=settings)
-      new = result.episodes[:total - len(episodes)]
-      episodes += new
-      if bar is not None:
-        bar.update(len(new))
+        new = result.episodes[:total - len(episodes)]
+        episodes += new
+        if bar is not None:
+          bar.update(len(new))
   finally:
     envs.close()
     if bar is not None:
