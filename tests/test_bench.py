@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.compile_flags import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 EXPECTED = {
@@ -25,7 +27,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("module", sorted(EXPECTED))
 def test_benchmark_smoke_run_prints_its_figures(module):
-  env = dict(os.environ, XLA_FLAGS="")
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)
   out = subprocess.run([sys.executable, "-m", module, "--tiny"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+from tests.compile_flags import FAST_COMPILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODEL = "qwen2_1p5b"
@@ -21,7 +23,7 @@ EXPECTED = ["machine_read_gb_s", "machine_bf16_matmul_tflop_s", "total_s",
 
 
 def test_accelerator_benchmark_smoke_run_prints_its_figures():
-  env = dict(os.environ, XLA_FLAGS="")
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE)
   out = subprocess.run([sys.executable, "-m", "bench.accelerator", "--tiny", f"--models={MODEL}"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]

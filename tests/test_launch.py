@@ -7,12 +7,14 @@ import sys
 import pytest
 
 from marft_jax.models import tiny
+from tests.compile_flags import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args, timeout=300, **env_changes):
-  env = dict(os.environ, XLA_FLAGS="", **env_changes)  # one CPU device, as a user's machine has
+  # One CPU device, as a user's machine has.
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE, **env_changes)
   return subprocess.run([sys.executable, "-m", "launch.generate", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 

@@ -15,6 +15,7 @@ from marft_jax import sharding
 from marft_jax.models import config as config_lib
 from marft_jax.models import transformer
 from marft_jax.train.config import MeshSection
+from tests.compile_flags import FAST_COMPILE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,7 @@ def test_launch_refuses_a_mesh_too_big_before_loading_the_model():
                         "--config.model.source=/nonexistent", "--cpu_devices=8",
                         "--workdir=/tmp/never_written"],
                        capture_output=True, text=True, cwd=REPO, timeout=120,
-                       env=dict(os.environ, XLA_FLAGS=""))
+                       env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))
   assert out.returncode == 2, out
   assert out.stderr.strip() == ("error: config.mesh.data=1 x mesh.fsdp=16 x mesh.tensor=1 "
                                 "needs 16 devices, 8 available (set one axis to -1 to fill "

@@ -31,6 +31,7 @@ from marft_jax.models.tiny import save_tiny_model
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import loop
+from tests.compile_flags import FAST_COMPILE
 from tests.train.echo_config import echo_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,7 +52,7 @@ def _launch(workdir, model_dir, *flags):
              # What `layout.decoding()` picks on accelerators, and it compiles faster here.
              "--config.model.rollout_layout=training", *flags]
   env = dict(os.environ, JAX_PLATFORMS="cpu",  # --cpu_devices, not the session's 8 devices
-             XLA_FLAGS="--xla_backend_optimization_level=0",
+             XLA_FLAGS=FAST_COMPILE,
              MARFT_ENV_RECORD=os.path.join(workdir, "env_record"))
   return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -118,7 +118,9 @@ def test_bfloat16_gap_is_reported_and_the_corrected_first_ratio_is_bounded(level
 
 
 def test_float32_sampler_and_learner_agree():
-  _, metrics, _ = run_update("float32", behaviour_correction="on")
+  # epochs=2 only to reuse the compiled update of the test below; what is checked is the
+  # first minibatch's, before any step.
+  _, metrics, _ = run_update("float32", epochs=2, behaviour_correction="on")
   assert metrics["behaviour/logp_gap_max"] < 1e-4, metrics
   assert metrics["first_ratio_max_dev"] < 1e-5, metrics
   assert abs(metrics["behaviour/weight_mean"] - 1.0) < 1e-4, metrics
@@ -143,8 +145,9 @@ def test_with_correction_off_the_samplers_logprobs_change_no_weight(level):
 @pytest.mark.parametrize("level", ["token", "action"])
 def test_correction_on_with_the_learners_own_logprobs_is_plain_ppo(level):
   """w = 1 everywhere: decoupled PPO is PPO (f32, to rounding)."""
-  _, _, extras = run_update("float32", policy_level=level, behaviour_correction="off")
-  batch = sampled("float32")[3].replace(act_behaviour_logp=extras.old_logp)
+  config, params, policy, batch = sampled("float32")
+  extras = prepare(params, policy, batch, config, LossConfig(policy_level=level), minibatches=2)
+  batch = batch.replace(act_behaviour_logp=extras.old_logp)
   off, m_off, _ = run_update("float32", batch, epochs=2, policy_level=level,
                              behaviour_correction="off")
   on, m_on, _ = run_update("float32", batch, epochs=2, policy_level=level,
