@@ -36,7 +36,7 @@ import shutil
 import signal
 import threading
 import uuid
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -233,7 +233,8 @@ class Checkpointer:
   def restore(self, abstract_state: Any, step: Optional[int] = None,
               config: Optional[Mapping[str, Any]] = None,
               may_differ: Iterable[str] = (),
-              defaults: Optional[Mapping[str, Any]] = None) -> tuple[Any, dict]:
+              read_config: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]] = None
+              ) -> tuple[Any, dict]:
     """Restores step `step` (default: the latest) into the structure of `abstract_state`.
 
     `abstract_state` is a state of the run's structure (a freshly initialised one, or a tree of
@@ -244,9 +245,9 @@ class Checkpointer:
     If `config` is given (the current run's JSON-able config, compared with the saved
     meta["config"]), a differing fingerprint is an error naming every differing dotted key,
     except keys listed in `may_differ` (or under them, e.g. "train.num_iterations" to extend a
-    run). With `defaults` (the config's default values, same layout), a key the saved config
-    lacks (a field added to the config since the checkpoint was written) is accepted when its
-    current value is its default: new fields default to the old behaviour.
+    run). `read_config` reads the saved config as the current code understands it before the
+    comparison (e.g. the keys added since the checkpoint was written filled in with their
+    defaults, "auto" keys resolved): without it the saved dict is compared as it is.
 
     Returns:
       `(state, meta)`.
@@ -266,7 +267,7 @@ class Checkpointer:
     meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     meta = dict(meta["meta"])
     if config is not None:
-      self._check_config(step, meta, config, may_differ, defaults)
+      self._check_config(step, meta, config, may_differ, read_config)
     abstract = jax.tree.map(_abstract_leaf, abstract_state)
     self._check_structure(step, abstract)
     restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -275,20 +276,19 @@ class Checkpointer:
 
   def _check_config(self, step: int, meta: Mapping[str, Any], config: Mapping[str, Any],
                     may_differ: Iterable[str],
-                    defaults: Optional[Mapping[str, Any]] = None) -> None:
+                    read_config: Optional[Callable[[Mapping[str, Any]], Mapping[str, Any]]]
+                    ) -> None:
     if meta.get("config_fingerprint") == config_fingerprint(config):
       return
     if "config" not in meta:
       raise CheckpointMismatchError(
           f"{self.directory}: step {step} has no saved config to compare with the current one "
           "(the run that wrote it did not store meta['config'])")
-    saved, current = _flatten(_json_round_trip(meta["config"])), _flatten(
-        _json_round_trip(config))
+    saved = meta["config"] if read_config is None else read_config(meta["config"])
+    saved, current = _flatten(_json_round_trip(saved)), _flatten(_json_round_trip(config))
     allowed = tuple(may_differ)
-    default = {} if defaults is None else _flatten(_json_round_trip(defaults))
-    added = lambda key: key not in saved and key in default and current.get(key) == default[key]
     differing = [key for key in sorted(saved.keys() | current.keys())
-                 if saved.get(key, _MISSING) != current.get(key, _MISSING) and not added(key)
+                 if saved.get(key, _MISSING) != current.get(key, _MISSING)
                  and not any(key == a or key.startswith(a + ".") for a in allowed)]
     if differing:
       lines = "; ".join(f"{key}: saved {saved.get(key, _MISSING)!r}, now "

@@ -16,10 +16,14 @@ import dataclasses
 from typing import Optional
 
 from marft_jax.architecture import precision
+from marft_jax.lora.config import LoraConfig
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
+from marft_jax.rollout.runner import CONTEXT_MODES
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.algorithms import ALGORITHMS, resolve
+from marft_jax.train.critic import MODES as CRITIC_MODES
+from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
@@ -222,7 +226,7 @@ class RolloutSection:
   def __post_init__(self):
     check_int("num_envs", self.num_envs, 1)
     check_int("group_size", self.group_size, 0)
-    _one_of("context_mode", self.context_mode, ("auto", "per_agent", "shared_stream"))
+    _one_of("context_mode", self.context_mode, ("auto", *CONTEXT_MODES))
     check_int("max_context", self.max_context, 0)
     if 0 < self.max_context < 16:
       raise ValueError(f"max_context={self.max_context}: use 0 (the model's positions) or "
@@ -230,33 +234,32 @@ class RolloutSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSection:
-  rank: int = 8
-  alpha: float = 16.0
-  targets: str = "all-linear"  # "all-linear", or a regex over q_proj, k_proj, ... down_proj
-
-  def __post_init__(self):
-    check_int("rank", self.rank, 1)
-    check_positive("alpha", self.alpha)
-
-
-@dataclasses.dataclass(frozen=True)
 class CriticSection:
-  # "shared", "per_agent_lora", "per_agent_head", or "none"; "auto": the algorithm's
-  # ("shared", or "none" without a critic)
+  """How the critic is built (`critic_config()`, the library's `train.critic.CriticConfig`)
+  and trained."""
+
+  # "shared", "per_agent_lora", "per_agent_head" (`train.critic.MODES`), or "none"; "auto":
+  # the algorithm's ("shared", or "none" without a critic)
   mode: str = "auto"
   lora_rank: int = 0  # a critic LoRA of this rank (0: the frozen base, the fast path)
-  hidden: tuple[int, ...] = (1024, 512)
+  hidden: tuple[int, ...] = CriticConfig.hidden  # the head's hidden widths
   lr: float = 1e-4
   warmup_iterations: int = 0  # iterations that train only the critic
 
   def __post_init__(self):
-    _one_of("mode", self.mode, ("auto", "shared", "per_agent_lora", "per_agent_head", "none"))
+    _one_of("mode", self.mode, ("auto", *CRITIC_MODES, "none"))
     check_int("lora_rank", self.lora_rank, 0)
     check_positive("lr", self.lr)
     check_int("warmup_iterations", self.warmup_iterations, 0)
     if self.mode == "per_agent_lora" and self.lora_rank == 0:
       raise ValueError("mode='per_agent_lora' needs lora_rank > 0")
+    if self.mode in CRITIC_MODES:
+      self.critic_config()  # the library's own checks (the head's widths)
+
+  def critic_config(self) -> CriticConfig:
+    """The critic to build (`mode` resolved by the algorithm; not "none")."""
+    lora = LoraConfig(rank=self.lora_rank, alpha=self.lora_rank) if self.lora_rank else None
+    return CriticConfig(mode=self.mode, hidden=self.hidden, lora=lora)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +339,7 @@ class TrainConfig:
   task: TaskSection = TaskSection()
   team: TeamSection = TeamSection()
   rollout: RolloutSection = RolloutSection()
-  lora: LoraSection = LoraSection()
+  lora: LoraConfig = LoraConfig()  # the policy adapters (`lora.LoraConfig`: rank, alpha, ...)
   critic: CriticSection = CriticSection()
   optimizer: OptimizerSection = OptimizerSection()
   advantage: AdvantageConfig = AdvantageConfig()

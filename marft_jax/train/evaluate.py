@@ -18,7 +18,7 @@ Every rate is over all episodes played: a dropped episode counts as wrong.
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
-those the run trained (`MUST_MATCH`).
+those the run trained (`assembly.EVAL_MUST_MATCH`).
 """
 
 from __future__ import annotations
@@ -33,25 +33,18 @@ import numpy as np
 
 from marft_jax import envs as envs_lib
 from marft_jax.architecture import precision
-from marft_jax.configs import from_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import rollout
-from marft_jax.train import algorithms
+from marft_jax.train import assembly
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 from marft_jax.train.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
-# Config keys a checkpoint's evaluation must share with the run that wrote it: the base model
-# and the adapters' shape, and the team running them (`restore_policy` also compares the roles
-# and adapters `build_team` makes). Everything else, the task and data above all, may differ.
-MUST_MATCH = ("model.source", "lora.rank", "lora.alpha", "lora.targets", "team.num_roles",
-              "team.shared_adapter", "team.graph")
 
 
 def greedy_team(config: TrainConfig):
   """The config's team and structure with every agent (the orchestrator too) greedy."""
-  from marft_jax.train.loop import build_team
-  team, structure = build_team(config)
+  team, structure = assembly.build_team(config)
   team = envs_lib.with_sampling(team, temperature=0.0)
   if structure is not None:
     profile = envs_lib.with_sampling((structure.profile,), temperature=0.0)[0]
@@ -64,20 +57,19 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
          progress: bool = False, rollout_weights: Optional[tuple] = None) -> list:
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played greedily by the config's team with `policy` (None: adapters off).
-  `rollout_weights`: `loop.rollout_model(model, config)` if the caller has it (else made)."""
-  from marft_jax.train.loop import build_envs, rollout_model, rollout_settings
+  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made)."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
   team, structure = greedy_team(config)
-  params, model_config = rollout_weights or rollout_model(model, config)
+  params, model_config = rollout_weights or assembly.rollout_model(model, config)
   batch_size = min(batch_size, total)
   # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
-  envs = build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
+  envs = assembly.build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
                     num_envs=batch_size, group_size=1)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
-  settings = rollout_settings(config)
+  settings = assembly.rollout_settings(config)
   episodes = []
   bar = None
   if progress:
@@ -132,12 +124,12 @@ def restore_policy(config: TrainConfig, model, workdir: str):
   under `config`, on any task and data.
 
   Only what shapes the adapters and the team that runs them must match the run that wrote
-  the checkpoint: the keys of `MUST_MATCH` and the team `build_team` makes (each role's name
-  and adapter, the orchestrator's adapter); anything else (task, data files, seed, sampling
-  budgets, algorithm, critic, ...) may differ. The checkpoint is read into a state shaped by
-  its own saved config. A difference is a `CheckpointMismatchError` naming the keys.
+  the checkpoint: the keys of `assembly.EVAL_MUST_MATCH` and the team `build_team` makes
+  (each role's name and adapter, the orchestrator's adapter); anything else (task, data
+  files, seed, sampling budgets, algorithm, critic, ...) may differ. The checkpoint is read
+  into a state shaped by its own saved config (read by `assembly.read_saved_config`). A
+  difference is a `CheckpointMismatchError` naming the keys.
   """
-  from marft_jax.train.loop import new_state
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise FileNotFoundError(f"{workdir}: no checkpoints folder to evaluate (train first, or "
                             "evaluate the untuned model)")
@@ -149,7 +141,7 @@ def restore_policy(config: TrainConfig, model, workdir: str):
                               "evaluate the untuned model)")
     saved = _saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
     _check_same_adapters(saved, config, f"{workdir}: step {step}")
-    template = new_state(dataclasses.replace(saved, init_from=""), model)
+    template = assembly.new_state(dataclasses.replace(saved, init_from=""), model)
     state, _ = checkpointer.restore(template, step=step)
   return state.policy, step
 
@@ -158,10 +150,7 @@ def _saved_config(meta: dict, where: str) -> TrainConfig:
   if "config" not in meta:
     raise CheckpointMismatchError(f"{where} has no saved config (the run that wrote it did "
                                   "not store meta['config'])")
-  try:
-    return algorithms.resolve(from_config_dict(TrainConfig, meta["config"]))
-  except ValueError as e:
-    raise CheckpointMismatchError(f"{where}: its saved config does not load: {e}") from None
+  return assembly.read_saved_config(meta["config"], where)
 
 
 def _team_shape(config: TrainConfig) -> tuple:
@@ -173,10 +162,10 @@ def _team_shape(config: TrainConfig) -> tuple:
 
 
 def _check_same_adapters(saved: TrainConfig, config: TrainConfig, where: str) -> None:
-  """CheckpointMismatchError naming every `MUST_MATCH` key and team shape that differ."""
+  """CheckpointMismatchError naming every `EVAL_MUST_MATCH` key and team shape that differ."""
   get = lambda c, key: functools.reduce(getattr, key.split("."), c)
   differing = [f"{key}: saved {get(saved, key)!r}, now {get(config, key)!r}"
-               for key in MUST_MATCH if get(saved, key) != get(config, key)]
+               for key in assembly.EVAL_MUST_MATCH if get(saved, key) != get(config, key)]
   if not differing:
     for name, was, now in zip(("team roles (role, adapter)", "orchestrator adapter",
                                "adapters"), _team_shape(saved), _team_shape(config)):

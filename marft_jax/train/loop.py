@@ -28,6 +28,7 @@ One process plays every environment, exactly as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -39,7 +40,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import logging
 
 from marft_jax import envs as envs_lib
@@ -47,153 +47,21 @@ from marft_jax import lora as lora_lib
 from marft_jax import compile_stats, multihost, sharding
 from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
-from marft_jax.models import layout as layout_lib
-from marft_jax.models import loading
-from marft_jax.rollout import RolloutConfig, reply_budgets, rollout, write_transcripts
+from marft_jax.rollout import reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
+from marft_jax.train import assembly
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
-from marft_jax.train import optim
+from marft_jax.train import local_batch
 from marft_jax.train import teams
 from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
+from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
-from marft_jax.train import local_batch
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves
 from marft_jax.train.update import TrainState, make_update, prepare
-
-
-@dataclasses.dataclass
-class Model:
-  """The frozen base: params (training layout), config, tokenizer."""
-
-  params: Any
-  config: Any
-  tokenizer: Any
-
-
-# --- building the run's pieces from the config ------------------------------------------------
-
-
-def build_team(config: TrainConfig):
-  """(team profiles, schedule structure) from the config's team section (`teams.build_team`:
-  the declared roles, or the task's shipped team)."""
-  return teams.build_team(config.team, config.task.name)
-
-
-def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
-               owned: Optional[range] = None, num_envs: Optional[int] = None,
-               group_size: Optional[int] = None):
-  """An `EnvBatch` of the task's `split` ("train" or "test"; for problem files, the disjoint
-  parts of `envs.splits.task_problems`, each problem once per epoch in a seeded order), with
-  one grading worker or sandbox shared by its environments; `owned`: the environments this
-  process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
-  rollout section (an evaluation plays one episode per task)."""
-  graded = [p.role for p in team if p.graded]
-  task = config.task
-  num_tasks, shared = None, ()
-  if task.name == "echo":
-    make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
-  elif task.name == "code":
-    from marft_jax.envs import code_env, sandbox, splits
-    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
-    num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
-    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
-                                      test_timeout_s=5.0, shuffle=False)
-  else:
-    from marft_jax.envs import arithmetic, problems as problems_lib, splits
-    from marft_jax.envs.math_env import MathEnv
-    from marft_jax.envs.math_grading import Grader
-    if task.name == "arithmetic":
-      source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
-    else:
-      part = splits.task_problems("math_jsonl", task.path, task.test_path)[split == "test"]
-      source = problems_lib.ProblemSet(part, name=split, shuffle=False)
-      num_tasks = len(source)
-    shared = (Grader(),)
-    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon,
-                             grader=shared[0])
-  return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
-                           group_size=group_size or config.rollout.group_size, owned=owned,
-                           num_tasks=num_tasks, closing=shared)
-
-
-def rollout_settings(config: TrainConfig) -> RolloutConfig:
-  """How the trainer's and the evaluation's episodes are played."""
-  return RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
-                       max_context=config.rollout.max_context or None,
-                       transition=config.team.transition or RolloutConfig.transition)
-
-
-def load(config: TrainConfig) -> Model:
-  params, model_config, tokenizer = loading.load_model(
-      config.model.source, param_dtype=config.model.param_dtype,
-      compute_dtype=config.model.param_dtype)
-  return Model(params, model_config, tokenizer)
-
-
-def rollout_model(model: Model, config: TrainConfig):
-  """(params, model config) in `model.rollout_layout`'s layout: what the sampler runs (a copy
-  of the weights in the decoding layout on CPU; made once per run)."""
-  choice = config.model.rollout_layout
-  layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
-            "training": layout_lib.TRAINING}[choice]
-  fast = model.config.replace(layout=layout)
-  return layout_lib.convert_params(model.params, model.config.layout, layout), fast
-
-
-def _critic_config(config: TrainConfig):
-  if not config.uses_critic:
-    return None
-  lora = None
-  if config.critic.lora_rank:
-    lora = lora_lib.LoraConfig(rank=config.critic.lora_rank, alpha=config.critic.lora_rank)
-  return critic_lib.CriticConfig(mode=config.critic.mode, hidden=config.critic.hidden, lora=lora)
-
-
-def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimizer,
-               critic_optimizer) -> TrainState:
-  key = jax.random.key(config.seed)
-  lora_config = lora_lib.LoraConfig(rank=config.lora.rank, alpha=config.lora.alpha,
-                                    targets=config.lora.targets)
-  policy = lora_lib.init_adapters(lora_config, model.config, jax.random.fold_in(key, 1),
-                                  config.num_adapters)
-  if config.init_from:
-    paths = [p for p in config.init_from.split(",") if p]
-    policy = lora_lib.load_peft_adapters(paths, model.config)
-    if policy.num_adapters != config.num_adapters:
-      raise ValueError(f"init_from: {len(paths)} adapter folders for "
-                       f"{config.num_adapters} adapters")
-  critic = None
-  critic_config = _critic_config(config)
-  if critic_config is not None:
-    critic = critic_lib.init_critic(critic_config, model.config, num_agents,
-                                    jax.random.fold_in(key, 2))
-  return TrainState(policy=policy, critic=critic, policy_opt=policy_optimizer.init(policy),
-                    critic_opt=None if critic is None else critic_optimizer.init(critic),
-                    step=jnp.zeros((), jnp.int32))
-
-
-def new_state(config: TrainConfig, model: Model) -> TrainState:
-  """The state a run of `config` starts from (or a checkpoint of it restores into): the
-  adapters (`init_from`'s, if given), the critic for the team `build_team` makes, and the
-  optimizers' states."""
-  team, structure = build_team(config)
-  return init_state(config, model, len(team) + (structure is not None), *optimizers(config))
-
-
-def optimizers(config: TrainConfig):
-  """(the policy's optimizer, the critic's), with the learning-rate schedule of `config`."""
-  o = config.optimizer
-  steps_per_iteration = o.epochs * o.minibatches
-  schedule = optim.learning_rate(o.lr, o.warmup_iterations * steps_per_iteration,
-                                 config.iterations * steps_per_iteration, o.decay)
-  policy = optax.adamw(schedule, eps=1e-5, weight_decay=o.weight_decay)
-  critic = optax.adam(config.critic.lr, eps=1e-5)
-  return policy, critic
-
 
 def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
   """[A] bool: the adapters the agent-by-agent schedule trains at `iteration`."""
@@ -218,7 +86,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   os.makedirs(workdir, exist_ok=True)
-  model = load(config) if model is None else model
+  model = assembly.load(config) if model is None else model
   with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
                                            config.model.param_dtype):
     return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
@@ -236,113 +104,146 @@ def _with_remat(model: Model, remat: bool) -> Model:
   return dataclasses.replace(model, config=model.config.replace(layout=layout))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What a training run holds besides its state, built once from the config (`_build`)."""
+
+  config: TrainConfig
+  config_dict: dict  # `assembly.as_recorded(config)`: saved in checkpoints and config.json
+  model: Model  # the learner's base (training layout, placed on the mesh)
+  rollout_weights: tuple  # (params, model config) the sampler runs
+  team: tuple  # the roles' profiles
+  structure: Any  # None (chain), an `envs.AgentGraph` (DAG) or an `envs.Orchestrator`
+  envs: Any  # `envs.EnvBatch`: this process's environments
+  rows: Optional[multihost.ProcessRows]  # several processes: the rows each one owns
+  judge: Optional[rewards_lib.Judge]
+  learn: Callable  # (state, kept episodes, iteration, key) -> (state, metrics)
+  heldout: Callable  # (policy, step) -> "heldout/..." metrics
+
+
 def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> dict:
+  # --- build: the team, its environments, the sampler's weights, the update -------------------
+  run, state = _build(config, mesh, model)
+  with contextlib.ExitStack() as cleanup:  # closed in reverse order, whatever fails
+    cleanup.callback(run.envs.close)  # grading workers, code sandboxes
+    # --- restore: the checkpoint already in workdir wins --------------------------------------
+    checkpointer = cleanup.enter_context(Checkpointer(workdir, max_to_keep=config.max_to_keep))
+    state, start = _restore(checkpointer, run, state, workdir)
+    writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
+    cleanup.callback(writer.close)
+    _record_config(writer, workdir, start, run.config_dict)
+    bar = _progress(progress, start, config.iterations)
+    if bar is not None:
+      cleanup.callback(bar.close)
+    preempt = cleanup.enter_context(PreemptionFlag())
+    # --- the loop: rollout -> rewards -> update -> metrics, held-out scores, checkpoints ------
+    metrics: dict = {}
+    shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
+    settings = assembly.rollout_settings(config)
+    compiles = compile_stats.CompileCounter()  # per iteration: time/compiles, time/compile_s
+    for iteration in range(start, config.iterations):
+      key = jax.random.fold_in(jax.random.key(config.seed), iteration)
+      # Held-out accuracy of the policy this iteration samples with (at 0: the untuned team).
+      evaluated = run.heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
+      shown.update(evaluated)
+      t0 = time.perf_counter()
+      result = rollout(run.envs, run.team, run.structure, *run.rollout_weights,
+                       run.model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
+                       config=settings, policy_version=iteration, rows=run.rows)
+      shaped = _shape_rewards(result.episodes, run.team, run.judge, reward_fn,
+                              jax.random.fold_in(key, 2))
+      t1 = time.perf_counter()
+      if multihost.is_primary():  # every process's episodes, in env order
+        write_transcripts(os.path.join(workdir, "transcripts",
+                                       f"iteration_{iteration:05d}.jsonl"), result.all_episodes)
+      kept = [e for e in result.episodes if e.dropped is None]  # this process's
+      update_metrics = {}
+      if all(e.dropped is not None for e in result.all_episodes):
+        logging.warning("Iteration %d: every episode was dropped (%s); no update",
+                        iteration, _drop_reasons(result.all_episodes))
+      else:
+        state, update_metrics = run.learn(state, kept, iteration, jax.random.fold_in(key, 1))
+      t2 = time.perf_counter()
+      metrics = {**_iteration_metrics(result, update_metrics, run.team, t0, t1, t2),
+                 **evaluated, **shaped, **compiles.delta().metrics()}
+      writer.write(iteration, metrics)
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(_postfix(metrics, shown))
+      if on_iteration is not None:
+        on_iteration(iteration, metrics)
+      done = iteration + 1 == config.iterations
+      if done and config.eval_every:  # the trained policy, before the final checkpoint
+        final = run.heldout(state.policy, iteration + 1)
+        writer.write(iteration + 1, final)
+        metrics = {**metrics, **final}
+        shown.update(final)
+        if bar is not None:
+          bar.set_postfix(_postfix(metrics, shown))
+      stop = multihost.any_process(preempt.requested)
+      if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
+        _checkpoint(checkpointer, iteration + 1, state, run, writer, workdir)
+      if stop:
+        logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
+        break
+  return metrics
+
+
+def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
+  """The run's pieces and the state it starts from (placed on the mesh)."""
   model = _with_remat(model, config.model.remat)
-  team, structure = build_team(config)
-  num_agents = len(team) + (1 if structure is not None else 0)
-  rollout_params, rollout_config = rollout_model(model, config)
-  judge = build_judge(config, model, (rollout_params, rollout_config))
+  team, structure = assembly.build_team(config)
+  rollout_weights = assembly.rollout_model(model, config)
+  judge = assembly.build_judge(config, model, rollout_weights)
   # Several processes: each plays the environments whose sampler rows its devices hold.
-  layout = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
-  envs = build_envs(config, team, seed=config.seed,
-                    owned=None if layout is None else layout.block(config.rollout.num_envs))
-  policy_optimizer, critic_optimizer = optimizers(config)
-  state = init_state(config, model, num_agents, policy_optimizer, critic_optimizer)
+  rows = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
+  envs = assembly.build_envs(config, team, seed=config.seed,
+                             owned=None if rows is None else rows.block(config.rollout.num_envs))
+  policy_optimizer, critic_optimizer = assembly.optimizers(config)
+  state = assembly.init_state(config, model, len(team) + (structure is not None),
+                              policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)
-  critic_config = _critic_config(config)
-  critic_values, critic_hidden = critic_lib.value_fns(critic_config, model.config)
+  critic_values, critic_hidden = critic_lib.value_fns(assembly.critic_config(config),
+                                                      model.config)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer,
                        critic_values, config.num_adapters, config.optimizer.epochs,
                        config.optimizer.minibatches,
                        out_shardings=(state_shardings, sharding.replicated(mesh)))
-  old_values_fn = None if critic_values is None else jax.jit(critic_values)
-  config_dict = to_config_dict(config).to_dict()
-  start = 0
-  checkpointer = Checkpointer(workdir, max_to_keep=config.max_to_keep)
-  if checkpointer.latest_step() is not None:
-    state, meta = checkpointer.restore(state, config=config_dict,
-                                       may_differ=("iterations", "checkpoint_every", "mesh",
-                                                   "eval_every", "eval_episodes"),
-                                       defaults=_resolved_defaults(config))
-    start = int(meta["iteration"])
-    envs.load_state_dict(meta["envs"])
-    logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
-                    workdir, start, config.iterations)
-  writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
-  _record_config(writer, workdir, start, config_dict)
-  rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   pad = model.tokenizer.pad_token_id
-  pad = model.tokenizer.eos_token_id if pad is None else pad
-  metrics: dict = {}
-  shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
-  bar = _progress(progress, start, config.iterations)
-  settings = rollout_settings(config)
+  batch_rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
-      old_values_fn=old_values_fn, envs=envs, num_roles=len(team), mesh=mesh, layout=layout,
+      old_values_fn=None if critic_values is None else jax.jit(critic_values),
+      envs=envs, num_roles=len(team), mesh=mesh, layout=rows,
       agent_layers=envs_lib.agent_layers(structure, team),
       reply_budgets=reply_budgets(team, structure),
+      pad_id=model.tokenizer.eos_token_id if pad is None else pad,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
-      num_rows=_round_up(rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
-  heldout = functools.partial(_heldout, config=config, model=model,
-                              weights=(rollout_params, rollout_config))
-  compiles = compile_stats.CompileCounter()  # per iteration: time/compiles, time/compile_s
-  try:
-    with PreemptionFlag() as preempt, checkpointer:
-      for iteration in range(start, config.iterations):
-        key = jax.random.fold_in(jax.random.key(config.seed), iteration)
-        # Held-out accuracy of the policy this iteration samples with (at 0: the untuned team).
-        evaluated = heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
-        shown.update(evaluated)
-        t0 = time.perf_counter()
-        result = rollout(envs, team, structure, rollout_params, rollout_config,
-                         model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
-                         config=settings, policy_version=iteration, rows=layout)
-        shaped = _shape_rewards(result.episodes, team, judge, reward_fn,
-                                jax.random.fold_in(key, 2))
-        t1 = time.perf_counter()
-        if multihost.is_primary():  # every process's episodes, in env order
-          write_transcripts(os.path.join(workdir, "transcripts",
-                                         f"iteration_{iteration:05d}.jsonl"), result.all_episodes)
-        kept = [e for e in result.episodes if e.dropped is None]  # this process's
-        update_metrics = {}
-        if all(e.dropped is not None for e in result.all_episodes):
-          logging.warning("Iteration %d: every episode was dropped (%s); no update",
-                          iteration, _drop_reasons(result.all_episodes))
-        else:
-          state, update_metrics = learn(state, kept, iteration, jax.random.fold_in(key, 1),
-                                        pad_id=pad)
-        t2 = time.perf_counter()
-        metrics = {**_iteration_metrics(result, update_metrics, team, t0, t1, t2), **evaluated,
-                   **shaped, **compiles.delta().metrics()}
-        writer.write(iteration, metrics)
-        if bar is not None:
-          bar.update(1)
-          bar.set_postfix(_postfix(metrics, shown))
-        if on_iteration is not None:
-          on_iteration(iteration, metrics)
-        done = iteration + 1 == config.iterations
-        if done and config.eval_every:  # the trained policy, before the final checkpoint
-          final = heldout(state.policy, iteration + 1)
-          writer.write(iteration + 1, final)
-          metrics = {**metrics, **final}
-          shown.update(final)
-          if bar is not None:
-            bar.set_postfix(_postfix(metrics, shown))
-        stop = multihost.any_process(preempt.requested)
-        if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
-          _checkpoint(checkpointer, iteration + 1, state, envs, config_dict, writer, workdir,
-                      config)
-        if stop:
-          logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
-          break
-  finally:
-    writer.close()
-    envs.close()
-    if bar is not None:
-      bar.close()
-  return metrics
+      num_rows=_round_up(batch_rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
+  recorded = to_config_dict(assembly.as_recorded(config)).to_dict()
+  run = _Run(config=config, config_dict=recorded, model=model, rollout_weights=rollout_weights,
+             team=team, structure=structure, envs=envs, rows=rows, judge=judge, learn=learn,
+             heldout=functools.partial(_heldout, config=config, model=model,
+                                       weights=rollout_weights))
+  return run, state
+
+
+def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: str
+             ) -> tuple[TrainState, int]:
+  """(the state to train from, the iteration to start at): the latest checkpoint's, with the
+  environments' data cursor restored, or `state` and 0 when there is none."""
+  if checkpointer.latest_step() is None:
+    return state, 0
+  where = f"{workdir}: step {checkpointer.latest_step()}"
+  read = lambda saved: to_config_dict(assembly.read_saved_config(saved, where)).to_dict()
+  state, meta = checkpointer.restore(state, config=run.config_dict,
+                                     may_differ=assembly.RESUME_MAY_DIFFER, read_config=read)
+  start = int(meta["iteration"])
+  run.envs.load_state_dict(meta["envs"])
+  logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
+                  workdir, start, run.config.iterations)
+  return state, start
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
@@ -397,7 +298,8 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
 
 
 def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: dict) -> None:
-  """The resolved config (the algorithm that actually runs, every key it decided filled in):
+  """The recorded config (`assembly.as_recorded`: the algorithm that actually runs, every key
+  it decided filled in, the team written out):
   `config.json` in the run folder and a "config" text in the metrics (TensorBoard's text tab
   and texts.jsonl) at the step the launch starts from."""
   if not multihost.is_primary():
@@ -406,32 +308,6 @@ def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: d
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(text + "\n")
   writer.write_text(step, "config", text)
-
-
-def _resolved_defaults(config: TrainConfig) -> dict:
-  """The algorithm's resolved defaults: what a key missing from an older checkpoint's config
-  meant when that checkpoint was written (its fields predate the key)."""
-  return to_config_dict(algorithms.resolve(TrainConfig(algorithm=config.algorithm))).to_dict()
-
-
-def build_judge(config: TrainConfig, model: Model, weights) -> Optional[rewards_lib.Judge]:
-  """The LLM judge of `config.reward` (None when off): the policy's base in the rollout's
-  layout (`weights`), or a second model's, with its adapter if one is given."""
-  r = config.reward
-  if not r.judge:
-    return None
-  params, model_config, tokenizer = *weights, model.tokenizer
-  if r.judge_model:
-    judge_model = Model(*loading.load_model(r.judge_model, param_dtype=config.model.param_dtype,
-                                            compute_dtype=config.model.param_dtype))
-    params, model_config = rollout_model(judge_model, config)
-    tokenizer = judge_model.tokenizer
-  adapter = None
-  if r.judge_adapter:
-    adapter = lora_lib.load_peft_adapters([r.judge_adapter], model_config)
-  return rewards_lib.Judge(params, model_config, tokenizer, adapter, prompt=r.judge_prompt,
-                           max_new_tokens=r.judge_max_new_tokens, weight=r.judge_weight,
-                           parse=rewards_lib.parse_verdict)
 
 
 def _shape_rewards(episodes, team, judge, reward_fn, key) -> dict:
@@ -481,8 +357,9 @@ def _per_row_adapters(batch, layout):
   return batch
 
 
-def _checkpoint(checkpointer, step, state, envs, config_dict, writer, workdir, config):
-  meta = {"iteration": step, "envs": _env_cursor(envs), "config": config_dict,
+def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
+  config = run.config
+  meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
           "policy_version": step}
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)

@@ -251,9 +251,12 @@ def _value_loss(values, old_values, returns, mask, config: LossConfig):
 
 
 def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
-           model_config: ModelConfig, config: LossConfig,
-           critic_values: Optional[Callable]) -> tuple[jax.Array, dict]:
-  """The minibatch loss (to minimise) and its diagnostics."""
+           model_config: ModelConfig, config: LossConfig, critic_values: Optional[Callable],
+           dropout_key: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+  """The minibatch loss (to minimise) and its diagnostics. `dropout_key`: LoRA dropout on
+  the learner's forward (`policy.dropout_rate`; π_old and the sampler run without it)."""
+  if dropout_key is not None and policy.dropout_rate > 0:
+    policy = policy.with_dropout(dropout_key)
   logp, entropy = token_logp_and_entropy(params, policy, batch, model_config, with_entropy=True)
   if config.entropy_coef == 0:  # reported, not trained: no gradient through it
     entropy = jax.lax.stop_gradient(entropy)
@@ -321,7 +324,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   Args (of the returned function):
     state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches).
     extras: `prepare(...)`'s output. active: [A] bool, adapters the schedule lets train.
-    train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches.
+    train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches
+    (and draws the LoRA dropout masks when `state.policy.dropout_rate` > 0).
   Returns:
     (new state, metrics averaged over the minibatches; `nonfinite` and `kl_skipped` count
     the minibatches whose step was skipped; `first_ratio_max_dev` and
@@ -345,10 +349,12 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   def update(state, params, batch, extras, active, train_policy, rng):
     B = batch.tokens.shape[0]
 
-    def minibatch_step(carry, indices):
+    def minibatch_step(carry, xs):
       state, stopped = carry
+      indices, dropout_key = xs
       mb, ex = jax.tree.map(lambda x: x[indices], (batch, extras))
-      (loss, aux), (g_policy, g_critic) = grad_fn(state.policy, state.critic, params, mb, ex)
+      (loss, aux), (g_policy, g_critic) = grad_fn(state.policy, state.critic, params, mb, ex,
+                                                  dropout_key=dropout_key)
       finite = jnp.isfinite(loss) & _finite(g_policy.layers)
       if g_critic is not None:
         finite = finite & _finite(g_critic)
@@ -382,7 +388,9 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
     keys = jax.random.split(rng, epochs)
     orders = jax.vmap(lambda k: jax.random.permutation(k, B))(keys)
     indices = orders.reshape(epochs * minibatches, B // minibatches)
-    (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)), indices)
+    dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
+    (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)),
+                                       (indices, dropout_keys))
     out = {k: jnp.mean(v) for k, v in metrics.items()}
     for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
       out[key] = metrics[key][0]

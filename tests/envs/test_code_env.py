@@ -276,13 +276,14 @@ def test_env_refuses_bad_arguments_by_name(kwargs, key):
 
 
 def test_the_fallback_metric_reaches_the_rollouts_metrics(tmp_path):
-  """Through `loop.build_envs` (a user's problem file, one sandbox for the batch) and a
+  """Through `assembly.build_envs` (a user's problem file, one sandbox for the batch) and a
   rollout of the tiny model: the trainer's metrics are the rollout's."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from marft_jax.models import tiny  # pylint: disable=import-outside-toplevel
   from marft_jax.rollout import RolloutConfig, rollout  # pylint: disable=import-outside-toplevel
-  from marft_jax.train import config as config_lib, loop  # pylint: disable=import-outside-toplevel
+  from marft_jax.train import assembly  # pylint: disable=import-outside-toplevel
+  from marft_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   path = tmp_path / "problems.jsonl"
   path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Print {i}.",
                                       "tests": [{"input": "", "output": f"{i}\n"}]}) + "\n"
@@ -292,11 +293,11 @@ def test_the_fallback_metric_reaches_the_rollouts_metrics(tmp_path):
   config = dataclasses.replace(base, team=dataclasses.replace(
       base.team, max_new_tokens=3, last_max_new_tokens=3))
   params, model_config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
-  model = loop.Model(params, model_config, tokenizer)
-  team, structure = loop.build_team(config)
-  envs = loop.build_envs(config, team, seed=0)
+  model = assembly.Model(params, model_config, tokenizer)
+  team, structure = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=0)
   try:
-    result = rollout(envs, team, structure, *loop.rollout_model(model, config), tokenizer,
+    result = rollout(envs, team, structure, *assembly.rollout_model(model, config), tokenizer,
                      jax.random.key(0), config=RolloutConfig())
     sandbox = envs.envs[0].sandbox
     assert all(env.sandbox is sandbox for env in envs.envs)  # one sandbox for the batch

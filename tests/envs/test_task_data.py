@@ -1,4 +1,4 @@
-"""Tasks built from the config (`loop.build_envs`): problem files for math and code, their
+"""Tasks built from the config (`assembly.build_envs`): problem files for math and code, their
 held-out part, and the order problems are drawn in.
 
 Held-out problems are never training problems: for a split file and for a train/test pair,
@@ -15,7 +15,7 @@ import pytest
 from marft_jax.envs import EnvBatch, EchoEnv, splits
 from marft_jax.envs.problems import bundled_path
 from marft_jax.train import config as config_lib
-from marft_jax.train import loop
+from marft_jax.train import assembly
 
 
 def _config(num_envs=4, group_size=None, **task):
@@ -42,8 +42,8 @@ def _math_file(path, numbers, stem="q"):
 
 def _ids(config, split, episodes=None):
   """The problem ids the split's envs draw in `episodes` rounds (default: two epochs)."""
-  team, _ = loop.build_team(config)
-  envs = loop.build_envs(config, team, seed=config.seed, split=split)
+  team, _ = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=config.seed, split=split)
   try:
     rounds = episodes or -(-2 * envs.num_tasks // len(envs))
     seen = []

@@ -6,6 +6,7 @@ As a launch config file (its model folder given as --config.model.source): 8 env
 import dataclasses
 
 from marft_jax.configs import to_config_dict
+from marft_jax.lora.config import LoraConfig
 from marft_jax.train import algorithms
 from marft_jax.train import config as config_lib
 
@@ -18,7 +19,7 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
       team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,
                                temperature=0.7),  # exploration the echo tests were tuned with
       rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
-      lora=config_lib.LoraSection(rank=8, alpha=16.0),
+      lora=LoraConfig(rank=8, alpha=16.0),
       critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
       optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
       checkpoint_every=1000, iterations=iterations)

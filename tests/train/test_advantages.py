@@ -321,7 +321,6 @@ def test_kl_in_reward_through_the_trainer(level):
   config = AdvantageConfig(level=level, gamma=0.9, lambda_=0.8, credit="equal",
                            kl_reward_coef=0.1, normalize=False)
   episodes, turn_lists, expected = [], [], []
-  batch_kl = []
   for e in range(3):
     turns, layers, rewards, dones = random_episode("chain", 2, rng)
     episodes.append(per_agent_episode(turns, rewards, dones, index=e, rng=rng))

@@ -9,7 +9,7 @@ import pytest
 
 from launch.cli import _load_config_file
 from marft_jax.configs import from_config_dict, to_config_dict
-from marft_jax.train import algorithms
+from marft_jax.train import algorithms, assembly, teams
 from marft_jax.train.config import (CriticSection, ModelSection, RoleSection, RolloutSection,
                                      TeamSection, TrainConfig)
 from marft_jax.train.update import LossConfig
@@ -127,12 +127,19 @@ def test_the_launch_refuses_a_contradiction_before_loading_a_model(tmp_path):
 
 
 def test_the_checkpointed_config_is_the_resolved_one():
-  """What a run records (checkpoint meta, config.json) names every decided key."""
-  resolved = to_config_dict(algorithms.resolve(TrainConfig(algorithm="marft_t"))).to_dict()
+  """What a run records (checkpoint meta, config.json: `assembly.as_recorded`) names every
+  decided key, and the task's shipped team written out."""
+  resolved = to_config_dict(assembly.as_recorded(TrainConfig(algorithm="marft_t"))).to_dict()
   assert resolved["advantage"]["level"] == "token"
   assert resolved["loss"]["policy_level"] == "token"
   assert resolved["critic"]["mode"] == "shared"
   assert "auto" not in str(resolved["rollout"]) and resolved["rollout"]["group_size"] == 1
+  assert resolved["team"]["order"] == "reasoner,actor"
+  assert resolved["team"]["roles"]["actor"]["graded"] and \
+      resolved["team"]["roles"]["reasoner"]["system_prompt"].startswith("You are the Reasoner")
+  # A config that spells the same team out records the same config.
+  spelled = TrainConfig(algorithm="marft_t", team=TeamSection(**teams.shipped("arithmetic", 2)))
+  assert to_config_dict(assembly.as_recorded(spelled)).to_dict() == resolved
 
 
 @pytest.mark.parametrize("overrides,key", [

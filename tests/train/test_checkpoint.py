@@ -141,19 +141,20 @@ def test_other_config_is_refused_naming_the_keys(tmp_path):
     ckpt.restore(make_state(), config=as_tuples)  # JSON turns tuples into lists: still equal
 
 
-def test_a_config_field_added_since_the_save_resumes_at_its_default(tmp_path):
+def test_the_saved_config_is_compared_as_read_config_reads_it(tmp_path):
   """A field added to the config after a checkpoint was written (absent from the saved config)
-  is accepted at its default value, and refused by name at any other."""
+  compares equal once `read_config` fills in its default, and is refused by name at any other
+  value; without `read_config` the saved dict is compared as it is."""
+  fill_defaults = lambda saved: {**saved, "model": {"remat": False, **saved.get("model", {})}}
   with Checkpointer(tmp_path) as ckpt:
     ckpt.save(1, make_state(), meta(1))
     defaults = {**CONFIG, "model": {"remat": False}}
-    ckpt.restore(make_state(), config=defaults, defaults=defaults)
+    ckpt.restore(make_state(), config=defaults, read_config=fill_defaults)
     changed = {**CONFIG, "model": {"remat": True}}
-    with pytest.raises(CheckpointMismatchError,
-                       match=r"model.remat: saved '<missing>', now True"):
-      ckpt.restore(make_state(), config=changed, defaults=defaults)
+    with pytest.raises(CheckpointMismatchError, match=r"model.remat: saved False, now True"):
+      ckpt.restore(make_state(), config=changed, read_config=fill_defaults)
     with pytest.raises(CheckpointMismatchError, match=r"model.remat: saved '<missing>'"):
-      ckpt.restore(make_state(), config=defaults)  # without defaults: refused as before
+      ckpt.restore(make_state(), config=defaults)
 
 
 def _step_1_and_step_2_in_flight(tmp_path):

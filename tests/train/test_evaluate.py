@@ -23,7 +23,7 @@ from marft_jax.configs import to_config_dict
 from marft_jax.models import tiny
 from marft_jax.train import config as config_lib
 from marft_jax.train import evaluate as evaluate_lib
-from marft_jax.train import loop
+from marft_jax.train import assembly
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +34,7 @@ BOXED_1 = {None: "\\", "\\": "b", "b": "o", "o": "x", "x": "ed", "ed": "{", "{":
            "}": EOS}  # reply "\boxed{1}"
 
 
-def scripted_model(script) -> loop.Model:
+def scripted_model(script) -> assembly.Model:
   """The base model of the module docstring: after token t its greedy reply is script[t]
   (script[None] after any token the script does not name)."""
   params, config, tokenizer = tiny.tiny_model(tie_word_embeddings=False,
@@ -55,16 +55,14 @@ def scripted_model(script) -> loop.Model:
   layers["gate_proj"]["kernel"][-1, 0, 0] = layers["up_proj"]["kernel"][-1, 0, 0] = 1.0
   params = {"embed": embed, "lm_head": lm_head, "final_norm": np.ones((D,), np.float32),
             "layers": layers}
-  return loop.Model(jax.tree.map(jax.numpy.asarray, params), config, tokenizer)
+  return assembly.Model(jax.tree.map(jax.numpy.asarray, params), config, tokenizer)
 
 
 def answer_zero_adapters(config, model, adapter):
   """The run's adapters, all off (B = 0) but `adapter`, which replies "0" where the base says
   "1": its down_proj LoRA adds ≈100 on PUSH at class-0 tokens, outweighing unit 0."""
-  policy = lora_lib.init_adapters(
-      lora_lib.LoraConfig(rank=config.lora.rank, alpha=config.lora.alpha,
-                          targets=config.lora.targets), model.config, jax.random.key(0),
-      config.num_adapters)
+  policy = lora_lib.init_adapters(config.lora, model.config, jax.random.key(0),
+                                  config.num_adapters)
   layers = jax.tree.map(np.array, policy.layers)
   a, b = layers["down_proj"]["a"], layers["down_proj"]["b"]
   a[-1, adapter] = 0.0
@@ -175,7 +173,7 @@ def run(tmp_path_factory):
     json.dump(hf_config_dict(model.config), f)
   model.tokenizer.save_pretrained(folder)
   config = _config(source=folder)
-  model = loop.load(config)
+  model = assembly.load(config)
   policy = answer_zero_adapters(config, model, adapter=1)
   workdir = str(root / "run")
   _checkpoint(workdir, config, model, policy)
@@ -184,7 +182,7 @@ def run(tmp_path_factory):
 
 def _checkpoint(workdir, config, model, policy):
   """Writes `policy` as the trainer would: a checkpoint with its config in the meta."""
-  state = loop.new_state(config, model).replace(policy=policy)
+  state = assembly.new_state(config, model).replace(policy=policy)
   with Checkpointer(workdir) as checkpointer:
     checkpointer.save(3, state, {"iteration": 3, "config": to_config_dict(config).to_dict()},
                       force=True)

@@ -19,6 +19,7 @@ import pytest
 
 from marft_jax import envs
 from marft_jax.models import sampler, tiny
+from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.config import RoleSection, RolloutSection, TeamSection
@@ -115,13 +116,13 @@ def _mc_returns(turns):
 @pytest.mark.parametrize("horizon", [1, 2])
 @pytest.mark.parametrize("graph", ["chain", "dag", "orchestrator"])
 def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
-  model = loop.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  model = assembly.Model(*tiny.tiny_model(max_position_embeddings=1024))
   config = echo_config("marft_a", num_envs=2, iterations=1, team=_team(graph),
                        rollout=RolloutSection(num_envs=2, max_context=1024),
                        advantage=AdvantageConfig(gamma=1.0, lambda_=1.0, credit="per_step",
                                                  normalize=False),
                        task=dataclasses.replace(echo_config().task, horizon=horizon))
-  team, structure = loop.build_team(config)
+  team, structure = assembly.build_team(config)
   script = ScriptedSampler(model.tokenizer, team)
   monkeypatch.setattr(sampler, "generate", script)
   monkeypatch.setattr(loop, "build_envs", lambda config, team, seed, **kw: envs.EnvBatch(

@@ -190,14 +190,14 @@ def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
 def test_the_transition_wording_reaches_the_shared_stream(tmp_path):
   """team.transition words the shared stream's hand-over; a bad format string is refused."""
   from marft_jax.rollout import context
-  from marft_jax.train import loop
+  from marft_jax.train import assembly
   config = _file("train.py", **{"algorithm": "shared_stream_ppo",
                                 "team.transition": "Over to you, {role}."})
-  settings = loop.rollout_settings(config)
+  settings = assembly.rollout_settings(config)
   assert settings.transition == "Over to you, {role}."
   profiles = teams.build_team(config.team, "arithmetic")[0]
   text = context.transition_text(profiles[1], wording=settings.transition)
   assert text.startswith("Over to you, Actor. You are the Actor")
-  assert loop.rollout_settings(_file("train.py")).transition == context.TRANSITION
+  assert assembly.rollout_settings(_file("train.py")).transition == context.TRANSITION
   with pytest.raises(ValueError, match=r"team: transition="):
     _file("train.py", **{"team.transition": "Now {speaker}."})

@@ -19,8 +19,10 @@ from marft_jax.models import tiny, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
+from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train import algorithms
+from marft_jax.train import teams
 from marft_jax.train.advantages import AdvantageConfig
 from tests.train.echo_config import echo_config, echo_flags, from_default_file
 
@@ -29,7 +31,7 @@ from tests.train.echo_config import echo_config, echo_flags, from_default_file
 def model():
   tokenizer = tiny.tiny_tokenizer()
   config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-  return loop.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
+  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
                     tokenizer)
 
 
@@ -46,7 +48,7 @@ def _metrics(workdir):
 def _final_state(config, model, workdir, step=None):
   """The state in `workdir`'s checkpoint `step` (default the latest), restored into the run's
   structure."""
-  template = loop.new_state(config, model)
+  template = assembly.new_state(config, model)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
     return checkpointer.restore(template, step=step)[0], template
 
@@ -94,6 +96,22 @@ class _Kill(Exception):
   pass
 
 
+def _as_written_before_team_roles(workdir, step):
+  """Rewrites checkpoint `step`'s saved config as the library wrote it before `team.roles`,
+  `team.order`, `model.matmul_precision` and `loss.behaviour_correction` existed, with the
+  algorithm's keys as the config file set them (team.num_roles 2, no "auto")."""
+  path = os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  config = meta["config"]
+  for section, key in (("team", "roles"), ("team", "order"), ("model", "matmul_precision"),
+                       ("loss", "behaviour_correction")):
+    del config[section][key]
+  meta["config_fingerprint"] = checkpoint_lib.config_fingerprint(config)
+  with open(path, "w") as f:
+    json.dump(meta, f)
+
+
 class _Learned(Exception):
   pass
 
@@ -112,6 +130,18 @@ def test_resume_is_exact(model, tmp_path):
   with pytest.raises(_Kill):
     loop.train(train_config, resumed, model=model, progress=False, on_iteration=crash)
   assert checkpoint_lib.Checkpointer(resumed).all_steps() == [2]
+  # The checkpoint as an older version wrote it: it is read with today's defaults and resolved
+  # (the team written out), so the same command resumes it, and another team is refused.
+  _as_written_before_team_roles(resumed, step=2)
+  other_team = dataclasses.replace(train_config, team=dataclasses.replace(
+      train_config.team, **teams.shipped("echo", 2)))
+  other_team = dataclasses.replace(other_team, team=dataclasses.replace(
+      other_team.team, roles=tuple(dataclasses.replace(r, system_prompt="Say 7.")
+                                   for r in other_team.team.roles)))
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match=r"team\.roles\.repeater\.system_prompt: saved 'Repeat the number\.', "
+                           r"now 'Say 7\.'"):
+    loop.train(other_team, resumed, model=model, progress=False)
   loop.train(train_config, resumed, model=model, progress=False)
 
   state_straight, template = _final_state(train_config, model, straight)
@@ -214,14 +244,14 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
   exports = os.path.join(first, "exports", "step_1")
   folders = ",".join(os.path.join(exports, role) for role in ("helper0", "repeater"))
   restarted = dataclasses.replace(train_config, init_from=folders)
-  start = loop.new_state(restarted, model)
+  start = assembly.new_state(restarted, model)
   for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
 def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path):
   bf16_config = model.config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-  bf16 = loop.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
+  bf16 = assembly.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
                     bf16_config, model.tokenizer)
   train_config = _echo_config("marft_a", num_envs=8, iterations=1)
   state, _ = _final_state(train_config, bf16, _trained(train_config, bf16, tmp_path))

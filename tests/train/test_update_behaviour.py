@@ -41,7 +41,7 @@ def sampled(dtype: str):
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, config.vocab_size, (ROWS, PROMPT)).astype(np.int32)
   agents = (np.arange(ROWS) % 2).astype(np.int32)
-  # As the trainer samples (`loop.rollout_model`): the decoding layout's copy of the weights.
+  # As the trainer samples (`assembly.rollout_model`): the decoding layout's copy of the weights.
   fast = config.replace(layout=layout_lib.decoding())
   out = sampler.generate(layout_lib.convert_params(params, config.layout, fast.layout),
                          prompts, fast, rng=jax.random.key(2), max_new_tokens=REPLY,
@@ -76,9 +76,10 @@ def compiled_update(dtype: str, loss: LossConfig, epochs: int):
                      minibatches=2)
 
 
-def run_update(dtype: str, batch=None, epochs=1, **loss_keys):
-  config, params, policy, sampled_batch = sampled(dtype)
+def run_update(dtype: str, batch=None, epochs=1, policy=None, **loss_keys):
+  config, params, sampled_policy, sampled_batch = sampled(dtype)
   batch = sampled_batch if batch is None else batch
+  policy = sampled_policy if policy is None else policy
   loss = LossConfig(**{"policy_level": "token", **loss_keys})
   state = TrainState(policy=policy, critic=None, policy_opt=OPTIMIZER.init(policy),
                      critic_opt=None, step=jnp.zeros((), jnp.int32))
@@ -156,3 +157,18 @@ def test_correction_on_with_the_learners_own_logprobs_is_plain_ppo(level):
   np.testing.assert_allclose(m_on["policy_loss"], m_off["policy_loss"], rtol=1e-5, atol=1e-7)
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
                on.policy.layers, off.policy.layers)
+
+
+def test_lora_dropout_drops_in_the_learners_forward_only():
+  """`lora.dropout_rate` (the policy adapters' `dropout_rate`) is honoured by the update: the
+  learner's forward drops adapter inputs, so its first ratio to π_old moves off 1, while π_old
+  (`prepare`, like the sampler) runs the whole adapters: the same as without dropout."""
+  policy = sampled("float32")[2]
+  dropping = policy.replace(dropout_rate=0.5)
+  _, plain, plain_extras = run_update("float32", epochs=2, behaviour_correction="off")
+  _, dropped, dropped_extras = run_update("float32", epochs=2, policy=dropping,
+                                          behaviour_correction="off")
+  np.testing.assert_array_equal(np.asarray(dropped_extras.old_logp),
+                                np.asarray(plain_extras.old_logp))
+  assert plain["first_ratio_max_dev"] < 1e-5, plain
+  assert dropped["first_ratio_max_dev"] > 0.01, dropped

@@ -1,0 +1,208 @@
+"""The run's pieces, built from its config: the base model, the team and its graph, the
+environments, the sampler's copy of the weights, the judge, the optimizers and the state a
+run starts from. One place for `loop.train`, `evaluate` and the launch scripts, so training
+and evaluation build the same team from the same keys.
+
+Which saved keys a checkpoint must share with the config that reads it is also decided here:
+a resumed run every key but `RESUME_MAY_DIFFER`; an evaluation only `EVAL_MUST_MATCH` (the
+adapters' shape and the team that runs them), so a trained team can be scored on any task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from marft_jax import envs as envs_lib
+from marft_jax import lora as lora_lib
+from marft_jax.configs import from_config_dict
+from marft_jax.models import layout as layout_lib
+from marft_jax.models import loading
+from marft_jax.rollout import RolloutConfig
+from marft_jax.rollout import rewards as rewards_lib
+from marft_jax.train import algorithms
+from marft_jax.train import critic as critic_lib
+from marft_jax.train import optim
+from marft_jax.train import teams
+from marft_jax.train.checkpoint import CheckpointMismatchError
+from marft_jax.train.config import TrainConfig
+from marft_jax.train.update import TrainState
+
+def as_recorded(config: TrainConfig) -> TrainConfig:
+  """The config as a run records it (checkpoint meta, config.json): resolved
+  (`algorithms.resolve`: the algorithm's "auto" keys filled in), and an empty `team.roles`
+  written out as the task's shipped team, so the record names every role's prompt, adapter
+  and sampling, and a config file that spells the same team out records the same config."""
+  config = algorithms.resolve(config)
+  if config.team.roles:
+    return config
+  team = dataclasses.replace(config.team, **teams.shipped(config.task.name,
+                                                          config.team.num_roles))
+  return dataclasses.replace(config, team=team)
+
+
+def read_saved_config(saved: Mapping[str, Any], where: str) -> TrainConfig:
+  """A checkpoint's saved config (meta["config"]) as this version of the library reads it:
+  keys added since it was written take their defaults (which keep the behaviour they
+  replaced), then `as_recorded`, so that it compares equal to the same run's config today.
+  `where` (e.g. "runs/x: step 8") prefixes a `CheckpointMismatchError`."""
+  try:
+    return as_recorded(from_config_dict(TrainConfig, saved))
+  except ValueError as e:
+    raise CheckpointMismatchError(f"{where}: its saved config does not load: {e}") from None
+
+
+# Keys a resumed run may change (extend the run, re-shard it, evaluate more or less often);
+# any other difference from the checkpoint's saved config is refused, naming the key.
+RESUME_MAY_DIFFER = ("iterations", "checkpoint_every", "mesh", "eval_every", "eval_episodes")
+# Keys an evaluation of a checkpoint must share with the run that wrote it: the base model and
+# the adapters' shape, and the team running them (`evaluate.restore_policy` also compares the
+# roles and adapters `build_team` makes). Everything else, the task and data above all, may
+# differ.
+EVAL_MUST_MATCH = ("model.source", "lora.rank", "lora.alpha", "lora.use_rslora", "lora.targets",
+                   "team.num_roles", "team.shared_adapter", "team.graph")
+
+
+@dataclasses.dataclass
+class Model:
+  """The frozen base: params (training layout), config, tokenizer."""
+
+  params: Any
+  config: Any
+  tokenizer: Any
+
+
+def build_team(config: TrainConfig):
+  """(team profiles, schedule structure) from the config's team section (`teams.build_team`:
+  the declared roles, or the task's shipped team)."""
+  return teams.build_team(config.team, config.task.name)
+
+
+def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
+               owned: Optional[range] = None, num_envs: Optional[int] = None,
+               group_size: Optional[int] = None):
+  """An `EnvBatch` of the task's `split` ("train" or "test"; for problem files, the disjoint
+  parts of `envs.splits.task_problems`, each problem once per epoch in a seeded order), with
+  one grading worker or sandbox shared by its environments; `owned`: the environments this
+  process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
+  rollout section (an evaluation plays one episode per task)."""
+  graded = [p.role for p in team if p.graded]
+  task = config.task
+  num_tasks, shared = None, ()
+  if task.name == "echo":
+    make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
+  elif task.name == "code":
+    from marft_jax.envs import code_env, sandbox, splits
+    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
+    num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
+    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
+                                      test_timeout_s=5.0, shuffle=False)
+  else:
+    from marft_jax.envs import arithmetic, problems as problems_lib, splits
+    from marft_jax.envs.math_env import MathEnv
+    from marft_jax.envs.math_grading import Grader
+    if task.name == "arithmetic":
+      source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
+    else:
+      part = splits.task_problems("math_jsonl", task.path, task.test_path)[split == "test"]
+      source = problems_lib.ProblemSet(part, name=split, shuffle=False)
+      num_tasks = len(source)
+    shared = (Grader(),)
+    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon,
+                             grader=shared[0])
+  return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
+                           group_size=group_size or config.rollout.group_size, owned=owned,
+                           num_tasks=num_tasks, closing=shared)
+
+
+def rollout_settings(config: TrainConfig) -> RolloutConfig:
+  """How the trainer's and the evaluation's episodes are played."""
+  return RolloutConfig(context_mode=config.rollout.context_mode, horizon=config.task.horizon,
+                       max_context=config.rollout.max_context or None,
+                       transition=config.team.transition or RolloutConfig.transition)
+
+
+def load(config: TrainConfig) -> Model:
+  params, model_config, tokenizer = loading.load_model(
+      config.model.source, param_dtype=config.model.param_dtype,
+      compute_dtype=config.model.param_dtype)
+  return Model(params, model_config, tokenizer)
+
+
+def rollout_model(model: Model, config: TrainConfig):
+  """(params, model config) in `model.rollout_layout`'s layout: what the sampler runs (a copy
+  of the weights in the decoding layout on CPU; made once per run)."""
+  choice = config.model.rollout_layout
+  layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
+            "training": layout_lib.TRAINING}[choice]
+  fast = model.config.replace(layout=layout)
+  return layout_lib.convert_params(model.params, model.config.layout, layout), fast
+
+
+def critic_config(config: TrainConfig) -> Optional[critic_lib.CriticConfig]:
+  """The critic the config asks for (None: the algorithm has none)."""
+  return config.critic.critic_config() if config.uses_critic else None
+
+
+def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimizer,
+               critic_optimizer) -> TrainState:
+  key = jax.random.key(config.seed)
+  policy = lora_lib.init_adapters(config.lora, model.config, jax.random.fold_in(key, 1),
+                                  config.num_adapters)
+  if config.init_from:
+    paths = [p for p in config.init_from.split(",") if p]
+    policy = lora_lib.load_peft_adapters(paths, model.config)
+    if policy.num_adapters != config.num_adapters:
+      raise ValueError(f"init_from: {len(paths)} adapter folders for "
+                       f"{config.num_adapters} adapters")
+  critic = None
+  critic_settings = critic_config(config)
+  if critic_settings is not None:
+    critic = critic_lib.init_critic(critic_settings, model.config, num_agents,
+                                    jax.random.fold_in(key, 2))
+  return TrainState(policy=policy, critic=critic, policy_opt=policy_optimizer.init(policy),
+                    critic_opt=None if critic is None else critic_optimizer.init(critic),
+                    step=jnp.zeros((), jnp.int32))
+
+
+def new_state(config: TrainConfig, model: Model) -> TrainState:
+  """The state a run of `config` starts from (or a checkpoint of it restores into): the
+  adapters (`init_from`'s, if given), the critic for the team `build_team` makes, and the
+  optimizers' states."""
+  team, structure = build_team(config)
+  return init_state(config, model, len(team) + (structure is not None), *optimizers(config))
+
+
+def optimizers(config: TrainConfig):
+  """(the policy's optimizer, the critic's), with the learning-rate schedule of `config`."""
+  o = config.optimizer
+  steps_per_iteration = o.epochs * o.minibatches
+  schedule = optim.learning_rate(o.lr, o.warmup_iterations * steps_per_iteration,
+                                 config.iterations * steps_per_iteration, o.decay)
+  policy = optax.adamw(schedule, eps=1e-5, weight_decay=o.weight_decay)
+  critic = optax.adam(config.critic.lr, eps=1e-5)
+  return policy, critic
+
+
+def build_judge(config: TrainConfig, model: Model, weights) -> Optional[rewards_lib.Judge]:
+  """The LLM judge of `config.reward` (None when off): the policy's base in the rollout's
+  layout (`weights`), or a second model's, with its adapter if one is given."""
+  r = config.reward
+  if not r.judge:
+    return None
+  params, model_config, tokenizer = *weights, model.tokenizer
+  if r.judge_model:
+    judge_model = Model(*loading.load_model(r.judge_model, param_dtype=config.model.param_dtype,
+                                            compute_dtype=config.model.param_dtype))
+    params, model_config = rollout_model(judge_model, config)
+    tokenizer = judge_model.tokenizer
+  adapter = None
+  if r.judge_adapter:
+    adapter = lora_lib.load_peft_adapters([r.judge_adapter], model_config)
+  return rewards_lib.Judge(params, model_config, tokenizer, adapter, prompt=r.judge_prompt,
+                           max_new_tokens=r.judge_max_new_tokens, weight=r.judge_weight,
+                           parse=rewards_lib.parse_verdict)
