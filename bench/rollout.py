@@ -53,7 +53,7 @@ from marft_jax.envs import arithmetic
 from marft_jax.envs.math_env import MathEnv
 from marft_jax.envs.math_grading import Grader
 from marft_jax.envs.problems import ProblemSet
-from marft_jax.models import layout, sampler, tiny
+from marft_jax.models import layout, sampler, sampler_plan, tiny
 from marft_jax.models.loading import load_model
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import RolloutConfig, rollout
@@ -182,8 +182,8 @@ def main(argv):
   team = make_team(*((12, 6) if tiny_run else (96, 24)))
   adapters = lora_lib.init_adapters(LORA, base, jax.random.key(1), num_adapters=len(team))
   problems = ProblemSet(arithmetic.generate_problems(256, level=2, seed=0), "arithmetic-L2")
-  num_new = sampler.bucket(max(p.sampling.max_new_tokens for p in team),
-                           sampler.MIN_NEW_TOKENS_BUCKET)
+  num_new = sampler_plan.bucket(max(p.sampling.max_new_tokens for p in team),
+                                sampler_plan.MIN_NEW_TOKENS_BUCKET)
   configs = [("per_agent", False, ""), ("shared_stream", False, "shared_stream_")]
   if _REENCODE.value:
     configs.append(("shared_stream", True, "shared_stream_reencode_"))

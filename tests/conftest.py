@@ -31,8 +31,8 @@ def _free_compiled_programs():
   they reached the kernel's limit (vm.max_map_count, 65530) and XLA segfaulted in a compile."""
   yield
   jax.clear_caches()
-  from marft_jax.models import sampler  # noqa: PLC0415 (after the XLA flags are set)
-  sampler.forget_compiled_shapes()
+  from marft_jax.models import sampler_plan  # noqa: PLC0415 (after the XLA flags are set)
+  sampler_plan.forget_compiled_shapes()
   gc.collect()
 
 

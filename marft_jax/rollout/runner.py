@@ -31,10 +31,10 @@ per-agent view), the number of new tokens is bucketed once for the team, a per-a
 is bucketed from its length had every earlier reply of its episode used its whole
 max_new_tokens (so reply lengths never change its shapes; `sampler.generate(prompt_width=)`),
 and the sampler reuses or compiles ahead the neighbouring buckets. A shared stream's cache
-starts at its first call's size and grows to the next quarter octave (`sampler.bucket`) when
-a turn would not fit (slots are not reserved up front: every decode step attends over all of
-a cache's slots, so a cache sized for `max_context` would make every turn pay for the longest
-possible episode); its growth still follows the replies' lengths.
+starts at its first call's size and grows to the next quarter octave (`sampler_plan.bucket`)
+when a turn would not fit (slots are not reserved up front: every decode step attends over all
+of a cache's slots, so a cache sized for `max_context` would make every turn pay for the
+longest possible episode); its growth still follows the replies' lengths.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from marft_jax.envs.batch import EnvBatch
 from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule
 from marft_jax.envs.profiles import AgentProfile, adapter_index, check_team
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import sampler
+from marft_jax.models import sampler, sampler_plan
 from marft_jax.models.config import ModelConfig
 from marft_jax.rollout import context
 from marft_jax.rollout.episode import Episode, TokenSequence, Turn
@@ -178,8 +178,9 @@ class _Runner:
     self.policy_version = int(policy_version)
     self.eos = int(tokenizer.eos_token_id)
     self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos)
-    self.num_new = sampler.bucket(max(p.sampling.max_new_tokens for p in agents.profiles),
-                                  sampler.MIN_NEW_TOKENS_BUCKET)
+    self.num_new = sampler_plan.bucket(
+        max(p.sampling.max_new_tokens for p in agents.profiles),
+        sampler_plan.MIN_NEW_TOKENS_BUCKET)
     self.top_k = agents.profiles[0].sampling.top_k or None
     width = 1
     if isinstance(structure, AgentGraph):

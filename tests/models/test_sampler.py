@@ -7,7 +7,8 @@ import pytest
 
 from marft_jax import compile_stats
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import layout, sampler, targets, transformer
+from marft_jax.models import (layout, sampler, sampler_plan, targets, token_sampling,
+                              transformer)
 from marft_jax.models.config import tiny_config
 
 CONFIG = tiny_config()
@@ -127,7 +128,7 @@ def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
   logits = np.random.default_rng(1).normal(size=64).astype(np.float32) * 2
   rows = 1 << 15
   tile = lambda x: jnp.tile(jnp.asarray(x, jnp.float32), (rows,) + (1,) * np.ndim(x))
-  sample = jax.jit(sampler.sample_tokens, static_argnames=("top_k", "greedy"))
+  sample = jax.jit(token_sampling.sample_tokens, static_argnames=("top_k", "greedy"))
   for top_p in (1.0, 0.8):
     ref = _numpy_filtered_log_probs(logits, 1.0, top_k, top_p)
     tok, logprob = sample(jax.random.key(0), tile(logits), tile(1.0), tile(top_p), top_k=top_k)
@@ -159,13 +160,13 @@ def test_bfloat16_temperature_one_logprobs_make_the_first_ppo_ratio_one():
 def test_sample_tokens_greedy_rows_take_the_argmax_with_the_model_logprob():
   logits = jax.random.normal(jax.random.key(5), (4, 300)) * 3
   temperature = jnp.array([0.0, 1.0, 0.0, 0.5])
-  tok, logprob = sampler.sample_tokens(jax.random.key(6), logits, temperature)
+  tok, logprob = token_sampling.sample_tokens(jax.random.key(6), logits, temperature)
   model = jax.nn.log_softmax(logits, axis=-1)
   for b in (0, 2):
     assert int(tok[b]) == int(jnp.argmax(logits[b]))
     np.testing.assert_allclose(float(logprob[b]), float(model[b, tok[b]]), atol=1e-5)
   np.testing.assert_allclose(float(logprob[1]), float(model[1, tok[1]]), atol=1e-5)
-  all_greedy = sampler.sample_tokens(jax.random.key(6), logits, temperature, greedy=True)
+  all_greedy = token_sampling.sample_tokens(jax.random.key(6), logits, temperature, greedy=True)
   np.testing.assert_array_equal(np.asarray(all_greedy[0]), np.argmax(logits, axis=-1))
   np.testing.assert_allclose(np.asarray(all_greedy[1]), np.max(np.asarray(model), axis=-1),
                              atol=1e-5)
@@ -231,11 +232,11 @@ def test_continuing_a_cache_equals_one_call_over_the_concatenation(params, promp
 
 
 def test_buckets_by_hand():
-  quarter = lambda n: sampler.bucket(n, 16, 4)
+  quarter = lambda n: sampler_plan.bucket(n, 16, 4)
   assert [quarter(n) for n in (0, 16, 17, 21, 33, 64, 65, 96, 97, 129, 193, 257)] == [
       16, 16, 20, 24, 40, 64, 80, 96, 112, 160, 224, 320]
-  assert [sampler.bucket(n, 16) for n in (0, 16, 17, 96, 129)] == [16, 16, 32, 128, 256]
-  assert sampler.bucket(5, 4) == 8 and sampler.bucket(3, 4) == 4
+  assert [sampler_plan.bucket(n, 16) for n in (0, 16, 17, 96, 129)] == [16, 16, 32, 128, 256]
+  assert sampler_plan.bucket(5, 4) == 8 and sampler_plan.bucket(3, 4) == 4
 
 
 def test_new_length_in_same_bucket_does_not_compile_again(params, prompts):

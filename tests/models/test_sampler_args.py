@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 from marft_jax import lora as lora_lib
-from marft_jax.models import layout, sampler, targets, transformer
+from marft_jax.models import layout, sampler, targets, token_sampling, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
 
@@ -101,7 +101,7 @@ def test_tiny_temperature_is_stable_and_approaches_greedy():
   # Logits as large as a real model's: dividing before subtracting the max overflows to inf.
   logits = jax.random.normal(jax.random.key(5), (64, 300)) * 30
   for t in (1e-10, 1e-30, 1e-37):  # (f32 denormals flush to 0 on XLA:CPU: greedy)
-    tok, logprob = sampler.sample_tokens(jax.random.key(6), logits, jnp.full((64,), t))
+    tok, logprob = token_sampling.sample_tokens(jax.random.key(6), logits, jnp.full((64,), t))
     np.testing.assert_array_equal(np.asarray(tok), np.argmax(np.asarray(logits), axis=-1))
     # Every other token has probability 0 at this temperature: log-prob exactly 0.
     np.testing.assert_array_equal(np.asarray(logprob), 0.0)

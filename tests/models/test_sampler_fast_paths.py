@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from marft_jax.models import layout, sampler, transformer
+from marft_jax.models import layout, sampler, sampler_plan, transformer
 from marft_jax.models.config import tiny_config
 from tests.models.test_sampler import _random_adapters
 
@@ -35,12 +35,13 @@ def _prompts(lens, seed=0):
 
 
 def _count_calls(monkeypatch, name):
-  """Counts the calls that run `sampler.<name>` (a compile ahead, `.lower`, is not one)."""
+  """Counts the calls that run `sampler_plan.<name>` (a compile ahead, `.lower`, is not
+  one)."""
   calls = []
-  original = getattr(sampler, name)
+  original = getattr(sampler_plan, name)
   counted = lambda *a, **k: calls.append(1) or original(*a, **k)
   counted.lower = getattr(original, "lower", None)
-  monkeypatch.setattr(sampler, name, counted)
+  monkeypatch.setattr(sampler_plan, name, counted)
   return calls
 
 
@@ -82,7 +83,7 @@ def test_short_or_unshared_prefixes_take_the_plain_path(params, monkeypatch):
   tokens, _ = _prompts([30, 30])
   gen = lambda t, lens: sampler.generate(params, t, CONFIG, prompt_lens=lens, max_new_tokens=4,
                                          rng=jax.random.key(0))
-  gen(tokens, [sampler.MIN_SHARED_PREFIX, 30])  # row 0 keeps one token after 15 shared
+  gen(tokens, [sampler_plan.MIN_SHARED_PREFIX, 30])  # row 0 keeps one token after 15 shared
   tokens[1, 3] = (tokens[0, 3] + 1) % V  # the rows part after 3 tokens
   gen(tokens, [30, 30])
   assert not encoded

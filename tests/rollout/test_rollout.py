@@ -16,7 +16,7 @@ import pytest
 
 from marft_jax import envs, rollout as rollout_lib
 from marft_jax.lora.routing import Adapters
-from marft_jax.models import layout, sampler, tiny, transformer
+from marft_jax.models import layout, sampler, sampler_plan, tiny, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.models.targets import linear_shapes
@@ -134,8 +134,9 @@ def test_shared_stream_cache_holds_what_the_turns_use(model, monkeypatch):
     out = generate(params, tokens, config, **kw)
     used = int(np.max(kw["prompt_lens"]))
     longest = int(np.max(kw["max_new_tokens"]))
-    calls.append((sampler.bucket(used, sampler.MIN_PROMPT_BUCKET, 4)
-                  + sampler.bucket(longest, sampler.MIN_NEW_TOKENS_BUCKET, 4), out.cache.size))
+    calls.append((sampler_plan.bucket(used, sampler_plan.MIN_PROMPT_BUCKET, 4)
+                  + sampler_plan.bucket(longest, sampler_plan.MIN_NEW_TOKENS_BUCKET, 4),
+                  out.cache.size))
     return out
 
   monkeypatch.setattr(sampler, "generate", recording)
@@ -144,8 +145,8 @@ def test_shared_stream_cache_holds_what_the_turns_use(model, monkeypatch):
   needed = sum(width for width, _ in calls)  # padded chunks + bucketed replies, all turns
   # Fresh: the first call's chunk and replies (a prefix that the rows share is bucketed on
   # its own, `sampler.generate(share_prefix=)`: that can shift the total by a bucket step).
-  assert calls[0][1] <= calls[0][0] + sampler.MIN_PROMPT_BUCKET
-  assert calls[-1][1] <= sampler.bucket(needed, sampler.MIN_PROMPT_BUCKET, 4) < 1024
+  assert calls[0][1] <= calls[0][0] + sampler_plan.MIN_PROMPT_BUCKET
+  assert calls[-1][1] <= sampler_plan.bucket(needed, sampler_plan.MIN_PROMPT_BUCKET, 4) < 1024
 
 
 def test_dag_branches_see_only_their_ancestors(model):

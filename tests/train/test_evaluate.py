@@ -225,6 +225,20 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
   assert not os.path.exists(os.path.join(workdir, "nothing"))  # read only: nothing created
 
 
+def _launch_eval(workdir, config, *flags):
+  """`python -m launch.eval` on `workdir`'s checkpoint with the tests' short replies (a
+  `--config=` file among `flags` must come before the overrides): (the finished process, its
+  eval.json)."""
+  flags = [f"--workdir={workdir}", *flags, f"--config.model.source={config.model.source}",
+           "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
+           "--config.rollout.max_context=256"]
+  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(workdir, "eval.json")) as f:
+    return out, json.load(f)
+
+
 def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp_path):
   """Trained on generated arithmetic, scored on a JSONL test file: the task section differs
   from the checkpoint's, the model, LoRA and team do not."""
@@ -233,30 +247,16 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   test_file = tmp_path / "test.jsonl"
   test_file.write_text("".join(json.dumps({"question": f"What is {g} + 0?", "answer": f"#### {g}"})
                                + "\n" for g in golds))
-  flags = [f"--workdir={workdir}", f"--config.model.source={config.model.source}",
-           "--config.task.name=math_jsonl", f"--config.task.test_path={test_file}",
-           "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
-           "--config.rollout.max_context=256"]
-  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  with open(os.path.join(workdir, "eval.json")) as f:
-    written = json.load(f)
+  _, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
+                            f"--config.task.test_path={test_file}")
   assert written["episodes"] == 4 and written["checkpoint_step"] == 3  # the file, once
   assert written["accuracy"] == written["accuracy/actor"] == golds.count(0) / 4  # adapters on
 
 
 def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   workdir, config, model, policy = run
-  flags = [f"--workdir={workdir}", "--problems=6", "--config=tests/train/echo_config.py",
-           f"--config.model.source={config.model.source}", "--config.task.echo_high=2",
-           "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
-           "--config.rollout.max_context=256"]
-  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
-  assert out.returncode == 0, out.stderr[-3000:]
-  with open(os.path.join(workdir, "eval.json")) as f:
-    written = json.load(f)
+  out, written = _launch_eval(workdir, config, "--problems=6",
+                              "--config=tests/train/echo_config.py", "--config.task.echo_high=2")
   with open(os.path.join(workdir, "eval_transcripts.jsonl")) as f:
     tasks = [json.loads(line)["task"] for line in f]
   zeros = sum(int(t.split(":")[-1]) == 0 for t in tasks)
