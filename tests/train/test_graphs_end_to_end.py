@@ -125,7 +125,7 @@ def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
   team, structure = assembly.build_team(config)
   script = ScriptedSampler(model.tokenizer, team)
   monkeypatch.setattr(sampler, "generate", script)
-  monkeypatch.setattr(loop, "build_envs", lambda config, team, seed, **kw: envs.EnvBatch(
+  monkeypatch.setattr(assembly, "build_envs", lambda config, team, seed, **kw: envs.EnvBatch(
       lambda i: GoodWordEnv(horizon), config.rollout.num_envs, seed=seed))
   captured = {}
   real = loop.compute_advantages
