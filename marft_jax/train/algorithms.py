@@ -135,8 +135,17 @@ def _normalize(a: Algorithm, normalize: Optional[bool]) -> bool:
 
 def _check_sampling(team) -> None:
   """Top-p below 1 anywhere in the team is refused, naming the key (`update.
-  check_untruncated_sampling`: the learner does not apply the sampler's truncation)."""
+  check_untruncated_sampling`: the learner does not apply the sampler's truncation); so is
+  temperature 0: a greedy reply has no sampling distribution for the learner to score at its
+  temperature (its log-probs would divide by 0). Evaluation is greedy whatever the config."""
   update.check_untruncated_sampling(team.top_p, 0, prefix="team.")
+  keys = [("team.temperature", team.temperature)] + [
+      (f"team.roles.{r.name}.temperature", r.temperature) for r in team.roles]
+  for key, temperature in keys:
+    if temperature == 0:
+      raise ValueError(f"{key}=0: training scores each sampled token at its sampling "
+                       "temperature, and greedy replies have none; use a temperature > 0 "
+                       "(held-out evaluation decodes greedily anyway)")
   for role in team.roles:
     if role.top_p:
       update.check_untruncated_sampling(role.top_p, 0, prefix=f"team.roles.{role.name}.")

@@ -153,6 +153,17 @@ def test_truncated_sampling_is_refused_for_training(overrides, key):
     algorithms.resolve(TrainConfig(**overrides))
 
 
+@pytest.mark.parametrize("overrides,key", [
+    ({"team": TeamSection(temperature=0.0)}, "team.temperature=0"),
+    ({"team": TeamSection(roles=(RoleSection("a", graded=True, temperature=0.0),), order="a")},
+     "team.roles.a.temperature=0"),
+])
+def test_greedy_sampling_is_refused_for_training(overrides, key):
+  """Greedy replies have no distribution for the learner to score (it divides by τ)."""
+  with pytest.raises(ValueError, match=re.escape(key)):
+    algorithms.resolve(TrainConfig(**overrides))
+
+
 def test_behaviour_correction_follows_the_model_dtype():
   f32 = algorithms.resolve(TrainConfig())
   bf16 = algorithms.resolve(TrainConfig(model=ModelSection(param_dtype="bfloat16")))
