@@ -49,7 +49,7 @@ class ModelSection:
 
   def __post_init__(self):
     _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
-    _one_of("matmul_precision", self.matmul_precision, precision.PRECISIONS)
+    precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
 
