@@ -32,6 +32,7 @@ from marft_jax.train.checkpoint import CheckpointMismatchError
 from marft_jax.train.config import TrainConfig
 from marft_jax.train.update import TrainState
 
+
 def as_recorded(config: TrainConfig) -> TrainConfig:
   """The config as a run records it (checkpoint meta, config.json): resolved
   (`algorithms.resolve`: the algorithm's "auto" keys filled in), and an empty `team.roles`

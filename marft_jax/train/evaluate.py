@@ -66,7 +66,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   batch_size = min(batch_size, total)
   # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
   envs = assembly.build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
-                    num_envs=batch_size, group_size=1)
+                             num_envs=batch_size, group_size=1)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
   settings = assembly.rollout_settings(config)

@@ -195,10 +195,6 @@ def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
   team, structure = assembly.build_team(config)
   rollout_weights = assembly.rollout_model(model, config)
   judge = assembly.build_judge(config, model, rollout_weights)
-  # Several processes: each plays the environments whose sampler rows its devices hold.
-  rows = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
-  envs = assembly.build_envs(config, team, seed=config.seed,
-                             owned=None if rows is None else rows.block(config.rollout.num_envs))
   policy_optimizer, critic_optimizer = assembly.optimizers(config)
   state = assembly.init_state(config, model, len(team) + (structure is not None),
                               policy_optimizer, critic_optimizer)
@@ -210,6 +206,13 @@ def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
                        critic_values, config.num_adapters, config.optimizer.epochs,
                        config.optimizer.minibatches,
                        out_shardings=(state_shardings, sharding.replicated(mesh)))
+  recorded = to_config_dict(assembly.as_recorded(config)).to_dict()
+  # The environments come last: they start grading workers or sandboxes, which `_train`
+  # closes once it holds them (nothing after this may fail and leave them running).
+  # Several processes: each plays the environments whose sampler rows its devices hold.
+  rows = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
+  envs = assembly.build_envs(config, team, seed=config.seed,
+                             owned=None if rows is None else rows.block(config.rollout.num_envs))
   pad = model.tokenizer.pad_token_id
   batch_rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   learn = functools.partial(
@@ -221,7 +224,6 @@ def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
       pad_id=model.tokenizer.eos_token_id if pad is None else pad,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(batch_rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
-  recorded = to_config_dict(assembly.as_recorded(config)).to_dict()
   run = _Run(config=config, config_dict=recorded, model=model, rollout_weights=rollout_weights,
              team=team, structure=structure, envs=envs, rows=rows, judge=judge, learn=learn,
              heldout=functools.partial(_heldout, config=config, model=model,

@@ -143,23 +143,16 @@ def test_the_checkpointed_config_is_the_resolved_one():
 
 
 @pytest.mark.parametrize("overrides,key", [
+    # The learner scores the full softmax: top-p would make the trained policy another.
     ({"team": TeamSection(top_p=0.9)}, "team.top_p=0.9"),
     ({"team": TeamSection(roles=(RoleSection("a", graded=True, top_p=0.5),), order="a")},
      "team.roles.a.top_p=0.5"),
-])
-def test_truncated_sampling_is_refused_for_training(overrides, key):
-  """The learner scores the full softmax: top-p would make the trained policy another."""
-  with pytest.raises(ValueError, match=re.escape(key)):
-    algorithms.resolve(TrainConfig(**overrides))
-
-
-@pytest.mark.parametrize("overrides,key", [
+    # Greedy replies have no distribution for the learner to score (it divides by τ).
     ({"team": TeamSection(temperature=0.0)}, "team.temperature=0"),
     ({"team": TeamSection(roles=(RoleSection("a", graded=True, temperature=0.0),), order="a")},
      "team.roles.a.temperature=0"),
 ])
-def test_greedy_sampling_is_refused_for_training(overrides, key):
-  """Greedy replies have no distribution for the learner to score (it divides by τ)."""
+def test_sampling_the_learner_cannot_score_is_refused_for_training(overrides, key):
   with pytest.raises(ValueError, match=re.escape(key)):
     algorithms.resolve(TrainConfig(**overrides))
 
