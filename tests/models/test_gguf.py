@@ -3,6 +3,8 @@ them (names from gguf's own `TensorNameMap`, q/k rows permuted by llama.cpp's `p
 SmolLM2-135M against transformers' GGUF-loaded torch model: logits, and greedy decoding with our
 KV-cache sampler against `generate(do_sample=False)`."""
 
+import functools
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -105,7 +107,7 @@ def smollm2_ours(smollm2_reader):
 
 @pytest.fixture(scope="module")
 def smollm2_torch(smollm2_reader):
-  """transformers' own GGUF path (dequantize + un-permute in transformers), f32; ≈20 s, so once.
+  """transformers' own GGUF path (dequantize + un-permute in transformers), f32; once.
 
   torch runs on one thread here: on a small shared CPU, two OpenMP threads that lose their
   core wait on each other and decoding 32 tokens took 100 s instead of 3 s.
@@ -115,8 +117,15 @@ def smollm2_torch(smollm2_reader):
   threads = torch.get_num_threads()
   torch.set_num_threads(1)
   path = smollm2.smollm2_gguf_path()
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+  with pytest.MonkeyPatch.context() as patch:
+    # transformers parses the file twice and rebuilds gguf's tensor-name table once per tensor
+    # (about 20 of its 26 s here): it gets the session's parse (gguf's own reader, as ours
+    # uses) and one table per (architecture, layers). Dequantizing, un-permuting and naming
+    # the tensors stay transformers' own.
+    patch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: smollm2_reader)
+    patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
   yield model.eval()
   torch.set_num_threads(threads)
 

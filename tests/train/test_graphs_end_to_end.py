@@ -22,7 +22,7 @@ from marft_jax.models import sampler, tiny
 from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig
-from marft_jax.train.config import RoleSection, RolloutSection, TeamSection
+from marft_jax.train.config import OptimizerSection, RoleSection, RolloutSection, TeamSection
 from tests.train.echo_config import echo_config
 
 ROLES = ("planner", "coder", "tester")  # tester graded
@@ -119,6 +119,8 @@ def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
   model = assembly.Model(*tiny.tiny_model(max_position_embeddings=1024))
   config = echo_config("marft_a", num_envs=2, iterations=1, team=_team(graph),
                        rollout=RolloutSection(num_envs=2, max_context=1024),
+                       # One minibatch step: what is checked is what the update is given.
+                       optimizer=OptimizerSection(lr=5e-3, epochs=1, minibatches=1),
                        advantage=AdvantageConfig(gamma=1.0, lambda_=1.0, credit="per_step",
                                                  normalize=False),
                        task=dataclasses.replace(echo_config().task, horizon=horizon))
