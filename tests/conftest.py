@@ -68,11 +68,29 @@ def pytest_configure(config):
 _SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
 
 
+# The files that take over a minute of a worker's time (test_trainer alone five), slowest
+# first, then the others in collection order. xdist's own order (most tests first) started
+# test_trainer late: one worker then ran it alone for minutes while the other had nothing
+# left. Started first, the slow files end beside the small ones both workers share.
+_SLOW_FILES_FIRST = ("tests/train/test_trainer.py", "tests/models/test_layouts.py",
+                     "tests/train/test_multihost.py", "tests/test_bench.py",
+                     "tests/train/test_graphs_end_to_end.py", "tests/train/test_evaluate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  if config.getoption("dist", None) != "loadfile":
+    return
+  rank = {path: i for i, path in enumerate(_SLOW_FILES_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-  """`--dist loadfile` (the README's test command), with the files of `_SAME_WORKER` as one."""
+  """`--dist loadfile` (the README's test command), with the files of `_SAME_WORKER` as one,
+  handed out in the collection's order (`_SLOW_FILES_FIRST`)."""
   if config.getoption("dist") != "loadfile":
     return None
+  config.option.loadscopereorder = False
   from xdist.scheduler import LoadFileScheduling
 
   class Scheduling(LoadFileScheduling):

@@ -170,12 +170,18 @@ def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimi
                     step=jnp.zeros((), jnp.int32))
 
 
+def num_agents(team, structure) -> int:
+  """The agents that act in `build_team`'s team, as the rollout numbers them: its roles, and
+  the orchestrator when the graph has one (it routes with an adapter and a value of its own).
+  A DAG adds no agent."""
+  return len(team) + isinstance(structure, envs_lib.Orchestrator)
+
+
 def new_state(config: TrainConfig, model: Model) -> TrainState:
   """The state a run of `config` starts from (or a checkpoint of it restores into): the
   adapters (`init_from`'s, if given), the critic for the team `build_team` makes, and the
   optimizers' states."""
-  team, structure = build_team(config)
-  return init_state(config, model, len(team) + (structure is not None), *optimizers(config))
+  return init_state(config, model, num_agents(*build_team(config)), *optimizers(config))
 
 
 def optimizers(config: TrainConfig):

@@ -46,7 +46,7 @@ def greedy_team(config: TrainConfig):
   """The config's team and structure with every agent (the orchestrator too) greedy."""
   team, structure = assembly.build_team(config)
   team = envs_lib.with_sampling(team, temperature=0.0)
-  if structure is not None:
+  if isinstance(structure, envs_lib.Orchestrator):  # a DAG has no agent of its own
     profile = envs_lib.with_sampling((structure.profile,), temperature=0.0)[0]
     structure = dataclasses.replace(structure, profile=profile)
   return team, structure
@@ -157,7 +157,7 @@ def _team_shape(config: TrainConfig) -> tuple:
   """(role, adapter) per agent, the orchestrator's adapter (or None), the adapter count."""
   team, structure = greedy_team(config)
   roles = tuple((p.role, envs_lib.adapter_index(team, i)) for i, p in enumerate(team))
-  router = None if structure is None else structure.profile.adapter
+  router = structure.profile.adapter if isinstance(structure, envs_lib.Orchestrator) else None
   return roles, router, config.num_adapters
 
 

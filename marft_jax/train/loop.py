@@ -196,7 +196,7 @@ def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
   rollout_weights = assembly.rollout_model(model, config)
   judge = assembly.build_judge(config, model, rollout_weights)
   policy_optimizer, critic_optimizer = assembly.optimizers(config)
-  state = assembly.init_state(config, model, len(team) + (structure is not None),
+  state = assembly.init_state(config, model, assembly.num_agents(team, structure),
                               policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)

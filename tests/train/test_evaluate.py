@@ -110,6 +110,36 @@ def test_accuracy_is_the_share_of_tasks_showing_the_scripted_answer():
   assert metrics["accuracy"] == metrics["accuracy/repeater"] == shown.count(0) / 12
 
 
+@pytest.mark.parametrize("graph", ["dag", "orchestrator"])
+def test_a_graph_team_is_evaluated_greedily_from_its_checkpoint(graph, tmp_path):
+  """Every role greedy, and the orchestrator's routing turns too; a DAG is played as it is,
+  and its checkpoint's adapters restore (both once failed: a DAG was taken for an
+  orchestrator)."""
+  base = _config()
+  roles = (config_lib.RoleSection("left", "Say the number."),
+           config_lib.RoleSection("right", "Say the number."),
+           config_lib.RoleSection("repeater", "Repeat the number.", graded=True))
+  edges = "left>repeater, right>repeater" if graph == "dag" else ""
+  config = dataclasses.replace(base, team=dataclasses.replace(
+      base.team, roles=roles, order="left,right,repeater", graph=graph, edges=edges,
+      num_roles=3, temperature=0.7))
+  team, structure = evaluate_lib.greedy_team(config)
+  assert [p.sampling.temperature for p in team] == [0.0] * 3
+  model = scripted_model(ANSWER_1)
+  policy = answer_zero_adapters(config, model, adapter=2)  # the repeater's
+  _checkpoint(str(tmp_path), config, model, policy)
+  restored, _ = evaluate_lib.restore_policy(config, model, str(tmp_path))
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(policy)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  if graph == "orchestrator":
+    assert structure.profile.sampling.temperature == 0.0
+    return
+  assert structure == assembly.build_team(config)[1]
+  episodes = evaluate_lib.play(config, model, restored, num_problems=3, batch_size=3)
+  assert [[t.role for t in e.turns] for e in episodes] == [["left", "right", "repeater"]] * 3
+  assert _replies(episodes) == {("left", "1"), ("right", "1"), ("repeater", "0")}
+
+
 def test_arithmetic_is_evaluated_on_the_test_split_with_the_answer_format():
   model = scripted_model(BOXED_1)
   config = _config(name="arithmetic", level=1)

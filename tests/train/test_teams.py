@@ -102,6 +102,23 @@ def test_the_dag_file_runs_its_branches_in_one_layer():
   assert [p.sampling.max_new_tokens for p in profiles] == [32, 32, 16]
 
 
+@pytest.mark.parametrize("file, overrides, heads", [
+    ("train.py", {}, 2),
+    ("dag_3agents.py", {}, 3),
+    ("dag_3agents.py", {"team.graph": "orchestrator", "team.edges": ""}, 4),
+])
+def test_the_critic_has_a_value_per_agent_that_acts(file, overrides, heads):
+  """A per-agent critic has one head per role, and one for an orchestrator's routing turns;
+  a DAG adds no agent (it once added a head no turn reads)."""
+  from marft_jax.models import tiny
+  from marft_jax.train import assembly
+  config = _file(file, **{"critic.mode": "per_agent_head", **overrides})
+  assert assembly.num_agents(*assembly.build_team(config)) == heads
+  state = assembly.new_state(config, assembly.Model(*tiny.tiny_model()))
+  assert [kernel.shape[0] for kernel in state.critic["head"]] == [heads] * len(
+      config.critic.hidden + (1,))
+
+
 def test_adapters_own_shared_and_base():
   roles = (RoleSection("a", adapter="shared"), RoleSection("b", adapter="base"),
            RoleSection("c"), RoleSection("d", adapter="shared", graded=True))
