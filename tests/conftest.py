@@ -68,20 +68,33 @@ def pytest_configure(config):
 _SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
 
 
-# The files that take over a minute of a worker's time (test_trainer alone five), slowest
-# first, then the others in collection order. xdist's own order (most tests first) started
-# test_trainer late: one worker then ran it alone for minutes while the other had nothing
-# left. Started first, the slow files end beside the small ones both workers share.
-_SLOW_FILES_FIRST = ("tests/train/test_trainer.py", "tests/models/test_layouts.py",
-                     "tests/train/test_multihost.py", "tests/test_bench.py",
-                     "tests/train/test_graphs_end_to_end.py", "tests/train/test_evaluate.py")
+# The files that take over 25 s of a worker's time (test_trainer alone five minutes), slowest
+# first (as measured on a 2-core host), then the others in collection order. xdist's own order
+# (most tests first) started big files late, and in collection order tests/train/ came last:
+# either way one worker ran a big file alone for minutes while the other had nothing left.
+# Slowest first, the run ends with small files that both workers share.
+_SLOW_FILES_FIRST = (
+    "tests/train/test_trainer.py", "tests/models/test_layouts.py",
+    "tests/train/test_multihost.py", "tests/test_bench.py", "tests/train/test_evaluate.py",
+    "tests/train/test_graphs_end_to_end.py", "tests/train/test_process_split.py",
+    "tests/train/test_update_behaviour.py", "tests/rollout/test_rollout.py",
+    "tests/envs/test_sandbox.py", "tests/models/test_sampler.py",
+    "tests/models/test_transformer.py", "tests/test_launch.py", "tests/train/test_teams.py",
+    "tests/rollout/test_rewards.py", "tests/train/test_steady_state_compiles.py",
+    "tests/test_bench_accelerator.py", "tests/models/test_sampler_fast_paths.py")
+
+
+def _worker_scope(nodeid: str) -> str:
+  """The unit `--dist loadfile` hands to one worker: the test's file (`_SAME_WORKER` merged)."""
+  path = nodeid.split("::")[0]
+  return _SAME_WORKER.get(path, path)
 
 
 def pytest_collection_modifyitems(config, items):
   if config.getoption("dist", None) != "loadfile":
     return
   rank = {path: i for i, path in enumerate(_SLOW_FILES_FIRST)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+  items.sort(key=lambda item: rank.get(_worker_scope(item.nodeid), len(rank)))  # stable
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -95,7 +108,6 @@ def pytest_xdist_make_scheduler(config, log):
 
   class Scheduling(LoadFileScheduling):
     def _split_scope(self, nodeid):
-      path = super()._split_scope(nodeid)
-      return _SAME_WORKER.get(path, path)
+      return _worker_scope(nodeid)
 
   return Scheduling(config, log)

@@ -25,6 +25,7 @@ from marft_jax.train import config as config_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import assembly
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
+from tests.compile_flags import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EOS = "<|im_end|>"
@@ -263,7 +264,8 @@ def _launch_eval(workdir, config, *flags):
            "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
            "--config.rollout.max_context=256"]
   out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
+                       text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))  # one device, as a user's
   assert out.returncode == 0, out.stderr[-3000:]
   with open(os.path.join(workdir, "eval.json")) as f:
     return out, json.load(f)

@@ -16,6 +16,7 @@ from marft_jax import envs
 from marft_jax.configs import from_config_dict
 from marft_jax.train import algorithms, teams
 from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
+from tests.compile_flags import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -189,7 +190,8 @@ def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
        "--config.iterations=1", "--config.rollout.num_envs=2", "--config.eval_every=0",
        "--config.team.max_new_tokens=4", "--config.team.roles.judge.max_new_tokens=4",
        "--config.rollout.max_context=512", "--config.team.roles.estimator.temperature=0.5"],
-      capture_output=True, text=True, cwd=ROOT, timeout=600)
+      capture_output=True, text=True, cwd=ROOT, timeout=600,
+      env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))  # one device, as on a user's CPU
   assert out.returncode == 0, out.stderr[-3000:]
   with open(tmp_path / "run" / "transcripts" / "iteration_00000.jsonl") as f:
     episode = json.loads(f.readline())
