@@ -91,8 +91,7 @@ def _worker_scope(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-  if config.getoption("dist", None) != "loadfile":
-    return
+  # Unconditional: xdist's workers (which collect) run with dist "no"; alone it is harmless.
   rank = {path: i for i, path in enumerate(_SLOW_FILES_FIRST)}
   items.sort(key=lambda item: rank.get(_worker_scope(item.nodeid), len(rank)))  # stable
 
