@@ -72,8 +72,8 @@ _SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
 # first (as measured on a 2-core host), then the others in collection order. xdist's own order
 # (most tests first) started big files late, and in collection order tests/train/ came last:
 # either way one worker ran a big file alone for minutes while the other had nothing left.
-# Slowest first, the run ends with small files that both workers share: both workers were
-# busy to the end (832 and 840 s, the whole run 14 min 23 s). A renamed file must be renamed
+# Slowest first, the run ends with small files that both workers share: both workers stay
+# busy to the end (two runs: 832 and 840 s, 908 and 909 s). A renamed file must be renamed
 # here too (test_suite_order.py checks that each exists).
 _SLOW_FILES_FIRST = (
     "tests/train/test_trainer.py", "tests/models/test_layouts.py",
