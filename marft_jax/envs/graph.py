@@ -181,6 +181,12 @@ class Schedule:
     return self._calls if self.orchestrated else 0
 
 
+def acting_profiles(team: Sequence[AgentProfile], structure) -> tuple[AgentProfile, ...]:
+  """Every agent that acts, indexed by agent id: the team, then the orchestrator's routing
+  profile when `structure` is an `Orchestrator` (a chain or DAG adds none)."""
+  return tuple(team) + ((structure.profile,) if isinstance(structure, Orchestrator) else ())
+
+
 def agent_layers(structure, team: Sequence[AgentProfile]) -> Optional[tuple[int, ...]]:
   """Each team agent's layer in a DAG (agents of one layer run in parallel), for the
   trainer's advantages (`ppo.turn_successors`); None for a sequential schedule (a chain,

@@ -48,7 +48,7 @@ import numpy as np
 
 from marft_jax import multihost
 from marft_jax.envs.batch import EnvBatch
-from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule
+from marft_jax.envs.graph import AgentGraph, Orchestrator, Schedule, acting_profiles
 from marft_jax.envs.profiles import AgentProfile, adapter_index, check_team
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import sampler, sampler_plan
@@ -108,8 +108,7 @@ class _Agents:
 
   def __init__(self, team: Sequence[AgentProfile], structure):
     self.team = tuple(team)
-    self.profiles = self.team + ((structure.profile,) if isinstance(structure, Orchestrator)
-                                 else ())
+    self.profiles = acting_profiles(team, structure)
 
   def adapter(self, agent: int) -> int:
     if agent < len(self.team):

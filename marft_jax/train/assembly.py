@@ -171,10 +171,10 @@ def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimi
 
 
 def num_agents(team, structure) -> int:
-  """The agents that act in `build_team`'s team, as the rollout numbers them: its roles, and
-  the orchestrator when the graph has one (it routes with an adapter and a value of its own).
-  A DAG adds no agent."""
-  return len(team) + isinstance(structure, envs_lib.Orchestrator)
+  """The agents that act in `build_team`'s team, as the rollout numbers them
+  (`envs.acting_profiles`): its roles, and the orchestrator when the graph has one (it routes
+  with an adapter and a value of its own). A DAG adds no agent."""
+  return len(envs_lib.acting_profiles(team, structure))
 
 
 def new_state(config: TrainConfig, model: Model) -> TrainState:

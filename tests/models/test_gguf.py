@@ -3,8 +3,6 @@ them (names from gguf's own `TensorNameMap`, q/k rows permuted by llama.cpp's `p
 SmolLM2-135M against transformers' GGUF-loaded torch model: logits, and greedy decoding with our
 KV-cache sampler against `generate(do_sample=False)`."""
 
-import functools
-
 import gguf
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,8 @@ import pytest
 import torch
 
 from marft_jax.models import gguf_checkpoint, hf_checkpoint, layout, sampler, smollm2, transformer
-from tests.models.hf_fixtures import llama_cpp_permute, save_tiny_model, write_gguf
+from tests.models.hf_fixtures import (llama_cpp_permute, save_tiny_model, transformers_reading,
+                                      write_gguf)
 
 TOL = 1e-4
 # SmolLM2 in f32 over 30 layers: transformers' own f32 logits are 9e-5 from its f64 logits on
@@ -117,13 +116,7 @@ def smollm2_torch(smollm2_reader):
   threads = torch.get_num_threads()
   torch.set_num_threads(1)
   path = smollm2.smollm2_gguf_path()
-  with pytest.MonkeyPatch.context() as patch:
-    # transformers parses the file twice and rebuilds gguf's tensor-name table once per tensor
-    # (about 20 of its 26 s here): it gets the session's parse (gguf's own reader, as ours
-    # uses) and one table per (architecture, layers). Dequantizing, un-permuting and naming
-    # the tensors stay transformers' own.
-    patch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: smollm2_reader)
-    patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+  with transformers_reading(smollm2_reader):  # the session's parse of the file
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
   yield model.eval()

@@ -175,11 +175,9 @@ def test_hf_folder_goes_through_auto_tokenizer(tmp_path, tiny_vocab):
 @pytest.fixture(scope="module")
 def smollm2_tokenizers(smollm2_reader):
   import transformers
+  from tests.models.hf_fixtures import transformers_reading
   path = smollm2.smollm2_gguf_path()
-  with pytest.MonkeyPatch.context() as patch:
-    # The session's parse of the file (gguf's own reader, which ours uses too) instead of
-    # transformers parsing it again; building the tokenizer from it stays transformers' own.
-    patch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: smollm2_reader)
+  with transformers_reading(smollm2_reader):  # the session's parse of the file
     ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
                                                      gguf_file=os.path.basename(path))
   return tokenizer_lib.gguf_tokenizer(smollm2_reader), ref
