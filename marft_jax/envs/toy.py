@@ -17,8 +17,13 @@ _NUMBER = re.compile(r"-?\d+")
 
 
 class EchoEnv(Environment):
-  """Task: "Repeat this number: 7". A graded reply scores 1 if the first number in it is the
-  one shown. Numbers are drawn from [0, `high`); one env step per episode."""
+  """Task: "Repeat: 7". A graded reply scores 1 if the first number in it is the one shown.
+  Numbers are drawn from [0, `high`); one env step per episode.
+
+  The wording is short on purpose: with the echo team's prompts, the last agent's row
+  (byte-level tiny tokenizer, an earlier 3-token reply re-encoded to up to 9 bytes) stays
+  within the update's smallest length bucket (64 tokens; `batching.bucket_length`), which
+  halves the cost of every trainer test's update against the next bucket (128)."""
 
   def __init__(self, graded: Sequence[str], high: int = 10):
     self.graded, self.high = tuple(graded), int(high)
@@ -26,7 +31,7 @@ class EchoEnv(Environment):
 
   def reset(self, seed: int) -> Observation:
     self.number = int(np.random.default_rng(seed).integers(self.high))
-    return Observation(task=f"Repeat this number: {self.number}")
+    return Observation(task=f"Repeat: {self.number}")
 
   def step(self, actions: Mapping[str, str]) -> Step:
     hits = {}

@@ -114,7 +114,8 @@ def shipped(task: str, num_roles: int) -> dict:
   `TeamSection(**shipped("arithmetic", 2), ...)`."""
   if task == "echo":
     names = tuple(f"helper{i}" for i in range(num_roles - 1)) + ("repeater",)
-    roles = {n: RoleSection(n, "Say the number." if n != "repeater" else "Repeat the number.",
+    # Terse, like the task's wording: the rows then fit the update's 64-token bucket (EchoEnv).
+    roles = {n: RoleSection(n, "Say it." if n != "repeater" else "Repeat it.",
                             "Says the number." if n != "repeater" else "Repeats it.")
              for n in names}
   else:

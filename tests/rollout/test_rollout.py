@@ -242,5 +242,5 @@ def test_transcripts_are_one_readable_line_per_episode(model, tmp_path):
   lines = [json.loads(line) for line in open(path)]
   assert len(lines) == E
   assert [t["role"] for t in lines[0]["turns"]] == ["reasoner", "actor"]
-  assert lines[0]["task"].startswith("Repeat this number:")
+  assert lines[0]["task"].startswith("Repeat: ")
   assert "infos" in lines[0] and lines[0]["rewards"][0][1] in (0.0, 1.0)

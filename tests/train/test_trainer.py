@@ -139,7 +139,7 @@ def test_resume_is_exact(model, tmp_path):
       other_team.team, roles=tuple(dataclasses.replace(r, system_prompt="Say 7.")
                                    for r in other_team.team.roles)))
   with pytest.raises(checkpoint_lib.CheckpointMismatchError,
-                     match=r"team\.roles\.repeater\.system_prompt: saved 'Repeat the number\.', "
+                     match=r"team\.roles\.repeater\.system_prompt: saved 'Repeat it\.', "
                            r"now 'Say 7\.'"):
     loop.train(other_team, resumed, model=model, progress=False)
   loop.train(train_config, resumed, model=model, progress=False)
@@ -214,9 +214,9 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(model, tmp_path, monkeyp
                  "rollout": config_lib.RolloutSection(num_envs=8, max_context=1024)}),
     ("marft_t", {"advantage": AdvantageConfig(kl_reward_coef=0.05, kl_reward_estimator="k1")}),
     ("marft_a", {"team": config_lib.TeamSection(
-        roles=(config_lib.RoleSection("first", "Say the number."),
-               config_lib.RoleSection("second", "Say the number."),
-               config_lib.RoleSection("repeater", "Repeat the number.", graded=True)),
+        roles=(config_lib.RoleSection("first", "Say it."),
+               config_lib.RoleSection("second", "Say it."),
+               config_lib.RoleSection("repeater", "Repeat it.", graded=True)),
         order="first,second,repeater", graph="dag",
         edges="first>repeater, second>repeater", max_new_tokens=3, last_max_new_tokens=3)}),
 ], ids=["ppo", "shared_stream_ppo", "per_agent_lora_critic", "per_agent_head_shared_adapter",
