@@ -27,8 +27,9 @@ against llama.cpp's split on every text, and against transformers wherever it is
 from __future__ import annotations
 
 import functools
+import json
 import os
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from marft_jax.models.gguf_checkpoint import GGUFSource, _reader_and_source
 
@@ -81,10 +82,34 @@ PRE_TOKENIZERS: dict[str, Callable] = {
 }
 
 
+# The names transformers' AutoTokenizer resolves to its generic `tokenizer.json` class (in
+# transformers 5, `PreTrainedTokenizerFast` is `TokenizersBackend`), as `save_pretrained` of
+# that class writes them. A folder naming one is loaded with that class directly: importing
+# AutoTokenizer imports the model configurations and with them torch (3-4 s per process).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _declared_tokenizer_class(folder: str) -> Optional[str]:
+  """`tokenizer_class` of the folder's tokenizer_config.json (None: none readable)."""
+  try:
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+      declared = json.load(f).get("tokenizer_class")
+  except (OSError, ValueError, AttributeError):
+    return None  # AutoTokenizer reads it again and reports what is wrong
+  return declared if isinstance(declared, str) else None
+
+
 def load_tokenizer(path: Union[str, os.PathLike]):
-  """The tokenizer (with chat template) of a local Hugging Face folder or a `.gguf` file."""
+  """The tokenizer (with chat template) of a local Hugging Face folder or a `.gguf` file.
+
+  A folder goes to transformers' `AutoTokenizer`, which picks the class its
+  tokenizer_config.json names; the generic class is loaded as AutoTokenizer would, without
+  its imports."""
   path = os.fspath(path)
   if os.path.isdir(path):
+    if _declared_tokenizer_class(path) in _GENERIC_TOKENIZER_CLASSES:
+      from transformers import PreTrainedTokenizerFast
+      return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
   if not os.path.exists(path):

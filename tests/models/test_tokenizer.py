@@ -20,6 +20,8 @@ import regex
 
 from marft_jax.models import smollm2, tokenizer as tokenizer_lib
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 _GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 # llama.cpp `LLAMA_VOCAB_PRE_TYPE_SMOLLM` (shared with starcoder, refact, ...).
 _SMOLLM_REGEXES = (r"\p{N}", _GPT2_REGEX)
@@ -154,7 +156,7 @@ def test_errors_name_file_and_key(tmp_path, tiny_vocab):
     tokenizer_lib.gguf_tokenizer(path)
 
 
-def test_hf_folder_goes_through_auto_tokenizer(tmp_path, tiny_vocab):
+def _save_tiny_folder(folder, tiny_vocab):
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
   tokens, merges = tiny_vocab
@@ -163,10 +165,48 @@ def test_hf_folder_goes_through_auto_tokenizer(tmp_path, tiny_vocab):
   backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = decoders.ByteLevel()
   PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
-                          chat_template=tokenizer_lib.CHATML_TEMPLATE).save_pretrained(tmp_path)
-  loaded = tokenizer_lib.load_tokenizer(tmp_path)
-  assert loaded.eos_token == "<|im_end|>" and loaded.chat_template == tokenizer_lib.CHATML_TEMPLATE
+                          chat_template=tokenizer_lib.CHATML_TEMPLATE).save_pretrained(folder)
+  return folder
+
+
+def _declare_class(folder, name):
+  path = os.path.join(folder, "tokenizer_config.json")
+  with open(path) as f:
+    config = json.load(f)
+  config["tokenizer_class"] = name
+  with open(path, "w") as f:
+    json.dump(config, f)
+
+
+@pytest.mark.parametrize("declared", [None, "PreTrainedTokenizerFast", "GPT2Tokenizer"])
+def test_hf_folder_loads_as_auto_tokenizer_does(tmp_path, tiny_vocab, declared):
+  """The class AutoTokenizer picks (the generic one without importing it; a named model class
+  through it), with the same ids, special tokens and chat template."""
+  from transformers import AutoTokenizer
+  folder = _save_tiny_folder(tmp_path, tiny_vocab)
+  if declared:
+    _declare_class(folder, declared)
+  loaded = tokenizer_lib.load_tokenizer(folder)
+  reference = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+  assert type(loaded) is type(reference)
+  assert loaded.eos_token == reference.eos_token == "<|im_end|>"
+  assert loaded.chat_template == reference.chat_template == tokenizer_lib.CHATML_TEMPLATE
+  text = "Hello world <|im_end|> 12 + 34"
+  assert loaded(text)["input_ids"] == reference(text)["input_ids"]
   assert loaded.decode(loaded("Hello world")["input_ids"]) == "Hello world"
+  chat = [{"role": "user", "content": "hi"}]
+  assert (loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) ==
+          reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_a_generic_tokenizer_folder_loads_without_torch(tmp_path, tiny_vocab):
+  """What a launch script pays for a saved tokenizer: AutoTokenizer's module imports torch."""
+  folder = _save_tiny_folder(tmp_path, tiny_vocab)
+  code = ("import sys; from marft_jax.models.tokenizer import load_tokenizer; "
+          f"load_tokenizer({str(folder)!r}); print('torch' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       cwd=ROOT)
+  assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 # --- SmolLM2 (slow: transformers' GGUF tokenizer takes ≈10 s to build) -------------------------
