@@ -95,8 +95,9 @@ def canonical_adapter_ids(adapter_ids: Any, batch: int, time: int,
 
   Per-sequence ids take the cheaper gather path of `routed_lora_delta`. With `num_adapters`,
   ids outside [-1, A) are refused: a ValueError naming `adapter_ids` for concrete ids, a
-  `checkify` error for traced ids under `jax.experimental.checkify.checkify` (without it
-  they route to the base model on every path, see `routed_lora_delta`).
+  `checkify` error for traced ids under `jax.experimental.checkify.checkify` traced inside
+  `validation.traced_checks()` (otherwise they route to the base model on every path, see
+  `routed_lora_delta`).
   """
   if num_adapters is not None:
     check_ids("adapter_ids", adapter_ids, num_adapters, low=NO_ADAPTER)

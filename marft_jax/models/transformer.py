@@ -44,7 +44,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
 from marft_jax.models.layout import check_params_layout
 from marft_jax.models.targets import LINEARS, NORMS
-from marft_jax.validation import check_ids, is_traced
+from marft_jax.validation import check_ids, checking_traced_values, is_traced
 
 Params = dict
 # Without a cache, attention runs its queries in blocks of this many, each against the keys up
@@ -118,7 +118,7 @@ def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
 
   `dynamic_update_slice` would clamp the write index and overwrite the newest slots instead.
   Under `jit` the index is traced: there the caller sizes the cache (the sampler grows it),
-  and `checkify.checkify` reports an overflow.
+  and `checkify.checkify` reports an overflow (traced inside `validation.traced_checks()`).
   """
   if cache is None:
     return
@@ -127,7 +127,7 @@ def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
       raise ValueError(f"cache: {num_new} new tokens at slot {int(cache.index)} do not fit its "
                        f"{cache.size} slots; make a larger cache (init_cache) or let "
                        "sampler.generate grow it")
-  else:
+  elif checking_traced_values():
     checkify.debug_check(cache.index + num_new <= cache.size,
                          f"cache: {num_new} new tokens overflow its {cache.size} slots")
 
@@ -369,7 +369,8 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   Concrete arguments are checked (ValueError naming `tokens`, `cache`, `adapter_ids` or the
   params' layout); traced ones cannot be: an out-of-range token reads a clamped embedding
   row, an overflowing cache write is clamped, an out-of-range adapter id gets the base model.
-  Wrap the call in `jax.experimental.checkify.checkify` to have the last two reported.
+  Wrap the call in `jax.experimental.checkify.checkify`, traced inside
+  `validation.traced_checks()`, to have the last two reported.
   Returns:
     h: [B, T, D] compute dtype; the new cache (None without one).
   """

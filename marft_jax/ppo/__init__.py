@@ -18,12 +18,15 @@ Bad input is refused by name, never turned into a wrong number. Scalars (γ, λ,
 temperatures, eps) and ids (group, agent, step) given as Python numbers or concrete arrays
 are checked when the function is called (or traced, for values closed over by `jit`),
 and a bad one raises `ValueError("gamma=1.5: must be in [0, 1]")`. Traced values cannot
-be read at trace time; each docstring says what a bad one does, and the same checks run
-inside the computation under `jax.experimental.checkify` at no cost otherwise:
+be read at trace time; each docstring says what a bad one does. The same checks run inside
+the computation under `jax.experimental.checkify` when it is traced inside
+`marft_jax.validation.traced_checks()` (outside, they add nothing to the program):
 
     from jax.experimental import checkify
-    checked = checkify.checkify(jax.jit(loss_fn), errors=checkify.user_checks)
-    err, loss = checked(params, batch)
+    from marft_jax import validation
+    with validation.traced_checks():
+      checked = checkify.checkify(jax.jit(loss_fn), errors=checkify.user_checks)
+      err, loss = checked(params, batch)
     err.throw()  # JaxRuntimeError: "gamma=1.5: must be in [0, 1]"
 
 Masked positions are selected away before any arithmetic, so padding that holds NaN or

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from marft_jax import lora as lora_lib
+from marft_jax import lora as lora_lib, validation
 from marft_jax.models import layout, sampler, targets, token_sampling, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
@@ -158,9 +158,12 @@ def test_forward_overflow_is_reported_under_checkify(params):
   fn = jax.jit(checkify.checkify(
       lambda p, t, c: transformer.forward(p, t, CONFIG, cache=c)[0]))
   cache = transformer.init_cache(CONFIG, 2, 8)
-  err, _ = fn(params, PROMPTS, cache)
-  err.throw()  # 6 of 8 slots: fine
-  err, _ = fn(params, PROMPTS, cache.replace(index=jnp.asarray(4, jnp.int32)))
+  overflowing = cache.replace(index=jnp.asarray(4, jnp.int32))
+  fn(params, PROMPTS, overflowing)[0].throw()  # no check traced outside traced_checks()
+  with validation.traced_checks():
+    err, _ = fn(params, PROMPTS, cache)
+    err.throw()  # 6 of 8 slots: fine
+    err, _ = fn(params, PROMPTS, overflowing)
   with pytest.raises(Exception, match="overflow"):
     err.throw()
 
@@ -191,6 +194,8 @@ def test_traced_out_of_range_adapter_ids_route_to_the_base_on_every_path(params,
       cache=transformer.init_cache(decoding, 2, 8))[0])
   np.testing.assert_allclose(np.asarray(dl(jnp.asarray([3, -5]))), np.asarray(base), atol=1e-5)
   checked = jax.jit(checkify.checkify(lambda ids: routed(ids, False)))
-  checked(jnp.asarray([2, -1]))[0].throw()
+  with validation.traced_checks():  # `routed`, jitted before, is traced again with the checks
+    checked(jnp.asarray([2, -1]))[0].throw()
+    err, _ = checked(jnp.asarray([3, 0]))
   with pytest.raises(Exception, match="adapter_ids"):
-    checked(jnp.asarray([3, 0]))[0].throw()
+    err.throw()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from marft_jax import ppo
+from marft_jax import ppo, validation
 
 T, N, K, V = 4, 2, 3, 5
 NAN, INF = math.nan, math.inf
@@ -234,6 +234,9 @@ def test_traced_bad_value_is_caught_by_checkify(name):
   fn, bad = TRACED[name]
   jax.jit(fn)(bad)  # unchecked without checkify (documented per function)
   err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(bad)
+  assert err.get() is None  # traced outside traced_checks(): no check in the program
+  with validation.traced_checks():
+    err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(bad)
   assert err.get() is not None and err.get().startswith(name)
   with pytest.raises(checkify.JaxRuntimeError, match=re.escape(name)):
     err.throw()
@@ -241,8 +244,19 @@ def test_traced_bad_value_is_caught_by_checkify(name):
 
 def test_checkify_passes_good_traced_values_and_vmap():
   fn, _ = TRACED["gamma"]
-  err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(np.float32(0.9))
-  assert err.get() is None
-  batched = checkify.checkify(jax.jit(jax.vmap(fn)), errors=checkify.user_checks)
-  err, _ = batched(np.array([0.9, 1.5], np.float32))
+  with validation.traced_checks():
+    err, _ = checkify.checkify(jax.jit(fn), errors=checkify.user_checks)(np.float32(0.9))
+    assert err.get() is None
+    batched = checkify.checkify(jax.jit(jax.vmap(fn)), errors=checkify.user_checks)
+    err, _ = batched(np.array([0.9, 1.5], np.float32))
   assert "gamma" in err.get()
+
+
+def test_a_retraced_function_is_the_same_program_unless_traced_checks_are_on():
+  """What makes JAX's persistent compilation cache hit on a retrace: checkify numbers each
+  check it traces from a process-wide counter, a constant of the program."""
+  fn, _ = TRACED["gamma"]
+  lowered = lambda: jax.jit(lambda g: fn(g)).lower(np.float32(0.9)).as_text()  # a new closure
+  assert lowered() == lowered()
+  with validation.traced_checks():
+    assert lowered() != lowered()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from marft_jax import lora
+from marft_jax import lora, validation
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.targets import linear_shapes
@@ -332,6 +332,7 @@ def test_argument_errors_name_the_argument():
 def test_traced_bad_agent_ids_are_reported_under_checkify():
   critic, critic_config = CASES["per_agent_head"]
   run = jax.jit(lambda ids: values(critic, PARAMS, TOKENS, CONFIG, critic_config, agent_ids=ids))
-  err, _ = checkify.checkify(run, errors=checkify.user_checks)(np.full((2, T), 5, np.int32))
+  with validation.traced_checks():
+    err, _ = checkify.checkify(run, errors=checkify.user_checks)(np.full((2, T), 5, np.int32))
   with pytest.raises(Exception, match="agent_ids"):
     err.throw()
