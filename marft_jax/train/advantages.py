@@ -53,6 +53,11 @@ CREDITS = ppo.CREDITS
 LEVELS = ("auto", "action", "token", "grpo")
 NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
 
+# The whitenings as one program each: called eagerly on host arrays, each of their ~20 array
+# ops was compiled on its own for every new batch shape (2.1 s of a tiny run's 20 s).
+_whiten = jax.jit(functools.partial(ppo.normalize, eps=NORMALIZE_EPS))
+_group_whiten = jax.jit(ppo.agent_group_normalize, static_argnames=("num_groups", "num_agents"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
@@ -306,11 +311,11 @@ def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray
   call as one process, and keeps its own rows: the bits one process computes, with no
   cross-process sum in another order."""
   if blocks is None:
-    return np.asarray(ppo.normalize(x, mask, eps=NORMALIZE_EPS))
+    return np.asarray(_whiten(x, mask))
   whole_x, whole_mask = blocks.gather(x), blocks.gather(mask)
   order = np.argsort(row_episode < 0, kind="stable")  # one process's rows: padding last
   out = np.empty_like(whole_x)
-  out[order] = np.asarray(ppo.normalize(whole_x[order], whole_mask[order], eps=NORMALIZE_EPS))
+  out[order] = np.asarray(_whiten(whole_x[order], whole_mask[order]))
   size = x.shape[0]
   return out[blocks.index * size:(blocks.index + 1) * size]
 
@@ -332,8 +337,8 @@ def _grpo(batch, turn_ret, chains, turns, num_team, groups):
     for row, k, _, _ in tt:
       group_of[row, k] = groups[e]
   num_agents = int(max(num_team, np.max(batch.turn_agent) + 1))
-  turn_adv = np.asarray(ppo.agent_group_normalize(
+  turn_adv = np.asarray(_group_whiten(
       turn_ret, batch.turn_valid, group_of, np.maximum(batch.turn_agent, 0),
-      int(max(groups, default=0)) + 1, num_agents))
+      num_groups=int(max(groups, default=0)) + 1, num_agents=num_agents))
   return batch.replace(act_advantage=_spread(batch, turn_adv), turn_advantage=turn_adv,
                        turn_return=turn_ret)
