@@ -26,6 +26,9 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {F
 # again and again (five subprocess-heavy files: 363 -> 305 s, measured from a cold cache, as
 # CI starts). JAX keys each entry on the program, the compile options and XLA_FLAGS, and a hit
 # is still reported as a compilation (`compile_stats`), so what the tests count is unchanged.
+# A retraced function hits only because its program is the same on every trace: checkify's
+# per-trace check numbers made each trace differ until traced checks became opt-in
+# (`validation.traced_checks`).
 # The controller process imports this file before it starts the workers, which inherit it.
 _SESSION_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import uuid
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -47,7 +48,7 @@ class MetricWriter:
     os.makedirs(self.workdir, exist_ok=True)
     if resume_step is not None:
       self.truncate_after(resume_step)
-    from tensorboardX import SummaryWriter  # Imported here: disabled writers never need it.
+    SummaryWriter = _summary_writer_class()  # here: disabled writers never need it
     # Event files are named by the second they open in and opened with "wb": the suffix keeps
     # a writer opened in the same second (a quick restart) from truncating the previous file.
     self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"), purge_step=resume_step,
@@ -133,6 +134,24 @@ def read_metrics(jsonl_path: StrPath) -> list[dict]:
       if isinstance(record, dict):
         records.append(record)
   return records
+
+
+def _summary_writer_class():
+  """tensorboardX's `SummaryWriter`, imported without torch where torch is not loaded yet.
+
+  tensorboardX's writer module imports torch when it is installed, only to accept torch
+  tensors, which this writer never passes (it writes floats): 2-3 s of every launch script's
+  start. `sys.modules["torch"] = None` makes that one import fail as if torch were absent
+  (tensorboardX's own fallback); the entry is removed afterwards, so torch stays importable.
+  """
+  if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
+    sys.modules["torch"] = None
+    try:
+      from tensorboardX import SummaryWriter
+    finally:
+      del sys.modules["torch"]
+  from tensorboardX import SummaryWriter
+  return SummaryWriter
 
 
 def plot_learning_curves(jsonl_path: StrPath, png_path: StrPath,

@@ -4,6 +4,8 @@ import json
 import math
 import os
 import struct
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,21 @@ def test_failed_plot_keeps_the_previous_png(tmp_path, monkeypatch):
     plot_learning_curves(tmp_path / "m.jsonl", png)
   assert png.read_bytes() == before
   assert sorted(os.listdir(tmp_path)) == ["curves.png", "m.jsonl"]
+
+
+def test_the_writer_loads_tensorboardx_without_torch_and_leaves_torch_importable(tmp_path):
+  """A launch script's start: tensorboardX's writer module imports torch when it can, to
+  accept torch tensors this writer never passes (2-3 s)."""
+  code = ("import sys\n"
+          "from marft_jax.train.metrics import MetricWriter\n"
+          f"writer = MetricWriter({str(tmp_path)!r})\n"
+          "writer.write(0, {'reward': 0.5})\n"
+          "writer.close()\n"
+          "print('torch' in sys.modules)\n"
+          "import torch\n"
+          "print(torch.ones(2).sum().item())\n")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["False", "2.0"]
+  assert (0, "reward", 0.5) in scalars(tmp_path / "tensorboard")
