@@ -53,10 +53,12 @@ CREDITS = ppo.CREDITS
 LEVELS = ("auto", "action", "token", "grpo")
 NORMALIZE_EPS = 1e-5  # added to the batch's advantage standard deviation
 
-# The whitenings as one program each: called eagerly on host arrays, each of their ~20 array
-# ops was compiled on its own for every new batch shape (2.1 s of a tiny run's 20 s).
+# The batch whitening as one program: called eagerly on host arrays, each of its ~20 array ops
+# was compiled on its own for every new batch shape (a tiny marft_a run's first iteration
+# compiled 76 programs; 19 with this). Its checks (eps,
+# equal shapes) are on static values and shapes, so they still run. GRPO's group whitening
+# stays eager: its group and agent ids are concrete there and are checked.
 _whiten = jax.jit(functools.partial(ppo.normalize, eps=NORMALIZE_EPS))
-_group_whiten = jax.jit(ppo.agent_group_normalize, static_argnames=("num_groups", "num_agents"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,8 +339,8 @@ def _grpo(batch, turn_ret, chains, turns, num_team, groups):
     for row, k, _, _ in tt:
       group_of[row, k] = groups[e]
   num_agents = int(max(num_team, np.max(batch.turn_agent) + 1))
-  turn_adv = np.asarray(_group_whiten(
+  turn_adv = np.asarray(ppo.agent_group_normalize(
       turn_ret, batch.turn_valid, group_of, np.maximum(batch.turn_agent, 0),
-      num_groups=int(max(groups, default=0)) + 1, num_agents=num_agents))
+      int(max(groups, default=0)) + 1, num_agents))
   return batch.replace(act_advantage=_spread(batch, turn_adv), turn_advantage=turn_adv,
                        turn_return=turn_ret)
