@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -209,3 +211,22 @@ def budgeted_widths(episodes: Sequence[Episode], reply_budgets: Optional[Sequenc
           s.end - s.start if reply_budgets is None else reply_budgets[s.agent]
           for s in sequence.spans))
   return length, positions
+
+
+def over_row_chunks(fn, batch: TrainBatch, chunks: int):
+  """`fn(batch)` computed on `chunks` equal blocks of the rows in turn (`lax.map`: one
+  block's activations at a time), a block of padding rows alone giving zeros without running
+  `fn` (`lax.cond`): the tail of a batch padded to the most rows its team can fill. Traced
+  (call it under `jit`); `fn` maps a block of R rows to arrays of R rows: [B, ...] out.
+  """
+  B = batch.tokens.shape[0]
+  if B % chunks:
+    raise ValueError(f"{B} rows do not split into {chunks} blocks")
+  blocks = jax.tree.map(lambda x: x.reshape((chunks, B // chunks) + x.shape[1:]), batch)
+
+  def run(block):
+    shapes = jax.eval_shape(fn, block)
+    zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.cond(jnp.any(block.mask), fn, zeros, block)
+
+  return jax.tree.map(lambda y: y.reshape((B,) + y.shape[2:]), jax.lax.map(run, blocks))

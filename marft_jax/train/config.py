@@ -269,8 +269,11 @@ class OptimizerSection:
   decay: str = "constant"  # "constant", "linear" or "cosine" over the run
   weight_decay: float = 0.0
   epochs: int = 1  # PPO epochs per iteration
-  # Per epoch. Also bounds the update's memory: SmolLM2's 32 rows of the default run in one
-  # step peaked at 19 GB (docs/results.md), in 4 at about a quarter of that.
+  # Per epoch, of a batch as large as the team can fill (num_envs × its most rows an episode):
+  # each minibatch is that many rows ÷ minibatches, real rows first, so a batch the team did
+  # not fill (orchestrator routes, dropped episodes) takes fewer steps (`update.minibatch_slots`).
+  # Also bounds the update's memory: SmolLM2's 32 rows of the default run in one step peaked
+  # at 19 GB (docs/results.md), in 4 at about a quarter of that.
   minibatches: int = 4
   agent_iteration_interval: int = 0  # K > 0: only agent (iteration // K) % N trains
 

@@ -58,6 +58,7 @@ minibatch and epoch. `values` is the composition of the two functions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -71,6 +72,7 @@ from marft_jax.lora.routing import NO_ADAPTER, Adapters
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.transformer import hidden_states
 from marft_jax.ppo.credit import token_to_action_frame
+from marft_jax.train.batching import over_row_chunks
 from marft_jax.validation import check_ids, check_range, check_size
 
 MODES = ("shared", "per_agent_lora", "per_agent_head")
@@ -253,22 +255,25 @@ def value_fns(critic_config: Optional[CriticConfig], model_config: ModelConfig):
 
   values(critic, base_params, batch, extras, positions=None): [B, T] f32 values of a
     `TrainBatch` in the action frame, or [B, K] at `positions` [B, K].
-  hidden(critic, base_params, batch): with a frozen base (no critic LoRA), the head's input
-    [B, T, D], once per batch for `update.prepare` (`extras.critic_hidden`); values then
-    train the head alone. None with a critic LoRA: values run the base and its adapters.
+  hidden(critic, base_params, batch, chunks=1): with a frozen base (no critic LoRA), the
+    head's input [B, T, D], once per batch for `update.prepare` (`extras.critic_hidden`), in
+    `chunks` blocks of rows (zeros on a block of padding rows alone); values then train the
+    head alone. None with a critic LoRA: values run the base and its adapters.
   """
   if critic_config is None:
     return None, None
   if critic_config.lora is None:
-    def hidden(critic, base_params, batch):
-      return critic_hidden_states(critic, base_params, batch.tokens, model_config,
-                                  critic_config, mask=batch.mask)
+    @functools.partial(jax.jit, static_argnames="chunks")
+    def hidden(critic, base_params, batch, chunks=1):
+      one = lambda b: critic_hidden_states(critic, base_params, b.tokens, model_config,
+                                           critic_config, mask=b.mask)
+      return over_row_chunks(one, batch, chunks)
 
     def values_of_hidden(critic, base_params, batch, extras, positions=None):
       del base_params
       return values_from_hidden(critic["head"], at_decisions(extras.critic_hidden, positions),
                                 at_decisions(batch.act_agent, positions), critic_config.mode)
-    return values_of_hidden, jax.jit(hidden)
+    return values_of_hidden, hidden
 
   def values_of_tokens(critic, base_params, batch, extras, positions=None):
     del extras

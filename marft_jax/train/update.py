@@ -1,5 +1,10 @@
 """One jitted PPO update: epochs × minibatches (`lax.scan`) over a `TrainBatch`.
 
+Minibatches have a fixed size, B/minibatches rows, filled with the batch's real rows first
+(`minibatch_slots`): a batch padded to the most rows its team can fill (an orchestrator's
+call budget) trains in fewer steps an epoch, and a slot holding padding alone is skipped
+(`lax.cond`: no forward, nothing moves).
+
 Gradients are taken w.r.t. the policy adapters and the critic only (the base is an argument
 that is never differentiated). Per minibatch:
 
@@ -59,7 +64,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.ppo.kl import KL_ESTIMATORS
 from marft_jax.ppo.policy_loss import importance_weights
 from marft_jax.train import optim
-from marft_jax.train.batching import TrainBatch
+from marft_jax.train.batching import TrainBatch, over_row_chunks
 from marft_jax.validation import check_range
 
 POLICY_LEVELS = ("action", "token")
@@ -322,13 +327,15 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   placed on a mesh (`lora.follow_adapters`); None lets the compiler choose.
 
   Args (of the returned function):
-    state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches).
+    state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches;
+      rows without a real token are padding).
     extras: `prepare(...)`'s output. active: [A] bool, adapters the schedule lets train.
     train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches
     (and draws the LoRA dropout masks when `state.policy.dropout_rate` > 0).
   Returns:
-    (new state, metrics averaged over the minibatches; `nonfinite` and `kl_skipped` count
-    the minibatches whose step was skipped; `first_ratio_max_dev` and
+    (new state, metrics averaged over the trained minibatches (`minibatches_trained` of
+    them, `minibatch_slots`); `nonfinite` and `kl_skipped` count the minibatches whose
+    step was skipped; `first_ratio_max_dev` and
     `behaviour/first_ratio_max_dev` are the first minibatch's, before any step; the other
     `behaviour/` metrics are the whole batch's, `behaviour_metrics`).
 
@@ -347,11 +354,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                         critic_values=critic_values), argnums=(0, 1), has_aux=True)
 
   def update(state, params, batch, extras, active, train_policy, rng):
-    B = batch.tokens.shape[0]
-
-    def minibatch_step(carry, xs):
+    def train_step(carry, indices, dropout_key):
       state, stopped = carry
-      indices, dropout_key = xs
       mb, ex = jax.tree.map(lambda x: x[indices], (batch, extras))
       (loss, aux), (g_policy, g_critic) = grad_fn(state.policy, state.critic, params, mb, ex,
                                                   dropout_key=dropout_key)
@@ -385,21 +389,61 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
         metrics[f"adapter{a}/grad_norm"] = norms[a]
       return (new_state, stopped), metrics
 
-    keys = jax.random.split(rng, epochs)
-    orders = jax.vmap(lambda k: jax.random.permutation(k, B))(keys)
-    indices = orders.reshape(epochs * minibatches, B // minibatches)
+    def skip_step(carry, indices, dropout_key):
+      """A slot of padding rows: nothing moves, but the policy optimizer's step count
+      advances as in a taken step, so its learning-rate schedule follows the iterations."""
+      (state, stopped), metrics = carry, jax.eval_shape(train_step, carry, indices, dropout_key)[1]
+      zero = jax.tree.map(jnp.zeros_like, state.policy)
+      policy, policy_opt = optim.apply_masked(policy_optimizer, zero, state.policy_opt,
+                                              state.policy, jnp.zeros((num_adapters,), bool))
+      state = state.replace(policy=policy, policy_opt=policy_opt, step=state.step + 1)
+      return (state, stopped), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics)
+
+    def minibatch_step(carry, xs):
+      indices, dropout_key, taken = xs
+      return jax.lax.cond(taken, train_step, skip_step, carry, indices, dropout_key)
+
+    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches)
     dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
     (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)),
-                                       (indices, dropout_keys))
-    out = {k: jnp.mean(v) for k, v in metrics.items()}
+                                       (indices, dropout_keys, taken))
+    steps = jnp.sum(taken)
+    out = {k: jnp.sum(v) / jnp.maximum(steps, 1) for k, v in metrics.items()}
     for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
-      out[key] = metrics[key][0]
+      out[key] = metrics[key][0]  # slot 0 holds real rows whenever any row is real
     out.update(behaviour_metrics(batch, extras.old_logp, config))
     out["nonfinite"] = jnp.sum(metrics["nonfinite"])
     out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
+    out["minibatches_trained"] = steps.astype(jnp.float32)
     return state, out
 
   return jax.jit(update, out_shardings=out_shardings)
+
+
+def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatches: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Each epoch's minibatches: ([epochs·minibatches, B/minibatches] row indices, [E·M] bool:
+  the slot holds at least one real row and is trained; the others are skipped).
+
+  `real_rows` [B] bool marks the rows with a real token. Each epoch shuffles the rows, then
+  moves the padding rows behind the real ones (a stable sort, so both stay shuffled): the
+  minibatch size is fixed at B/M rows, as in PPO's usual fixed-size minibatches, and a batch
+  of R real rows takes ceil(R·M/B) steps an epoch. B is the most rows the team can fill
+  (an orchestrator's call budget); spread at random, the padding rows cost a full forward
+  and backward in every minibatch, and a minibatch of one real row took a step as large as
+  one of many. A full batch (R = B) keeps the plain shuffle.
+  """
+  B = real_rows.shape[0]
+  if B % minibatches:
+    raise ValueError(f"{B} rows do not split into {minibatches} minibatches")
+
+  def order(key):
+    shuffled = jax.random.permutation(key, B)
+    return shuffled[jnp.argsort(~real_rows[shuffled], stable=True)]
+
+  indices = jax.vmap(order)(jax.random.split(rng, epochs))
+  indices = indices.reshape(epochs * minibatches, B // minibatches)
+  return indices, jnp.any(real_rows[indices], axis=1)
 
 
 def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
@@ -415,13 +459,9 @@ def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("model_config", "with_ref", "minibatches"))
 def _old_and_ref_logp(params, policy, batch, model_config, with_ref, minibatches):
-  B = batch.tokens.shape[0]
-  chunks = jax.tree.map(lambda x: x.reshape((minibatches, B // minibatches) + x.shape[1:]),
-                        batch)
-  logp = lambda pol, b: token_logp_and_entropy(params, pol, b, model_config, False)[0]
-  old = jax.lax.map(lambda b: logp(policy, b), chunks).reshape(B, -1)
-  ref = jax.lax.map(lambda b: logp(None, b), chunks).reshape(B, -1) if with_ref else \
-      jnp.zeros_like(old)
+  logp = lambda pol: lambda b: token_logp_and_entropy(params, pol, b, model_config, False)[0]
+  old = over_row_chunks(logp(policy), batch, minibatches)
+  ref = over_row_chunks(logp(None), batch, minibatches) if with_ref else jnp.zeros_like(old)
   return old, ref
 
 
@@ -431,8 +471,10 @@ def prepare(params, policy, batch: TrainBatch, model_config: ModelConfig, config
   """π_old, the base's log-probs (if a KL penalty is on, or `with_ref`: KL-in-reward) and
   the frozen critic's hidden states (if its base is not adapted), computed once per batch
   without gradients, minibatch by minibatch with the update's own shapes (so the first ratio
-  is 1)."""
+  is 1), skipping blocks of padding rows (`batching.over_row_chunks`).
+  `critic_hidden_fn(params, batch, chunks=...)`: `critic.value_fns`' hidden, its critic bound."""
   old, ref = _old_and_ref_logp(params, policy, batch, model_config,
                                config.kl_coef > 0 or with_ref, minibatches)
-  hidden = None if critic_hidden_fn is None else critic_hidden_fn(params, batch)
+  hidden = None if critic_hidden_fn is None else critic_hidden_fn(params, batch,
+                                                                   chunks=minibatches)
   return Extras(old_logp=old, ref_logp=ref, critic_hidden=hidden)
