@@ -100,11 +100,15 @@ def positions_width(n: int, T: int) -> int:
 
 
 def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
-  """Lengths round up to a multiple of `minimum` below 4·minimum, then to powers of two."""
+  """Lengths round up to a multiple of `minimum` up to 4·minimum, then to the next of 2^k and
+  3·2^(k-2) (…, 256, 384, 512, 768, 1024, …): two widths an octave, so padding is under a
+  third of a row where powers of two alone padded up to half (a 587-token orchestrator row
+  went to 1024), for at most one more compile an octave."""
   n = max(int(n), 1)
   if n <= 4 * minimum:
     return -(-n // minimum) * minimum
-  return 1 << (n - 1).bit_length()
+  power = 1 << (n - 1).bit_length()
+  return 3 * power // 4 if n <= 3 * power // 4 else power
 
 
 def act_positions(act_mask: np.ndarray, at_least: int = 0) -> np.ndarray:

@@ -10,7 +10,8 @@ import pytest
 from bench.update import turn_batch
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train.batching import act_positions, per_row_adapters, positions_width
+from marft_jax.train.batching import (act_positions, bucket_length, per_row_adapters,
+                                      positions_width)
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
 from tests.train.nonzero_adapters import nonzero_adapters
 
@@ -32,6 +33,21 @@ def _padded_batch(vocab):
     (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16)])
 def test_positions_width_rounds_up_to_an_eighth_of_the_length(n, T, width):
   assert positions_width(n, T) == width
+
+
+@pytest.mark.parametrize("n, minimum, width", [
+    (1, 64, 64), (64, 64, 64), (65, 64, 128), (256, 64, 256), (257, 64, 384), (384, 64, 384),
+    (385, 64, 512), (512, 64, 512), (513, 64, 768), (587, 64, 768), (769, 64, 1024),
+    (1537, 64, 2048), (0, 64, 64), (33, 8, 48), (49, 8, 64), (65, 16, 96)])
+def test_bucket_length_is_a_multiple_of_the_minimum_then_two_widths_an_octave(n, minimum,
+                                                                              width):
+  assert bucket_length(n, minimum) == width
+
+
+def test_bucket_length_pads_a_row_by_less_than_a_third_above_four_minimums():
+  widths = [bucket_length(n) for n in range(257, 8193)]
+  assert all(w >= n and (w - n) / w < 1 / 3 for n, w in zip(range(257, 8193), widths))
+  assert len(set(widths)) == 2 * 5  # 384, 512, 768, ..., 8192: two an octave
 
 
 def test_act_positions_lists_each_rows_decisions_then_padding():

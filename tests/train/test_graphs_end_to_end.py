@@ -97,9 +97,10 @@ def _team(graph):
                             graded=name == "tester") for name in ROLES)
   extra = {"chain": {}, "dag": {"edges": "planner>coder, planner>tester"},
            "orchestrator": {"orchestrator_max_calls": 4}}[graph]
-  # Budgets above the scripts' lengths (the tiny tokenizer spends about a token a letter).
-  return TeamSection(roles=roles, order=",".join(ROLES), graph=graph, max_new_tokens=32,
-                     last_max_new_tokens=32, orchestrator_max_new_tokens=32, **extra)
+  # Budgets above the scripts' lengths (the tiny tokenizer's: 7-8 tokens a reply, 16 a
+  # route), and only a little: the update's rows are as long as every reply's whole budget.
+  return TeamSection(roles=roles, order=",".join(ROLES), graph=graph, max_new_tokens=16,
+                     last_max_new_tokens=16, orchestrator_max_new_tokens=20, **extra)
 
 
 def _mc_returns(turns):
