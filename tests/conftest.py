@@ -42,12 +42,29 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+# Memory mappings a worker may hold before the compiled programs are dropped: the most one
+# file was seen to add is about 7,500.
+_MAPPINGS_BEFORE_CLEARING = 20_000
+
+
+def _memory_mappings() -> int:
+  try:
+    with open(f"/proc/{os.getpid()}/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux: clear after every file
+    return _MAPPINGS_BEFORE_CLEARING + 1
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-  """Drop each test file's compiled programs when the file ends. An xdist worker runs half the
-  suite in one process, and every XLA:CPU executable holds its own memory mappings: kept,
-  they reached the kernel's limit (vm.max_map_count, 65530) and XLA segfaulted in a compile."""
+  """Drop the compiled programs when a test file ends with many of them held. An xdist worker
+  runs half the suite in one process, and every XLA:CPU executable holds its own memory
+  mappings: kept, they reached the kernel's limit (vm.max_map_count, 65530) and XLA
+  segfaulted in a compile. Kept while there are few, the next files reuse them (the
+  sampler's, the models') instead of tracing them again."""
   yield
+  if _memory_mappings() < _MAPPINGS_BEFORE_CLEARING:
+    return
   jax.clear_caches()
   from marft_jax.models import sampler_plan  # noqa: PLC0415 (after the XLA flags are set)
   sampler_plan.forget_compiled_shapes()
