@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from marft_jax.models.sampler_plan import bucket
 from marft_jax.rollout.episode import Episode
 
 MIN_LENGTH_BUCKET = 64
@@ -100,15 +101,14 @@ def positions_width(n: int, T: int) -> int:
 
 
 def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
-  """Lengths round up to a multiple of `minimum` up to 4·minimum, then to the next of 2^k and
-  3·2^(k-2) (…, 256, 384, 512, 768, 1024, …): two widths an octave, so padding is under a
+  """Lengths round up to a multiple of `minimum` (a power of two) up to 4·minimum, then to
+  half octaves (…, 256, 384, 512, 768, 1024, …; `sampler_plan.bucket`): padding is under a
   third of a row where powers of two alone padded up to half (a 587-token orchestrator row
   went to 1024), for at most one more compile an octave."""
   n = max(int(n), 1)
   if n <= 4 * minimum:
     return -(-n // minimum) * minimum
-  power = 1 << (n - 1).bit_length()
-  return 3 * power // 4 if n <= 3 * power // 4 else power
+  return bucket(n, 4 * minimum, per_octave=2)
 
 
 def act_positions(act_mask: np.ndarray, at_least: int = 0) -> np.ndarray:
