@@ -18,6 +18,7 @@ programs XLA builds, which is where a recompile's seconds go.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 
 import jax
@@ -94,3 +95,14 @@ class CompileCounter:
     if reset:
       self._count, self._seconds = count, seconds
     return stats
+
+
+def clear_compiled() -> None:
+  """`jax.clear_caches()`, and the sampler's record of which widths have compiled, which went
+  with the programs (`sampler_plan.forget_compiled_shapes`; found through sys.modules: this
+  bottom layer imports nothing of the models). Use it in place of `jax.clear_caches()` in a
+  process that samples."""
+  jax.clear_caches()
+  sampler_plan = sys.modules.get("marft_jax.models.sampler_plan")
+  if sampler_plan is not None:
+    sampler_plan.forget_compiled_shapes()

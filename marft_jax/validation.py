@@ -31,13 +31,14 @@ import contextlib
 import contextvars
 import math
 import numbers
-import sys
 from typing import Any, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
+
+from marft_jax.compile_stats import clear_compiled
 
 
 _TRACED_CHECKS = contextvars.ContextVar("marft_jax_traced_checks", default=False)
@@ -50,21 +51,12 @@ def traced_checks() -> Iterator[None]:
   JAX's caches are cleared on entry and on exit: a function jitted before is traced again
   with the checks inside, and without them after."""
   token = _TRACED_CHECKS.set(True)
-  _clear_compiled()
+  clear_compiled()
   try:
     yield
   finally:
     _TRACED_CHECKS.reset(token)
-    _clear_compiled()
-
-
-def _clear_compiled() -> None:
-  jax.clear_caches()
-  # The sampler's record of which widths have compiled went with the programs (read from
-  # sys.modules: this bottom layer imports nothing of the models).
-  sampler_plan = sys.modules.get("marft_jax.models.sampler_plan")
-  if sampler_plan is not None:
-    sampler_plan.forget_compiled_shapes()
+    clear_compiled()
 
 
 def checking_traced_values() -> bool:

@@ -65,9 +65,8 @@ def _free_compiled_programs():
   yield
   if _memory_mappings() < _MAPPINGS_BEFORE_CLEARING:
     return
-  jax.clear_caches()
-  from marft_jax.models import sampler_plan  # noqa: PLC0415 (after the XLA flags are set)
-  sampler_plan.forget_compiled_shapes()
+  from marft_jax.compile_stats import clear_compiled  # noqa: PLC0415 (after the XLA flags)
+  clear_compiled()
   gc.collect()
 
 
