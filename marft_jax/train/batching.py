@@ -217,20 +217,22 @@ def budgeted_widths(episodes: Sequence[Episode], reply_budgets: Optional[Sequenc
   return length, positions
 
 
-def over_row_chunks(fn, batch: TrainBatch, chunks: int):
-  """`fn(batch)` computed on `chunks` equal blocks of the rows in turn (`lax.map`: one
-  block's activations at a time), a block of padding rows alone giving zeros without running
-  `fn` (`lax.cond`): the tail of a batch padded to the most rows its team can fill. Traced
-  (call it under `jit`); `fn` maps a block of R rows to arrays of R rows: [B, ...] out.
+def over_row_chunks(fn, batch: TrainBatch, chunks: int, *others):
+  """`fn(batch, *others)` computed on `chunks` equal blocks of the rows in turn (`lax.map`:
+  one block's activations at a time), a block of padding rows alone giving zeros without
+  running `fn` (`lax.cond`): the tail of a batch padded to the most rows its team can fill.
+  Traced (call it under `jit`). `others`: pytrees whose leaves also have B rows first,
+  split alongside; `fn` maps a block of R rows to arrays of R rows: [B, ...] out.
   """
   B = batch.tokens.shape[0]
   if B % chunks:
     raise ValueError(f"{B} rows do not split into {chunks} blocks")
-  blocks = jax.tree.map(lambda x: x.reshape((chunks, B // chunks) + x.shape[1:]), batch)
+  blocks = jax.tree.map(lambda x: x.reshape((chunks, B // chunks) + x.shape[1:]),
+                        (batch,) + others)
 
   def run(block):
-    shapes = jax.eval_shape(fn, block)
-    zeros = lambda _: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return jax.lax.cond(jnp.any(block.mask), fn, zeros, block)
+    shapes = jax.eval_shape(fn, *block)
+    zeros = lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.cond(jnp.any(block[0].mask), fn, zeros, *block)
 
   return jax.tree.map(lambda y: y.reshape((B,) + y.shape[2:]), jax.lax.map(run, blocks))

@@ -284,6 +284,16 @@ def value_fns(critic_config: Optional[CriticConfig], model_config: ModelConfig):
   return values_of_tokens, None
 
 
+def batch_values_fn(values, chunks: int):
+  """`values` (`value_fns`' first) over a whole padded batch, jitted, for the values at
+  rollout time: `fn(critic, base_params, batch, extras)` -> [B, T], in `chunks` blocks of
+  rows, zeros on a block of padding rows alone (`batching.over_row_chunks`)."""
+  def batch_values(critic, base_params, batch, extras):
+    block_values = lambda b, e: values(critic, base_params, b, e)
+    return over_row_chunks(block_values, batch, chunks, extras)
+  return jax.jit(batch_values)
+
+
 def _mlp(kernels: list, x: jax.Array) -> jax.Array:
   """x [..., D] f32, kernels [D, F1], ..., [F_k, 1] -> [...]: relu between layers, no biases."""
   for w in kernels[:-1]:

@@ -217,7 +217,8 @@ def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
   batch_rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   learn = functools.partial(
       _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
-      old_values_fn=None if critic_values is None else jax.jit(critic_values),
+      old_values_fn=None if critic_values is None else critic_lib.batch_values_fn(
+          critic_values, config.optimizer.minibatches),
       envs=envs, num_roles=len(team), mesh=mesh, layout=rows,
       agent_layers=envs_lib.agent_layers(structure, team),
       reply_budgets=reply_budgets(team, structure),

@@ -1,6 +1,6 @@
 """Padding rows (a batch padded to the most rows its team can fill) cost the update nothing and
 change nothing: minibatches are filled with real rows first, a slot of padding alone is
-skipped, and `prepare` skips blocks of padding rows.
+skipped, and `prepare` and the values at rollout time skip blocks of padding rows.
 
 Reference: the same update on the real rows alone, unpadded, with one minibatch (the padded
 batch's minibatch size), which trains exactly those rows in one step; and NumPy checks of
@@ -14,11 +14,13 @@ import optax
 import pytest
 
 from bench.update import turn_batch
+from marft_jax.lora.config import LoraConfig
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import critic as critic_lib
 from marft_jax.train.batching import TrainBatch, padding_fields, per_row_adapters
-from marft_jax.train.update import LossConfig, TrainState, make_update, minibatch_slots, prepare
+from marft_jax.train.update import (Extras, LossConfig, TrainState, make_update, minibatch_slots,
+                                    prepare)
 from tests.train.nonzero_adapters import nonzero_adapters
 
 REAL, PROMPT, REPLY = 4, 6, 5
@@ -123,3 +125,33 @@ def test_each_epoch_shuffles_the_real_rows_first(real_rows, minibatches, taken):
       np.testing.assert_array_equal(order, np.asarray(jax.random.permutation(key, len(real))))
   else:  # and the real rows are really shuffled: their orders differ between epochs
     assert len({tuple(order[:R]) for order in indices}) > 1 or R == 1
+
+
+@pytest.mark.parametrize("mode", ["per_agent_lora", "shared"])
+def test_the_rollout_values_of_a_padded_batch_are_the_real_rows_values(setup, mode):
+  """The trainer's values at rollout time (`critic.batch_values_fn`), by blocks of rows: the
+  real rows' values as the critic gives them unpadded, and a block of padding skipped."""
+  config = tiny_config()
+  params = transformer.init_params(config, jax.random.key(0))
+  lora = LoraConfig(rank=4, alpha=8.0) if mode == "per_agent_lora" else None
+  critic_config = critic_lib.CriticConfig(mode=mode, hidden=(16,), lora=lora)
+  critic = critic_lib.init_critic(critic_config, config, 2, jax.random.key(1))
+  if lora is not None:  # nonzero critic adapters, so they change the values
+    critic["lora"] = critic["lora"].replace(layers=jax.tree.map(
+        lambda x: x + 0.05, critic["lora"].layers))
+  values, hidden = critic_lib.value_fns(critic_config, config)
+  batch, order = _padded(setup["batch"], "end")
+
+  def extras_of(b, chunks):
+    h = None if hidden is None else hidden(critic, params, b, chunks=chunks)
+    zeros = jnp.zeros(b.tokens.shape, jnp.float32)
+    return Extras(old_logp=zeros, ref_logp=zeros, critic_hidden=h)
+
+  padded = jax.tree.map(jnp.asarray, batch)
+  real = jax.tree.map(jnp.asarray, setup["batch"])
+  got = np.asarray(critic_lib.batch_values_fn(values, 2)(critic, params, padded,
+                                                       extras_of(padded, 2)))
+  want = np.asarray(values(critic, params, real, extras_of(real, 1)))
+  np.testing.assert_allclose(got[:REAL], want, rtol=2e-5, atol=1e-6)
+  assert np.abs(want).max() > 1e-3  # real values were compared
+  assert not np.any(got[REAL:])  # the block of padding rows was skipped
