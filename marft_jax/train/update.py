@@ -372,19 +372,39 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                         critic_values=critic_values), argnums=(0, 1), has_aux=True)
 
   def update(state, params, batch, extras, active, train_policy, rng):
-    def train_step(carry, indices, dropout_key):
-      state, stopped = carry
+    def gradients(policy, critic, indices, dropout_key):
+      """A minibatch with real rows: (loss, `losses`' diagnostics, the policy's and the
+      critic's gradients, [A] which adapters have tokens in it)."""
       mb, ex = jax.tree.map(lambda x: x[indices], (batch, extras))
-      (loss, aux), (g_policy, g_critic) = grad_fn(state.policy, state.critic, params, mb, ex,
+      (loss, aux), (g_policy, g_critic) = grad_fn(policy, critic, params, mb, ex,
                                                   dropout_key=dropout_key)
+      aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
+      return (jnp.asarray(loss, jnp.float32), aux, g_policy, g_critic,
+              _adapters_present(mb, num_adapters))
+
+    def no_gradients(policy, critic, indices, dropout_key):
+      """A slot of padding rows: no forward, zero gradients, no adapter present (its
+      diagnostics by name, not by tracing `losses` again: 0.6 s a trace of the update)."""
+      del indices, dropout_key
+      zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+      return (jnp.zeros((), jnp.float32), dict.fromkeys(LOSS_METRICS, jnp.zeros(())),
+              zeros(policy), zeros(critic), jnp.zeros((num_adapters,), bool))
+
+    def minibatch_step(carry, xs):
+      """One minibatch slot. A slot of padding alone moves nothing (neither the weights nor
+      the moments), but the policy optimizer's step count advances as in a taken step, so
+      its learning-rate schedule follows the iterations."""
+      state, stopped = carry
+      indices, dropout_key, taken = xs
+      loss, aux, g_policy, g_critic, present = jax.lax.cond(
+          taken, gradients, no_gradients, state.policy, state.critic, indices, dropout_key)
       finite = jnp.isfinite(loss) & _finite(g_policy.layers)
       if g_critic is not None:
         finite = finite & _finite(g_critic)
       too_far = jnp.asarray(False if config.kl_limit is None else
                             aux["approx_kl"] > config.kl_limit)
       g_policy, norms = optim.clip_per_agent(g_policy, config.max_grad_norm)
-      move = active & _adapters_present(mb, num_adapters) & train_policy & finite & \
-          ~too_far & ~stopped
+      move = active & present & train_policy & finite & ~too_far & ~stopped
       policy, policy_opt = optim.apply_masked(policy_optimizer, g_policy, state.policy_opt,
                                               state.policy, move)
       critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
@@ -393,31 +413,14 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
         scale = jnp.minimum(1.0, config.critic_max_grad_norm / jnp.maximum(critic_norm, 1e-12))
         updates, new_opt = critic_optimizer.update(
             jax.tree.map(lambda g: g * scale, g_critic), state.critic_opt, state.critic)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite & taken, n, o),
+                                             new, old)
         critic = keep(optax.apply_updates(state.critic, updates), state.critic)
         critic_opt = keep(new_opt, state.critic_opt)
       stopped = stopped | (too_far & (config.kl_guard == "stop"))
       new_state = state.replace(policy=policy, critic=critic, policy_opt=policy_opt,
                                 critic_opt=critic_opt, step=state.step + 1)
       return (new_state, stopped), _step_metrics(aux, loss, finite, too_far, norms, critic_norm)
-
-    def skip_step(carry, indices, dropout_key):
-      """A slot of padding rows: nothing moves, but the policy optimizer's step count
-      advances as in a taken step, so its learning-rate schedule follows the iterations."""
-      del indices, dropout_key
-      state, stopped = carry
-      zero = jax.tree.map(jnp.zeros_like, state.policy)
-      policy, policy_opt = optim.apply_masked(policy_optimizer, zero, state.policy_opt,
-                                              state.policy, jnp.zeros((num_adapters,), bool))
-      state = state.replace(policy=policy, policy_opt=policy_opt, step=state.step + 1)
-      # Its metrics by name, not by tracing `train_step` again (0.6 s a trace of the update).
-      zeros = _step_metrics(dict.fromkeys(LOSS_METRICS, 0.0), 0.0, jnp.asarray(True),
-                            jnp.asarray(False), jnp.zeros((num_adapters,)), 0.0)
-      return (state, stopped), zeros
-
-    def minibatch_step(carry, xs):
-      indices, dropout_key, taken = xs
-      return jax.lax.cond(taken, train_step, skip_step, carry, indices, dropout_key)
 
     indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches)
     dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
