@@ -21,9 +21,25 @@ from marft_jax.models.layout import DECODING, TRAINING, Layout, convert_cache, c
 from marft_jax.models.transformer import (KVCache, forward, grow_cache, hidden_states,
                                           init_cache, init_params, logits_from_hidden)
 from marft_jax.models.hf_checkpoint import load_hf_checkpoint
-from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint
-from marft_jax.models.tokenizer import CHATML_TEMPLATE, gguf_tokenizer, load_tokenizer
-from marft_jax.models.smollm2 import load_smollm2, smollm2_gguf_path
-from marft_jax.models.loading import load_model
 from marft_jax.models.sampling import SamplingConfig, check_sampling_args
 from marft_jax.models.sampler import SampleOutput, generate
+
+# The GGUF loaders and tokenizers (the `gguf` parser, transformers' tokenizers) load on first
+# use, so the model and its sampler import where only JAX is installed: a GPU host running
+# `PYTHONPATH=. python -m bench.accelerator` needs neither (docs/scaling.md).
+_LAZY = {
+    "load_gguf_checkpoint": "gguf_checkpoint",
+    "CHATML_TEMPLATE": "tokenizer",
+    "gguf_tokenizer": "tokenizer",
+    "load_tokenizer": "tokenizer",
+    "load_smollm2": "smollm2",
+    "smollm2_gguf_path": "smollm2",
+    "load_model": "loading",
+}
+
+
+def __getattr__(name: str):
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  import importlib  # pylint: disable=import-outside-toplevel
+  return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
