@@ -134,6 +134,16 @@ def import_function(key: str, path: str) -> Callable:
   return function
 
 
+def read_task_data(config) -> None:
+  """The task's problem files read and checked before the model loads (a TrainConfig's
+  `task`): a missing file or a malformed line is one line naming it, exit status 2."""
+  from marft_jax.train import assembly  # pylint: disable=import-outside-toplevel
+  try:
+    assembly.read_task_data(config)
+  except (OSError, ValueError) as e:
+    fail(_last_line(e))
+
+
 def fail(message: str) -> None:
   """Prints `error: message` and exits with status 2 (a usage error, not a traceback)."""
   print(f"error: {message}", file=sys.stderr)

@@ -48,6 +48,7 @@ def main(config: TrainConfig) -> None:
   if not _UNTUNED.value and not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SystemExit(f"error: {workdir}: no checkpoints to evaluate (train first, or pass "
                      "--untuned)")  # before the model loads
+  cli.read_task_data(config)
   model = assembly.load(config)
   try:
     policy, step = ((None, 0) if _UNTUNED.value

@@ -53,6 +53,7 @@ def main(config: TrainConfig) -> None:
     check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   except ValueError as e:
     cli.fail(f"config.{e}")
+  cli.read_task_data(config)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None
   metrics = train(config, _WORKDIR.value, reward_fn=reward_fn)

@@ -103,6 +103,24 @@ def test_a_misspelt_train_key_fails_naming_it():
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("script, problem_file", [("train", "malformed"), ("eval", "missing")])
+def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file):
+  """The launch scripts read the task's files before the model loads: one line, exit 2."""
+  import subprocess
+  import sys
+  path = tmp_path / "problems.jsonl"
+  if problem_file == "malformed":
+    path.write_text('{"question": "What is 2 + 2?", "answer": "#### 4"}\n{"question": 4\n')
+  args = [f"--workdir={tmp_path / 'run'}", "--config=launch/configs/math_2agents.py",
+          f"--config.task.path={path}"] + (["--untuned"] if script == "eval" else [])
+  out = subprocess.run([sys.executable, "-m", f"launch.{script}", *args], capture_output=True,
+                       text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  expected = (f"error: {path}:2: not valid JSON" if problem_file == "malformed"
+              else f"error: task.path='{path}': no such file")
+  assert out.returncode == 2 and out.stderr.startswith(expected), out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_rollout_max_context_is_the_models_positions_or_at_least_16():
   from marft_jax.train import config as train_config
   assert train_config.RolloutSection().max_context == 0  # 0: the model's own positions

@@ -55,7 +55,8 @@ def task_problems(kind: str, path: str, test_path: str = "") -> tuple[tuple, tup
   if kind not in KINDS:
     raise ValueError(f"kind={kind!r}: use one of {KINDS}")
   path = path or _bundled(kind)
-  return _cached(kind, path, test_path, _stamp(path), _stamp(test_path))
+  return _cached(kind, path, test_path, _stamp("task.path", path),
+                 _stamp("task.test_path", test_path))
 
 
 def _bundled(kind: str) -> str:
@@ -74,9 +75,12 @@ def _read(kind: str, path: str) -> tuple:
   return tuple(problems.read_problems(path))
 
 
-def _stamp(path: str) -> tuple:
+def _stamp(key: str, path: str) -> tuple:
   if not path:
     return ()
+  if not os.path.isfile(path):
+    what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+    raise FileNotFoundError(f"{key}={path!r}: {what}")
   st = os.stat(path)
   return st.st_size, st.st_mtime_ns
 

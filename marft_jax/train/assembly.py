@@ -83,6 +83,15 @@ def build_team(config: TrainConfig):
   return teams.build_team(config.team, config.task.name)
 
 
+def read_task_data(config: TrainConfig) -> None:
+  """Reads and checks the task's problem files, if it has any ("math_jsonl", "code"): a
+  missing file or a malformed line is an error naming it (OSError, ValueError) before
+  anything slow starts. The problems stay cached for `build_envs`."""
+  from marft_jax.envs import splits
+  if config.task.name in splits.KINDS:
+    splits.task_problems(config.task.name, config.task.path, config.task.test_path)
+
+
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
                owned: Optional[range] = None, num_envs: Optional[int] = None,
                group_size: Optional[int] = None):

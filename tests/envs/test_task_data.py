@@ -16,6 +16,7 @@ from marft_jax.envs import EnvBatch, EchoEnv, splits
 from marft_jax.envs.problems import bundled_path
 from marft_jax.train import config as config_lib
 from marft_jax.train import assembly
+from marft_jax.train import loop
 
 
 def _config(num_envs=4, group_size=None, **task):
@@ -124,6 +125,29 @@ def test_a_one_problem_file_needs_a_test_file(tmp_path):
   path = _math_file(tmp_path / "one.jsonl", [5])
   with pytest.raises(ValueError, match="one.jsonl.*at least 2"):
     _ids(_config(name="math_jsonl", path=path), "train")
+
+
+@pytest.mark.parametrize("name", ["math_jsonl", "code"])
+def test_a_missing_or_malformed_problem_file_is_named_before_the_model_loads(
+    tmp_path, monkeypatch, name):
+  good = (_math_file if name == "math_jsonl" else _code_file)(tmp_path / "good.jsonl", "ab")
+  missing = str(tmp_path / "missing.jsonl")
+  for task, error in [
+      (dict(path=missing), f"task.path='{missing}': no such file"),
+      (dict(path=str(tmp_path)), "a folder, not a file"),
+      (dict(path=good, test_path=missing), f"task.test_path='{missing}': no such file")]:
+    with pytest.raises(FileNotFoundError, match=error):
+      assembly.read_task_data(_config(name=name, **task))
+  malformed = tmp_path / "malformed.jsonl"
+  malformed.write_text(open(good).readline() + '{"question": \n')
+  with pytest.raises(ValueError, match=r"malformed\.jsonl:2: not (valid )?JSON"):
+    assembly.read_task_data(_config(name=name, path=str(malformed)))
+  assembly.read_task_data(_config(name=name, path=good))  # a good file passes
+  # The trainer reads the files before it loads the model (which can take minutes).
+  monkeypatch.setattr(assembly, "load", lambda config: pytest.fail("the model was loaded"))
+  with pytest.raises(FileNotFoundError, match="task.path="):
+    loop.train(_config(name=name, path=missing), str(tmp_path / "run"), progress=False)
+  assert not (tmp_path / "run").exists()
 
 
 def test_test_path_is_for_file_tasks_only():
