@@ -11,7 +11,8 @@
   * a bad override (`--config.xyz=1`, `--config.seed=abc`) or a value the typed config refuses
     is one line naming the key, and exit status 2, instead of a traceback;
   * INFO logs (e.g. JAX's "Unable to initialize backend 'tpu'") stay off the progress bars;
-    `--verbosity=0` brings them back;
+    `--verbosity=0` brings them back; a damaged checkpoint's error is not buried under the
+    reports of tensorstore's reads still in flight;
   * `--compilation_cache=DIR` keeps XLA's compiled programs in DIR (JAX's persistent cache), so
     a relaunch (a resume, an eval after training) loads them instead of compiling again.
   * `--retain_host_memory` keeps freed host memory in the process (`marft_jax.host_allocator`):
@@ -90,6 +91,7 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
   def typed_main(argv: list[str]) -> None:
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
+    sys.unraisablehook = _drop_closed_event_loop_reports
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _RETAIN_HOST_MEMORY.value:
@@ -108,6 +110,16 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
     main(config)
 
   app.run(typed_main, flags_parser=parse)
+
+
+def _drop_closed_event_loop_reports(unraisable) -> None:
+  """After a failed Orbax read (a damaged checkpoint) the reads still in flight finish on
+  tensorstore's threads and each reports "Event loop is closed" here, a dozen tracebacks around
+  the one error that says what is wrong. Those alone are dropped; anything else is printed."""
+  error = unraisable.exc_value
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return
+  sys.__unraisablehook__(unraisable)
 
 
 def enable_compilation_cache(folder: str) -> None:

@@ -33,7 +33,7 @@ from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import assembly
-from marft_jax.train.checkpoint import CheckpointMismatchError
+from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig
 
 _CONFIG = cli.define_config_flag("train.py")
@@ -53,7 +53,7 @@ def main(config: TrainConfig) -> None:
   try:
     policy, step = ((None, 0) if _UNTUNED.value
                     else evaluate_lib.restore_policy(config, model, workdir))
-  except (FileNotFoundError, CheckpointMismatchError) as e:
+  except (FileNotFoundError, CheckpointMismatchError, UnreadableCheckpointError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
                                progress=True)

@@ -26,6 +26,7 @@ from absl import flags
 from launch import cli
 from marft_jax import multihost, sharding
 from marft_jax.train import algorithms
+from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
 
@@ -56,7 +57,10 @@ def main(config: TrainConfig) -> None:
   cli.read_task_data(config)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None
-  metrics = train(config, _WORKDIR.value, reward_fn=reward_fn)
+  try:
+    metrics = train(config, _WORKDIR.value, reward_fn=reward_fn)
+  except (CheckpointMismatchError, UnreadableCheckpointError) as e:  # raised by the resume
+    raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   if multihost.is_primary():
     heldout = metrics.get("heldout/accuracy")
     print(f"iterations={config.iterations} reward={metrics.get('reward', float('nan')):.4f} "

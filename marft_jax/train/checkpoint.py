@@ -27,6 +27,7 @@ and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -59,6 +60,10 @@ class NonFiniteStateError(ValueError):
 
 class CheckpointMismatchError(ValueError):
   """The checkpoint in a workdir was written by a run of another structure or config."""
+
+
+class UnreadableCheckpointError(ValueError):
+  """A finalised checkpoint whose files cannot be read back (damaged or edited on disk)."""
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
@@ -167,7 +172,8 @@ class Checkpointer:
     if step not in self.all_steps():
       raise FileNotFoundError(f"{self.directory}: no checkpoint for step {step} "
                               f"(steps present: {self.all_steps() or 'none'})")
-    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    with self._reading(step, self.all_steps()):
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     return dict(meta["meta"])
 
   # --- save ---
@@ -264,15 +270,40 @@ class Checkpointer:
     if step not in steps:
       raise FileNotFoundError(f"{self.directory}: no checkpoint for step {step} "
                               f"(steps present: {steps or 'none'})")
-    meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    with self._reading(step, steps):
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     meta = dict(meta["meta"])
     if config is not None:
       self._check_config(step, meta, config, may_differ, read_config)
     abstract = jax.tree.map(_abstract_leaf, abstract_state)
-    self._check_structure(step, abstract)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))
+    with self._reading(step, steps):
+      saved_tree = self._manager.item_metadata(step)["state"]
+    self._check_structure(step, saved_tree, abstract)
+    with self._reading(step, steps):
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract)))
     return restored["state"], meta
+
+  @contextlib.contextmanager
+  def _reading(self, step: int, steps: Sequence[int]):
+    """Turns a failure to read `step`'s files into one `UnreadableCheckpointError` that names
+    the folder and says how to resume from the step before it. Nothing is moved or deleted:
+    the choice (and the evidence) stays with the user."""
+    try:
+      yield
+    except Exception as e:  # tensorstore, JSON, msgpack and OS errors alike
+      folder = os.path.join(self.directory, str(step))
+      earlier = [s for s in steps if s < step]
+      then = (f"move that folder out of {self.directory} to resume from step {earlier[-1]} "
+              f"(kept: {earlier})" if earlier else
+              "no earlier checkpoint is kept: start again in a fresh workdir")
+      # tensorstore appends its whole spec (hundreds of characters) to the reason.
+      reason = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec=")[0]
+      if len(reason) > 400:
+        reason = reason[:400] + " ..."
+      raise UnreadableCheckpointError(
+          f"{folder}: checkpoint of step {step} cannot be read ({type(e).__name__}: "
+          f"{reason}); {then}") from e
 
   def _check_config(self, step: int, meta: Mapping[str, Any], config: Mapping[str, Any],
                     may_differ: Iterable[str],
@@ -297,10 +328,9 @@ class Checkpointer:
           f"{self.directory}: step {step} was written with a different config ({lines}). "
           "Resume with the saved values, or start the new config in a fresh workdir.")
 
-  def _check_structure(self, step: int, abstract: Any) -> None:
+  def _check_structure(self, step: int, saved_tree: Any, abstract: Any) -> None:
     """Compares leaf paths, shapes and dtypes with the saved tree's metadata, so that a
     checkpoint of another structure fails with the first differing key named."""
-    saved_tree = self._manager.item_metadata(step)["state"]
     saved = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(
         saved_tree, is_leaf=_is_array_metadata)}
     wanted = {_path_name(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}

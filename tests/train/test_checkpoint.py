@@ -94,6 +94,58 @@ def test_retention_intervals_and_no_overwrite(tmp_path):
     Checkpointer(tmp_path / "fresh").restore(state)
 
 
+def _damage(folder, what):
+  """Truncates the files of a saved step: its arrays' chunks ("arrays") or its meta JSON."""
+  hits = 0
+  for root, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(root, name)
+      chunk = os.sep + "d" + os.sep in path and os.sep + "state" + os.sep in path
+      if (what == "arrays" and chunk) or (what == "meta" and os.sep + "meta" + os.sep in path
+                                          and name == "metadata"):
+        os.truncate(path, 10)
+        hits += 1
+  assert hits, f"nothing to damage under {folder}"
+
+
+# tensorstore's reads still in flight after the failed one report "Event loop is closed".
+_IN_FLIGHT_READS = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@_IN_FLIGHT_READS
+@pytest.mark.parametrize("what", ["arrays", "meta"])
+def test_a_damaged_checkpoint_is_named_and_nothing_is_lost(tmp_path, what):
+  """A finalised step whose files were damaged on disk: one error naming its folder and the
+  step to resume from; the folder stays for the user to look at, and the earlier step reads."""
+  states = {s: make_state(seed=s) for s in (1, 2)}
+  with Checkpointer(tmp_path) as ckpt:
+    for s, state in states.items():
+      ckpt.save(s, state, meta(s))
+  _damage(tmp_path / "checkpoints" / "2", what)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(checkpoint.UnreadableCheckpointError) as error:
+      ckpt.restore(make_state(seed=3), config=CONFIG)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path}/checkpoints/2: checkpoint of step 2 cannot be read")
+    assert "to resume from step 1 (kept: [1])" in message and "tensorstore_spec" not in message
+    assert ckpt.all_steps() == [1, 2]  # nothing moved or deleted
+    if what == "meta":
+      with pytest.raises(checkpoint.UnreadableCheckpointError, match="step 2 cannot be read"):
+        ckpt.read_meta(2)
+    restored, _ = ckpt.restore(make_state(seed=3), step=1, config=CONFIG)
+  chex.assert_trees_all_equal(restored, states[1])
+
+
+@_IN_FLIGHT_READS
+def test_a_damaged_only_checkpoint_says_there_is_no_earlier_one(tmp_path):
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(5, make_state(), meta(5))
+  _damage(tmp_path / "checkpoints" / "5", "arrays")
+  with pytest.raises(checkpoint.UnreadableCheckpointError,
+                     match="step 5 cannot be read .*no earlier checkpoint is kept"):
+    Checkpointer(tmp_path).restore(make_state())
+
+
 def test_non_finite_state_is_never_written(tmp_path):
   state = make_state()
   with Checkpointer(tmp_path) as ckpt:

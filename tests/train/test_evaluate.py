@@ -302,3 +302,26 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   missing = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run"],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert missing.returncode == 1 and "no checkpoints" in missing.stderr, missing.stderr
+
+
+def test_launch_eval_names_a_damaged_checkpoint_in_one_line(run, tmp_path):
+  """Its arrays truncated on disk: one line naming the step's folder, no tracebacks (neither
+  the read's nor those of tensorstore's reads still in flight), exit status 1."""
+  _, config, model, policy = run
+  workdir = str(tmp_path / "run")
+  _checkpoint(workdir, config, model, policy)
+  state_dir = os.path.join(workdir, "checkpoints", "3", "state")
+  chunks = [os.path.join(root, name) for root, _, names in os.walk(state_dir)
+            for name in names if os.path.basename(root) == "d"]
+  assert chunks
+  for path in chunks:
+    os.truncate(path, 10)
+  out = subprocess.run([sys.executable, "-m", "launch.eval", f"--workdir={workdir}",
+                        "--config=tests/train/echo_config.py", "--config.task.echo_high=2",
+                        f"--config.model.source={config.model.source}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))
+  errors = [line for line in out.stderr.splitlines() if " checkpoint_manager.py:" not in line]
+  assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+  assert errors[0].startswith(f"error: {workdir}/checkpoints/3: checkpoint of step 3 cannot be "
+                              "read") and errors[0].endswith("start again in a fresh workdir")
