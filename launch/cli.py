@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -146,13 +147,14 @@ def import_function(key: str, path: str) -> Callable:
   return function
 
 
-def read_task_data(config) -> None:
-  """The task's problem files read and checked before the model loads (a TrainConfig's
-  `task`): a missing file or a malformed line is one line naming it, exit status 2."""
-  from marft_jax.train import assembly  # pylint: disable=import-outside-toplevel
+@contextlib.contextmanager
+def one_line_errors(*types: type):
+  """Bad input found while the block runs (a missing or malformed problem file, model file
+  or folder: the library's errors name the file, line, key or tensor) is one line, exit
+  status 2, instead of a traceback."""
   try:
-    assembly.read_task_data(config)
-  except (OSError, ValueError) as e:
+    yield
+  except types as e:
     fail(_last_line(e))
 
 

@@ -31,8 +31,8 @@ from absl import flags
 from launch import cli
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
-from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import assembly
+from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig
 
@@ -48,8 +48,9 @@ def main(config: TrainConfig) -> None:
   if not _UNTUNED.value and not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SystemExit(f"error: {workdir}: no checkpoints to evaluate (train first, or pass "
                      "--untuned)")  # before the model loads
-  cli.read_task_data(config)
-  model = assembly.load(config)
+  with cli.one_line_errors(OSError, ValueError):  # the task's files before the model
+    assembly.read_task_data(config)
+    model = assembly.load(config)
   try:
     policy, step = ((None, 0) if _UNTUNED.value
                     else evaluate_lib.restore_policy(config, model, workdir))

@@ -27,7 +27,9 @@ _CONFIG = cli.define_config_flag("generate.py")
 
 def chat(config: GenerateConfig) -> str:
   """Loads the model, answers `config.prompt`, and returns the answer text."""
-  with tqdm(total=2, desc=f"loading {config.model}", unit="step", file=sys.stderr) as bar:
+  # A model file that does not load is one line; the bar is closed before it is printed.
+  with cli.one_line_errors(OSError, ValueError), tqdm(
+      total=2, desc=f"loading {config.model}", unit="step", file=sys.stderr) as bar:
     params, model_config, tokenizer = loading.load_model(
         config.model, param_dtype=config.param_dtype, compute_dtype=config.param_dtype)
     bar.update()

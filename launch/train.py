@@ -25,7 +25,7 @@ from absl import flags
 
 from launch import cli
 from marft_jax import multihost, sharding
-from marft_jax.train import algorithms
+from marft_jax.train import algorithms, assembly
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
@@ -54,11 +54,14 @@ def main(config: TrainConfig) -> None:
     check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   except ValueError as e:
     cli.fail(f"config.{e}")
-  cli.read_task_data(config)
+  with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
+    assembly.read_task_data(config)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None
+  with cli.one_line_errors(OSError, ValueError):
+    model = assembly.load(config)
   try:
-    metrics = train(config, _WORKDIR.value, reward_fn=reward_fn)
+    metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
   except (CheckpointMismatchError, UnreadableCheckpointError) as e:  # raised by the resume
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   if multihost.is_primary():

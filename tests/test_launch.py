@@ -49,6 +49,17 @@ def test_bad_override_is_one_line_naming_the_key(arg, message):
       out.stderr
 
 
+def test_a_model_file_that_does_not_load_is_one_line_naming_it(tmp_path):
+  bad = tmp_path / "model.gguf"
+  bad.write_bytes(b"not a gguf file")
+  out = _run(f"--config.model={bad}")
+  assert out.returncode == 2, out.stderr
+  # The loading bar is closed first, so the error is the last line, and the only one.
+  assert out.stderr.splitlines()[-1] == (f"error: {bad}: not a readable GGUF file, truncated "
+                                         "or corrupt (GGUF magic invalid)"), out.stderr
+  assert out.stderr.count("error:") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):
   out = _run(f"--config.model={tiny_model}", "--config.prompt=What is 3 + 4?",
              "--config.sampling.max_new_tokens=4")

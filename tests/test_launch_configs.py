@@ -121,6 +121,18 @@ def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path):
+  import subprocess
+  import sys
+  (tmp_path / "config.json").write_text('{"model_type": "llama",')
+  out = subprocess.run([sys.executable, "-m", "launch.train", f"--workdir={tmp_path / 'run'}",
+                        f"--config.model.source={tmp_path}"], capture_output=True, text=True,
+                       cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.startswith(f"error: {tmp_path / 'config.json'}: invalid JSON at line 1")
+  assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_rollout_max_context_is_the_models_positions_or_at_least_16():
   from marft_jax.train import config as train_config
   assert train_config.RolloutSection().max_context == 0  # 0: the model's own positions
