@@ -118,8 +118,19 @@ def resolve(config: TrainConfig) -> TrainConfig:
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
-  return dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
-                             rollout=rollout, team=team)
+  resolved = dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
+                                 rollout=rollout, team=team)
+  _check_init_from(resolved)
+  return resolved
+
+
+def _check_init_from(config) -> None:
+  """One PEFT folder per policy adapter, refused here rather than after the model loads."""
+  folders = config.init_from_folders
+  if folders and len(folders) != config.num_adapters:
+    raise ValueError(f"init_from={config.init_from!r}: {len(folders)} adapter folder(s) for "
+                     f"the team's {config.num_adapters} adapters (one per adapter, "
+                     "comma-separated, in adapter order)")
 
 
 def _normalize(a: Algorithm, normalize: Optional[bool]) -> bool:

@@ -163,12 +163,8 @@ def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimi
   key = jax.random.key(config.seed)
   policy = lora_lib.init_adapters(config.lora, model.config, jax.random.fold_in(key, 1),
                                   config.num_adapters)
-  if config.init_from:
-    paths = [p for p in config.init_from.split(",") if p]
-    policy = lora_lib.load_peft_adapters(paths, model.config)
-    if policy.num_adapters != config.num_adapters:
-      raise ValueError(f"init_from: {len(paths)} adapter folders for "
-                       f"{config.num_adapters} adapters")
+  if config.init_from_folders:  # as many as adapters (`algorithms.resolve` checks)
+    policy = lora_lib.load_peft_adapters(config.init_from_folders, model.config)
   critic = None
   critic_settings = critic_config(config)
   if critic_settings is not None:

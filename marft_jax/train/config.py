@@ -366,6 +366,11 @@ class TrainConfig:
     check_int("seed", self.seed)
 
   @property
+  def init_from_folders(self) -> list[str]:
+    """`init_from`'s PEFT folders, in adapter order."""
+    return [p.strip() for p in self.init_from.split(",") if p.strip()]
+
+  @property
   def uses_critic(self) -> bool:
     return ALGORITHMS[self.algorithm].critic
 

@@ -1,6 +1,7 @@
 """`--config.algorithm=X` on every shipped config file gives exactly X, or is refused naming
 both keys (train/algorithms.py)."""
 
+import dataclasses
 import glob
 import os
 import re
@@ -163,3 +164,15 @@ def test_behaviour_correction_follows_the_model_dtype():
   assert (f32.loss.behaviour_correction, bf16.loss.behaviour_correction) == ("off", "on")
   forced = TrainConfig(loss=LossConfig(behaviour_correction="on"))
   assert algorithms.resolve(forced).loss.behaviour_correction == "on"
+
+
+def test_init_from_needs_one_folder_per_adapter():
+  """Refused with the config, before any model or adapter loads (2 roles: 2 adapters; a shared
+  adapter: 1)."""
+  with pytest.raises(ValueError, match=r"init_from='a': 1 adapter folder\(s\) for the team's 2"):
+    algorithms.resolve(TrainConfig(init_from="a"))
+  assert algorithms.resolve(TrainConfig(init_from=" a, b ,")).init_from_folders == ["a", "b"]
+  shared = TrainConfig(init_from="a", team=TeamSection(shared_adapter=True))
+  assert algorithms.resolve(shared).num_adapters == 1
+  with pytest.raises(ValueError, match=r"2 adapter folder\(s\) for the team's 1"):
+    algorithms.resolve(dataclasses.replace(shared, init_from="a,b"))
