@@ -72,9 +72,10 @@ class TaskSection:
     check_int("horizon", self.horizon, 1)
     check_int("eval_problems", self.eval_problems, 1)
     check_int("echo_high", self.echo_high, 1)
-    if self.test_path and self.name not in ("math_jsonl", "code"):
-      raise ValueError(f"test_path={self.test_path!r}: only the file tasks 'math_jsonl' and "
-                       f"'code' read one, not name={self.name!r}")
+    for key in ("path", "test_path"):  # a file the task would never read: refused
+      if getattr(self, key) and self.name not in ("math_jsonl", "code"):
+        raise ValueError(f"{key}={getattr(self, key)!r}: only the file tasks 'math_jsonl' and "
+                         f"'code' read one, not name={self.name!r}")
 
 
 ROLE_ADAPTERS = ("own", "shared", "base")

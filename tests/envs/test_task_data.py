@@ -150,9 +150,12 @@ def test_a_missing_or_malformed_problem_file_is_named_before_the_model_loads(
   assert not (tmp_path / "run").exists()
 
 
-def test_test_path_is_for_file_tasks_only():
-  with pytest.raises(ValueError, match="test_path"):
-    config_lib.TaskSection(name="arithmetic", test_path="x.jsonl")
+@pytest.mark.parametrize("key", ["path", "test_path"])
+@pytest.mark.parametrize("name", ["arithmetic", "echo"])
+def test_problem_files_are_for_file_tasks_only(key, name):
+  with pytest.raises(ValueError, match=f"^{key}='x.jsonl': only the file tasks .* not "
+                                       f"name='{name}'"):
+    config_lib.TaskSection(name=name, **{key: "x.jsonl"})
 
 
 # --- once per epoch, in a seeded order that resume continues ---

@@ -234,7 +234,7 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
   workdir, config, model, policy = run
   elsewhere = dataclasses.replace(
       config, iterations=50, seed=5, task=dataclasses.replace(
-          config.task, eval_problems=3, path="/elsewhere/test.jsonl"),
+          config.task, eval_problems=3, echo_high=5),
       team=dataclasses.replace(config.team, max_new_tokens=7, temperature=0.9))
   grpo = config_lib.preset("grpo", model=config.model, task=config.task, team=config.team)
   for evaluated in (elsewhere, grpo):  # another task, seed, sampling, algorithm and critic
