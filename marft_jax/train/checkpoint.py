@@ -287,16 +287,18 @@ class Checkpointer:
   @contextlib.contextmanager
   def _reading(self, step: int, steps: Sequence[int]):
     """Turns a failure to read `step`'s files into one `UnreadableCheckpointError` that names
-    the folder and says how to resume from the step before it. Nothing is moved or deleted:
-    the choice (and the evidence) stays with the user."""
+    the folder and says how to resume from the step before it if they are damaged. Nothing is
+    moved or deleted: the choice (and the evidence) stays with the user. Errors of the
+    devices (out of memory: RuntimeError) pass through as they are."""
     try:
       yield
-    except Exception as e:  # tensorstore, JSON, msgpack and OS errors alike
+    except (OSError, ValueError) as e:  # tensorstore's read errors are ValueErrors, as JSON's
       folder = os.path.join(self.directory, str(step))
       earlier = [s for s in steps if s < step]
-      then = (f"move that folder out of {self.directory} to resume from step {earlier[-1]} "
-              f"(kept: {earlier})" if earlier else
-              "no earlier checkpoint is kept: start again in a fresh workdir")
+      then = (f"if its files are damaged, move that folder out of {self.directory} to resume "
+              f"from step {earlier[-1]} (kept: {earlier})" if earlier else
+              "no earlier checkpoint is kept: if its files are damaged, start again in a "
+              "fresh workdir")
       # tensorstore appends its whole spec (hundreds of characters) to the reason.
       reason = (str(e).strip().splitlines() or [""])[0].split(" [tensorstore_spec=")[0]
       if len(reason) > 400:
