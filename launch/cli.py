@@ -147,6 +147,16 @@ def import_function(key: str, path: str) -> Callable:
   return function
 
 
+def make_workdir(workdir: str) -> None:
+  """Makes `--workdir` (if missing) before anything slow, or one line saying why it cannot."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    fail(f"--workdir={workdir}: a file, not a folder")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    fail(f"--workdir={workdir}: {e.strerror}")
+
+
 @contextlib.contextmanager
 def one_line_errors(*types: type):
   """Bad input found while the block runs (a missing or malformed problem file, model file

@@ -50,6 +50,8 @@ def main(config: TrainConfig) -> None:
                      "--untuned)")  # before the model loads
   with cli.one_line_errors(OSError, ValueError):  # the task's files before the model
     assembly.read_task_data(config)
+  cli.make_workdir(workdir)  # eval.json goes there (an --untuned run may start it)
+  with cli.one_line_errors(OSError, ValueError):
     model = assembly.load(config)
   try:
     policy, step = ((None, 0) if _UNTUNED.value
@@ -61,7 +63,6 @@ def main(config: TrainConfig) -> None:
   results = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
   results["checkpoint_step"] = step
   name = "eval_untuned" if _UNTUNED.value else "eval"
-  os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)
   write_transcripts(os.path.join(workdir, f"{name}_transcripts.jsonl"), episodes)

@@ -121,6 +121,18 @@ def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+def test_a_workdir_that_cannot_be_made_is_one_line_before_the_model_loads(tmp_path):
+  import subprocess
+  import sys
+  (tmp_path / "a_file").write_text("")
+  out = subprocess.run([sys.executable, "-m", "launch.train", f"--workdir={tmp_path / 'a_file'}",
+                        "--config.model.source=/nonexistent/model"], capture_output=True,
+                       text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  # The model source is bad too: the workdir is checked first, before any loading.
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip() == f"error: --workdir={tmp_path / 'a_file'}: a file, not a folder"
+
+
 def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path):
   import subprocess
   import sys
