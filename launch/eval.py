@@ -40,7 +40,7 @@ _CONFIG = cli.define_config_flag("train.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "the training run's folder")
 _UNTUNED = flags.DEFINE_bool("untuned", False, "evaluate the base model (adapters off)")
 _PROBLEMS = flags.DEFINE_integer("problems", None, "held-out problems (default: the config's "
-                                 "task.eval_problems)")
+                                 "task.eval_problems)", lower_bound=1)
 
 
 def main(config: TrainConfig) -> None:

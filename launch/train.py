@@ -37,11 +37,13 @@ _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "join a multi-process job (jax.distributed.initialize); the flags "
     "below default to what the cluster's environment says")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "processes in the job")
-_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "this process's rank")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "processes in the job (0: from the "
+                                      "cluster's environment)", lower_bound=0)
+_PROCESS_ID = flags.DEFINE_integer("process_id", -1, "this process's rank (-1: from the "
+                                   "cluster's environment)", lower_bound=-1)
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "virtual CPU devices in this process (a rehearsal of a cluster on one "
-    "machine; 0: the platform's devices)")
+    "machine; 0: the platform's devices)", lower_bound=0)
 
 
 def main(config: TrainConfig) -> None:

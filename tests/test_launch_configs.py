@@ -121,6 +121,20 @@ def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@pytest.mark.parametrize("script, flag, message", [
+    ("eval", "--problems=0", "0 is not a positive integer"),
+    ("train", "--cpu_devices=-1", "-1 is not a non-negative integer")])
+def test_an_out_of_range_flag_is_one_line_naming_it(tmp_path, script, flag, message):
+  import subprocess
+  import sys
+  out = subprocess.run([sys.executable, "-m", f"launch.{script}", f"--workdir={tmp_path}",
+                        "--untuned" if script == "eval" else "--config.iterations=1", flag],
+                       capture_output=True, text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."),
+                       timeout=120)
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip() == f"error: flag {flag}: {message}", out.stderr
+
+
 def test_a_workdir_that_cannot_be_made_is_one_line_before_the_model_loads(tmp_path):
   import subprocess
   import sys
