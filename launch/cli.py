@@ -127,10 +127,7 @@ def enable_compilation_cache(folder: str) -> None:
   """JAX's persistent compilation cache in `folder` (made if missing). JAX keeps only programs
   that took longer than `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` (default 1 s) to compile:
   the model's, not the many small eager ones."""
-  try:
-    os.makedirs(folder, exist_ok=True)
-  except OSError as e:
-    fail(f"--compilation_cache={folder}: {e.strerror}")
+  make_folder("--compilation_cache", folder)
   import jax  # here: importing jax early would start its logging before absl's flags
   jax.config.update("jax_compilation_cache_dir", folder)
 
@@ -147,14 +144,15 @@ def import_function(key: str, path: str) -> Callable:
   return function
 
 
-def make_workdir(workdir: str) -> None:
-  """Makes `--workdir` (if missing) before anything slow, or one line saying why it cannot."""
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    fail(f"--workdir={workdir}: a file, not a folder")
+def make_folder(flag: str, folder: str) -> None:
+  """Makes the folder a flag names (if missing) before anything slow, or one line naming the
+  flag and why it cannot."""
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    fail(f"{flag}={folder}: a file, not a folder")
   try:
-    os.makedirs(workdir, exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
   except OSError as e:
-    fail(f"--workdir={workdir}: {e.strerror}")
+    fail(f"{flag}={folder}: {e.strerror}")
 
 
 @contextlib.contextmanager

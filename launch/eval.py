@@ -50,7 +50,7 @@ def main(config: TrainConfig) -> None:
                      "--untuned)")  # before the model loads
   with cli.one_line_errors(OSError, ValueError):  # the task's files before the model
     assembly.read_task_data(config)
-  cli.make_workdir(workdir)  # eval.json goes there (an --untuned run may start it)
+  cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
     model = assembly.load(config)
   try:

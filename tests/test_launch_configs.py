@@ -92,13 +92,17 @@ def test_train_configs_say_what_their_names_say(name, algorithm, roles, task):
   assert (typed.algorithm, typed.team.num_roles, typed.task.name) == (algorithm, roles, task)
 
 
-def test_a_misspelt_train_key_fails_naming_it():
-  """`lock_config`: the launch flag refuses an unknown key before anything loads."""
+def _launch(script: str, *args: str):
+  """`python -m launch.<script> args` from the repository root, as a user runs it."""
   import subprocess
   import sys
-  out = subprocess.run([sys.executable, "-m", "launch.train", "--config.rollout.num_env=4"],
-                       capture_output=True, text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."),
-                       timeout=120)
+  return subprocess.run([sys.executable, "-m", f"launch.{script}", *args], capture_output=True,
+                        text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+
+
+def test_a_misspelt_train_key_fails_naming_it():
+  """`lock_config`: the launch flag refuses an unknown key before anything loads."""
+  out = _launch("train", "--config.rollout.num_env=4")
   assert out.returncode == 2 and "num_env" in out.stderr and "num_envs" in out.stderr, out
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
@@ -106,15 +110,11 @@ def test_a_misspelt_train_key_fails_naming_it():
 @pytest.mark.parametrize("script, problem_file", [("train", "malformed"), ("eval", "missing")])
 def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file):
   """The launch scripts read the task's files before the model loads: one line, exit 2."""
-  import subprocess
-  import sys
   path = tmp_path / "problems.jsonl"
   if problem_file == "malformed":
     path.write_text('{"question": "What is 2 + 2?", "answer": "#### 4"}\n{"question": 4\n')
-  args = [f"--workdir={tmp_path / 'run'}", "--config=launch/configs/math_2agents.py",
-          f"--config.task.path={path}"] + (["--untuned"] if script == "eval" else [])
-  out = subprocess.run([sys.executable, "-m", f"launch.{script}", *args], capture_output=True,
-                       text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  out = _launch(script, f"--workdir={tmp_path / 'run'}", "--config=launch/configs/math_2agents.py",
+                f"--config.task.path={path}", *(["--untuned"] if script == "eval" else []))
   expected = (f"error: {path}:2: not valid JSON" if problem_file == "malformed"
               else f"error: task.path='{path}': no such file")
   assert out.returncode == 2 and out.stderr.startswith(expected), out.stderr
@@ -125,35 +125,24 @@ def test_a_bad_problem_file_is_one_line_naming_it(tmp_path, script, problem_file
     ("eval", "--problems=0", "0 is not a positive integer"),
     ("train", "--cpu_devices=-1", "-1 is not a non-negative integer")])
 def test_an_out_of_range_flag_is_one_line_naming_it(tmp_path, script, flag, message):
-  import subprocess
-  import sys
-  out = subprocess.run([sys.executable, "-m", f"launch.{script}", f"--workdir={tmp_path}",
-                        "--untuned" if script == "eval" else "--config.iterations=1", flag],
-                       capture_output=True, text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."),
-                       timeout=120)
+  out = _launch(script, f"--workdir={tmp_path}",
+                "--untuned" if script == "eval" else "--config.iterations=1", flag)
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip() == f"error: flag {flag}: {message}", out.stderr
 
 
 def test_a_workdir_that_cannot_be_made_is_one_line_before_the_model_loads(tmp_path):
-  import subprocess
-  import sys
   (tmp_path / "a_file").write_text("")
-  out = subprocess.run([sys.executable, "-m", "launch.train", f"--workdir={tmp_path / 'a_file'}",
-                        "--config.model.source=/nonexistent/model"], capture_output=True,
-                       text=True, cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  out = _launch("train", f"--workdir={tmp_path / 'a_file'}",
+                "--config.model.source=/nonexistent/model")
   # The model source is bad too: the workdir is checked first, before any loading.
   assert out.returncode == 2, out.stderr
   assert out.stderr.strip() == f"error: --workdir={tmp_path / 'a_file'}: a file, not a folder"
 
 
 def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path):
-  import subprocess
-  import sys
   (tmp_path / "config.json").write_text('{"model_type": "llama",')
-  out = subprocess.run([sys.executable, "-m", "launch.train", f"--workdir={tmp_path / 'run'}",
-                        f"--config.model.source={tmp_path}"], capture_output=True, text=True,
-                       cwd=os.path.join(CONFIG_DIR, "..", ".."), timeout=120)
+  out = _launch("train", f"--workdir={tmp_path / 'run'}", f"--config.model.source={tmp_path}")
   assert out.returncode == 2, out.stderr
   assert out.stderr.startswith(f"error: {tmp_path / 'config.json'}: invalid JSON at line 1")
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr

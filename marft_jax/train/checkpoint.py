@@ -169,10 +169,11 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> dict:
     """The meta saved with `step` (its config, data cursor, ...), without the state."""
-    if step not in self.all_steps():
+    steps = self.all_steps()
+    if step not in steps:
       raise FileNotFoundError(f"{self.directory}: no checkpoint for step {step} "
-                              f"(steps present: {self.all_steps() or 'none'})")
-    with self._reading(step, self.all_steps()):
+                              f"(steps present: {steps or 'none'})")
+    with self._reading(step, steps):
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     return dict(meta["meta"])
 
