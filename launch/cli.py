@@ -159,10 +159,12 @@ def make_folder(flag: str, folder: str) -> None:
 def one_line_errors(*types: type):
   """Bad input found while the block runs (a missing or malformed problem file, model file
   or folder: the library's errors name the file, line, key or tensor) is one line, exit
-  status 2, instead of a traceback."""
+  status 2, instead of a traceback. `--verbosity=1` logs the traceback too: a bug inside a
+  loader raises the same types."""
   try:
     yield
   except types as e:
+    logging.debug("the traceback of the error below", exc_info=True)
     fail(_last_line(e))
 
 
@@ -181,8 +183,9 @@ def _help_text(argv: list[str], config_cls: type) -> str:
   lines = [(sys.modules["__main__"].__doc__ or "").strip(), "",
            f"Config fields (file {os.path.relpath(path)}; override as --config.<key>=<value>):"]
   lines += _field_lines(config_cls, config)
-  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs),",
-            "--compilation_cache=<folder> (keep compiled programs for later launches)."]
+  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs;",
+            "1: also the traceback of a one-line error), --compilation_cache=<folder> (keep",
+            "compiled programs for later launches)."]
   return "\n".join(lines)
 
 

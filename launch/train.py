@@ -57,7 +57,7 @@ def main(config: TrainConfig) -> None:
   except ValueError as e:
     cli.fail(f"config.{e}")
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
-    assembly.read_task_data(config)
+    assembly.check_training_files(config)
   cli.make_folder("--workdir", _WORKDIR.value)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None

@@ -58,6 +58,10 @@ def test_a_model_file_that_does_not_load_is_one_line_naming_it(tmp_path):
   assert out.stderr.splitlines()[-1] == (f"error: {bad}: not a readable GGUF file, truncated "
                                          "or corrupt (GGUF magic invalid)"), out.stderr
   assert out.stderr.count("error:") == 1 and "Traceback" not in out.stderr, out.stderr
+  # The traceback is one flag away (a loader's own bug raises the same types).
+  verbose = _run(f"--config.model={bad}", "--verbosity=1")
+  assert verbose.returncode == 2 and verbose.stderr.splitlines()[-1] == out.stderr.splitlines()[-1]
+  assert "Traceback" in verbose.stderr and "in open_gguf" in verbose.stderr, verbose.stderr
 
 
 def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):

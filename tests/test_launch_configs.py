@@ -5,9 +5,12 @@ import glob
 import importlib.util
 import os
 
+import jax
 import pytest
 
+from marft_jax import lora
 from marft_jax.configs import from_config_dict, to_config_dict
+from marft_jax.models.config import tiny_config
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 # config file name -> (module defining its top-level config dataclass, the dataclass)
@@ -146,6 +149,37 @@ def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path):
   assert out.returncode == 2, out.stderr
   assert out.stderr.startswith(f"error: {tmp_path / 'config.json'}: invalid JSON at line 1")
   assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("key", ["init_from", "reward.judge_adapter", "reward.judge_model"])
+def test_every_file_a_training_run_reads_is_checked_naming_its_key(tmp_path, key):
+  """`assembly.check_training_files`, which `loop.train` and `launch.train` run before the
+  model loads: a missing adapter folder or judge model is named with its key."""
+  from marft_jax.train import assembly
+  from marft_jax.train.config import RewardSection, TrainConfig
+  missing = str(tmp_path / "missing")
+  reward = RewardSection(judge=True, **{key.split(".")[1]: missing}) if "." in key else None
+  config = (TrainConfig(reward=reward) if reward else
+            TrainConfig(init_from=",".join([str(tmp_path / "fine"), missing])))
+  if key == "init_from":  # the first folder is fine: the second one is named
+    lora.save_peft_adapter(tmp_path / "fine", lora.init_adapters(
+        lora.LoraConfig(rank=2), tiny_config(), jax.random.key(0), 1))
+  expected = {"init_from": f"{missing}/adapter_config.json: not found",
+              "reward.judge_adapter": f"{missing}/adapter_config.json: not found",
+              "reward.judge_model": f"model '{missing}': not 'smollm2'"}[key]
+  with pytest.raises(FileNotFoundError) as raised:
+    assembly.check_training_files(config)
+  assert str(raised.value).startswith(f"{key}='{missing}': {expected}"), raised.value
+
+
+def test_a_missing_init_from_folder_is_one_line_before_the_model_loads(tmp_path):
+  folders = f"{tmp_path / 'planner'},{tmp_path / 'solver'}"  # one per agent of the default team
+  out = _launch("train", f"--workdir={tmp_path / 'run'}", f"--config.init_from={folders}",
+                "--config.model.source=/nonexistent/model")  # checked after the folders
+  assert out.returncode == 2, out.stderr
+  assert out.stderr.strip() == (f"error: init_from='{tmp_path / 'planner'}': "
+                                f"{tmp_path / 'planner' / 'adapter_config.json'}: not found "
+                                "(expected a PEFT adapter folder)"), out.stderr
 
 
 def test_rollout_max_context_is_the_models_positions_or_at_least_16():

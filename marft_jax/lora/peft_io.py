@@ -125,8 +125,7 @@ def load_peft_adapter(path: StrPath, model_config: ModelConfig) -> Adapters:
   an unreadable weights file, a feature plain LoRA cannot express, a missing layer or a shape
   that does not fit.
   """
-  config_file, weights_file = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-  peft_config = _read_peft_config(config_file)
+  peft_config, weights_file = check_peft_folder(path)
   tensors = _read_tensors(weights_file)
   targets = _targets_in(tensors, model_config.num_layers, weights_file)
   config = LoraConfig(rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]),
@@ -138,6 +137,22 @@ def load_peft_adapter(path: StrPath, model_config: ModelConfig) -> Adapters:
   layers = {name: _read_target(tensors, name, config.rank, model_config, layers_present,
                                weights_file) for name in targets}
   return Adapters(layers=layers, scale=config.scale, dropout_rate=config.dropout_rate)
+
+
+def check_peft_folder(path: StrPath) -> tuple[dict, str]:
+  """(the checked adapter config, the weights file's path) of a PEFT LoRA folder, without
+  reading its tensors: a launch checks the folders it will load before the model loads.
+
+  Raises FileNotFoundError or ValueError naming the file, as `load_peft_adapter` does.
+  """
+  folder = os.fspath(path)
+  if os.path.isfile(folder):
+    raise ValueError(f"{folder}: a file, not a PEFT adapter folder")
+  config = _read_peft_config(os.path.join(folder, CONFIG_FILE))
+  weights_file = os.path.join(folder, WEIGHTS_FILE)
+  if not os.path.isfile(weights_file):
+    raise FileNotFoundError(f"{weights_file}: not found")
+  return config, weights_file
 
 
 def load_peft_adapters(paths: Sequence[StrPath], model_config: ModelConfig) -> Adapters:
@@ -179,8 +194,6 @@ def _read_tensors(weights_file: str) -> dict[str, np.ndarray]:
   # The flax reader also handles bfloat16 files, which NumPy has no dtype for.
   from safetensors import SafetensorError
   from safetensors.flax import load_file
-  if not os.path.isfile(weights_file):
-    raise FileNotFoundError(f"{weights_file}: not found")
   try:
     loaded = load_file(weights_file)
   except SafetensorError as e:

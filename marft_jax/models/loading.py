@@ -30,20 +30,39 @@ def load_model(source: Union[str, os.PathLike],
     FileNotFoundError when `source` is none of these; ValueError naming the file for a bad
     checkpoint or config, or for a tokenizer with more ids than the model's `vocab_size`.
   """
-  if source == SMOLLM2:
+  kind = source_kind(source)
+  if kind == SMOLLM2:
     return load_smollm2(**config_overrides)
+  path = os.fspath(source)
+  if kind == "gguf":
+    reader = open_gguf(path)
+    params, config = load_gguf_checkpoint(reader, **config_overrides)
+    tokenizer = gguf_tokenizer(reader)
+  else:
+    params, config = load_hf_checkpoint(path, **config_overrides)
+    tokenizer = load_tokenizer(path)
+  check_tokenizer_fits(tokenizer, config.vocab_size, path)
+  return params, config, tokenizer
+
+
+def source_kind(source: Union[str, os.PathLike]) -> str:
+  """Which loader `source` names, "smollm2", "gguf" or "hf", from its name and what exists
+  on disk (nothing is read): a launch checks a second model's source before the first loads.
+
+  Raises:
+    TypeError for a source that is neither a string nor a path; FileNotFoundError when it
+    names none of the three.
+  """
+  if source == SMOLLM2:
+    return SMOLLM2
   if not isinstance(source, (str, os.PathLike)):
     raise TypeError(f"load_model: source={source!r}: expected 'smollm2' or a path")
   path = os.fspath(source)
   if path.lower().endswith(".gguf"):
-    reader = open_gguf(path)
-    params, config = load_gguf_checkpoint(reader, **config_overrides)
-    tokenizer = gguf_tokenizer(reader)
-  elif os.path.isdir(path):
-    params, config = load_hf_checkpoint(path, **config_overrides)
-    tokenizer = load_tokenizer(path)
-  else:
-    raise FileNotFoundError(f"model {path!r}: not 'smollm2', an existing .gguf file, or a "
-                            "Hugging Face model folder")
-  check_tokenizer_fits(tokenizer, config.vocab_size, path)
-  return params, config, tokenizer
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"{path}: GGUF file not found")
+    return "gguf"
+  if os.path.isdir(path):
+    return "hf"
+  raise FileNotFoundError(f"model {path!r}: not 'smollm2', an existing .gguf file, or a "
+                          "Hugging Face model folder")

@@ -10,6 +10,7 @@ adapters' shape and the team that runs them), so a trained team can be scored on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Mapping, Optional
 
@@ -90,6 +91,35 @@ def read_task_data(config: TrainConfig) -> None:
   from marft_jax.envs import splits
   if config.task.name in splits.KINDS:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
+
+
+def check_training_files(config: TrainConfig) -> None:
+  """Checks every file a training run reads besides its base model, before anything slow
+  starts: the task's problem files (`read_task_data`), `init_from`'s PEFT folders and, with
+  the judge on, `reward.judge_model` and `reward.judge_adapter` (found and well formed: the
+  folders' configs are read, their tensors are not). A bad one is an OSError or ValueError
+  naming the config key and the file."""
+  read_task_data(config)
+  folders = [("init_from", folder) for folder in config.init_from_folders]
+  if config.reward.judge_adapter:
+    folders.append(("reward.judge_adapter", config.reward.judge_adapter))
+  for key, folder in folders:
+    with _naming(key, folder):
+      lora_lib.check_peft_folder(folder)
+  if config.reward.judge_model:
+    with _naming("reward.judge_model", config.reward.judge_model):
+      loading.source_kind(config.reward.judge_model)
+
+
+@contextlib.contextmanager
+def _naming(key: str, value: str):
+  """Prefixes an OSError or ValueError raised inside with `key=value`."""
+  try:
+    yield
+  except (OSError, ValueError) as e:
+    kind = (FileNotFoundError if isinstance(e, FileNotFoundError)
+            else OSError if isinstance(e, OSError) else ValueError)
+    raise kind(f"{key}={value!r}: {e}") from None
 
 
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",

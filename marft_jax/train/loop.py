@@ -85,7 +85,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   config = algorithms.resolve(config)
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
-  assembly.read_task_data(config)  # a missing or malformed problem file fails before the load
+  assembly.check_training_files(config)  # a missing or malformed file fails before the load
   os.makedirs(workdir, exist_ok=True)
   model = assembly.load(config) if model is None else model
   with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,

@@ -232,3 +232,27 @@ def test_broken_weights_file_is_named(tmp_path, damage):
                        "empty": b""}[damage])
   with pytest.raises(ValueError, match=r"adapter_model\.safetensors: not a valid safetensors"):
     lora.load_peft_adapter(tmp_path, CONFIG)
+
+
+def test_check_peft_folder_finds_what_the_load_would_without_reading_tensors(tmp_path):
+  """A launch checks its adapter folders before the model loads (`check_peft_folder`): the
+  same errors as `load_peft_adapter` for a missing folder, config or weights file, and for a
+  broken config; the tensors themselves are the load's to read."""
+  lora.save_peft_adapter(tmp_path / "good", OLD)
+  config, weights = lora.check_peft_folder(tmp_path / "good")
+  assert (config["r"], weights) == (4, str(tmp_path / "good" / "adapter_model.safetensors"))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError, match=r"a_file: a file, not a PEFT adapter folder"):
+    lora.check_peft_folder(tmp_path / "a_file")
+  for check in (lora.check_peft_folder, lambda p: lora.load_peft_adapter(p, CONFIG)):
+    with pytest.raises(FileNotFoundError, match=r"nowhere/adapter_config\.json: not found"):
+      check(tmp_path / "nowhere")
+  lora.save_peft_adapter(tmp_path / "no_weights", OLD)
+  (tmp_path / "no_weights" / "adapter_model.safetensors").unlink()
+  for check in (lora.check_peft_folder, lambda p: lora.load_peft_adapter(p, CONFIG)):
+    with pytest.raises(FileNotFoundError, match=r"no_weights/adapter_model\.safetensors: not "):
+      check(tmp_path / "no_weights")
+  (tmp_path / "good" / "adapter_config.json").write_text('{"r": 0, "lora_alpha": 8}')
+  with pytest.raises(ValueError, match=r"adapter_config\.json: r=0, expected a positive"):
+    lora.check_peft_folder(tmp_path / "good")
+

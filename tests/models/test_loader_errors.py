@@ -376,6 +376,21 @@ def test_load_model_takes_str_or_path_and_any_case_of_gguf(tiny_model, tmp_path)
     loading.load_model(3)
 
 
+def test_source_kind_names_the_loader_without_reading_the_file(tmp_path):
+  """What a launch checks of a second model (the judge's) before the first loads."""
+  (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+  (tmp_path / "folder").mkdir()
+  assert loading.source_kind("smollm2") == "smollm2"
+  assert loading.source_kind(tmp_path / "junk.gguf") == "gguf"  # its bytes are the load's
+  assert loading.source_kind(str(tmp_path / "folder")) == "hf"
+  with pytest.raises(ValueError, match=r"junk\.gguf: not a readable GGUF file"):
+    loading.load_model(tmp_path / "junk.gguf")
+  for source, message in [(tmp_path / "nowhere.gguf", r"nowhere\.gguf: GGUF file not found"),
+                          (tmp_path / "nowhere", r"model '.*nowhere': not 'smollm2'")]:
+    with pytest.raises(FileNotFoundError, match=message):
+      loading.source_kind(source)
+
+
 def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
   small = save_tiny_model(tmp_path / "hf", "llama")  # vocab_size 160 < 260 token ids
   save_tokenizer(tmp_path / "hf", byte_vocab())
