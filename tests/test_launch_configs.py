@@ -161,9 +161,9 @@ def test_every_file_a_training_run_reads_is_checked_naming_its_key(tmp_path, key
   reward = RewardSection(judge=True, **{key.split(".")[1]: missing}) if "." in key else None
   config = (TrainConfig(reward=reward) if reward else
             TrainConfig(init_from=",".join([str(tmp_path / "fine"), missing])))
-  if key == "init_from":  # the first folder is fine: the second one is named
+  if key == "init_from":  # the first folder is fine (config.lora's adapter): the second is named
     lora.save_peft_adapter(tmp_path / "fine", lora.init_adapters(
-        lora.LoraConfig(rank=2), tiny_config(), jax.random.key(0), 1))
+        config.lora, tiny_config(), jax.random.key(0), 1))
   expected = {"init_from": f"{missing}/adapter_config.json: not found",
               "reward.judge_adapter": f"{missing}/adapter_config.json: not found",
               "reward.judge_model": f"model '{missing}': not 'smollm2'"}[key]

@@ -19,6 +19,6 @@ from marft_jax.lora.adapters import init_adapters, stack_adapters
 from marft_jax.lora.merge import adapter_kernel_deltas, merge_adapter, unmerge_adapter
 from marft_jax.lora.training import trainable_value_and_grad, where_adapters
 from marft_jax.lora.peft_io import (check_peft_folder, load_peft_adapter, load_peft_adapters,
-                                    peft_key, peft_tensors, save_peft_adapter,
-                                    save_peft_adapters)
+                                    peft_key, peft_tensors, read_peft_lora_config,
+                                    save_peft_adapter, save_peft_adapters)
 from marft_jax.lora.sharding import adapter_logical_axes, adapter_shardings, follow_adapters

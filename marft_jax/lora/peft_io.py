@@ -127,15 +127,12 @@ def load_peft_adapter(path: StrPath, model_config: ModelConfig) -> Adapters:
   """
   peft_config, weights_file = check_peft_folder(path)
   tensors = _read_tensors(weights_file)
-  targets = _targets_in(tensors, model_config.num_layers, weights_file)
-  config = LoraConfig(rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]),
-                      targets=targets, dropout_rate=float(peft_config.get("lora_dropout", 0.0)),
-                      use_rslora=bool(peft_config.get("use_rslora", False)))
+  config = _lora_config(peft_config, _targets_in(tensors, weights_file, model_config.num_layers))
   layers_present = peft_config.get("layers_to_transform")
   if isinstance(layers_present, int):
     layers_present = [layers_present]
   layers = {name: _read_target(tensors, name, config.rank, model_config, layers_present,
-                               weights_file) for name in targets}
+                               weights_file) for name in config.targets}
   return Adapters(layers=layers, scale=config.scale, dropout_rate=config.dropout_rate)
 
 
@@ -153,6 +150,28 @@ def check_peft_folder(path: StrPath) -> tuple[dict, str]:
   if not os.path.isfile(weights_file):
     raise FileNotFoundError(f"{weights_file}: not found")
   return config, weights_file
+
+
+def read_peft_lora_config(path: StrPath) -> LoraConfig:
+  """The `LoraConfig` of a PEFT LoRA folder (rank, alpha, rsLoRA and dropout from its config,
+  the targets from its weights file's tensor names), reading no tensor: what a run checks an
+  `init_from` folder against before the model loads. Raises as `check_peft_folder` does, and
+  ValueError naming the weights file for one whose header does not parse."""
+  from safetensors import SafetensorError, safe_open
+  peft_config, weights_file = check_peft_folder(path)
+  try:
+    with safe_open(weights_file, framework="numpy") as f:
+      names = list(f.keys())
+  except SafetensorError as e:
+    raise ValueError(f"{weights_file}: not a valid safetensors file (truncated or corrupt): "
+                     f"{e}") from e
+  return _lora_config(peft_config, _targets_in(names, weights_file))
+
+
+def _lora_config(peft_config: dict, targets: tuple[str, ...]) -> LoraConfig:
+  return LoraConfig(rank=peft_config["r"], alpha=float(peft_config["lora_alpha"]),
+                    targets=targets, dropout_rate=float(peft_config.get("lora_dropout", 0.0)),
+                    use_rslora=bool(peft_config.get("use_rslora", False)))
 
 
 def load_peft_adapters(paths: Sequence[StrPath], model_config: ModelConfig) -> Adapters:
@@ -202,18 +221,19 @@ def _read_tensors(weights_file: str) -> dict[str, np.ndarray]:
   return {k: np.asarray(v, np.float32) for k, v in loaded.items()}
 
 
-def _targets_in(tensors: dict, num_layers: int, weights_file: str) -> tuple[str, ...]:
-  """Target names of the keys `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`."""
+def _targets_in(keys, weights_file: str, num_layers: Optional[int] = None) -> tuple[str, ...]:
+  """Target names of the tensor names `base_model.model.model.layers.N.<module>.lora_{A,B}
+  .weight` (N checked against `num_layers` when given)."""
   by_module = {linear.hf_module: name for name, linear in LINEAR.items()}
   found = set()
-  for key in tensors:
+  for key in keys:
     parts = key[len(_PREFIX):].split(".")  # model layers N <2-part module> lora_X weight
     if (not key.startswith(_PREFIX) or len(parts) != 7 or parts[:2] != ["model", "layers"]
-        or ".".join(parts[3:5]) not in by_module or parts[5] not in ("lora_A", "lora_B")
-        or parts[6] != "weight"):
+        or not parts[2].isdigit() or ".".join(parts[3:5]) not in by_module
+        or parts[5] not in ("lora_A", "lora_B") or parts[6] != "weight"):
       raise ValueError(f"{weights_file}: tensor {key!r} is not a LoRA factor of a supported "
                        f"linear layer ({sorted(LINEAR)})")
-    if not parts[2].isdigit() or int(parts[2]) >= num_layers:
+    if num_layers is not None and int(parts[2]) >= num_layers:
       raise ValueError(f"{weights_file}: tensor {key!r} names a layer the model "
                        f"({num_layers} layers) does not have")
     found.add(by_module[".".join(parts[3:5])])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Mapping, Optional
 
 import jax
@@ -100,15 +101,45 @@ def check_training_files(config: TrainConfig) -> None:
   folders' configs are read, their tensors are not). A bad one is an OSError or ValueError
   naming the config key and the file."""
   read_task_data(config)
-  folders = [("init_from", folder) for folder in config.init_from_folders]
+  check_init_from(config)
   if config.reward.judge_adapter:
-    folders.append(("reward.judge_adapter", config.reward.judge_adapter))
-  for key, folder in folders:
-    with _naming(key, folder):
-      lora_lib.check_peft_folder(folder)
+    with _naming("reward.judge_adapter", config.reward.judge_adapter):
+      lora_lib.check_peft_folder(config.reward.judge_adapter)
   if config.reward.judge_model:
     with _naming("reward.judge_model", config.reward.judge_model):
       loading.source_kind(config.reward.judge_model)
+
+
+def check_init_from(config: TrainConfig) -> None:
+  """Each `init_from` folder holds an adapter of `config.lora`'s rank, scale and targets
+  (read from its config and its weights file's tensor names; no tensor is read).
+
+  The run trains, records and checkpoints the adapters as `config.lora` describes them, and
+  an evaluation rebuilds them from that record: an adapter of another scale would train
+  under its own scale and be scored under the config's. A difference is a ValueError naming
+  the folder and the `lora.*` values that would match it; `lora.dropout_rate` is the run's
+  own (a training setting, not part of the adapter)."""
+  want = config.lora
+  targets = lambda c: ", ".join(c.target_names())
+  for folder in config.init_from_folders:
+    with _naming("init_from", folder):
+      found = lora_lib.read_peft_lora_config(folder)
+      # The alpha that gives the folder's scale at its rank, under the config's rsLoRA choice.
+      alpha = found.scale * (math.sqrt(found.rank) if want.use_rslora else found.rank)
+      differences, fixes = [], []
+      if found.rank != want.rank:
+        differences.append(f"rank {found.rank} (config.lora: {want.rank})")
+        fixes.append(f"lora.rank={found.rank}")
+      if not math.isclose(found.scale, want.scale, rel_tol=1e-6):
+        differences.append(f"scale {found.scale:g} (config.lora: {want.scale:g})")
+      if not math.isclose(alpha, want.alpha, rel_tol=1e-6):
+        fixes.append(f"lora.alpha={alpha:g}")
+      if targets(found) != targets(want):
+        differences.append(f"targets {targets(found)} (config.lora: {targets(want)})")
+        fixes.append(f"lora.targets='{'|'.join(found.target_names())}'")
+      if differences:
+        raise ValueError(f"its adapter is not the one config.lora describes: "
+                         f"{'; '.join(differences)}. Set {' '.join(fixes)} to train from it")
 
 
 @contextlib.contextmanager
@@ -194,7 +225,11 @@ def init_state(config: TrainConfig, model: Model, num_agents: int, policy_optimi
   policy = lora_lib.init_adapters(config.lora, model.config, jax.random.fold_in(key, 1),
                                   config.num_adapters)
   if config.init_from_folders:  # as many as adapters (`algorithms.resolve` checks)
-    policy = lora_lib.load_peft_adapters(config.init_from_folders, model.config)
+    check_init_from(config)
+    loaded = lora_lib.load_peft_adapters(config.init_from_folders, model.config)
+    # The scale as the config computes it (the check allows JSON's rounding of alpha), so a
+    # checkpoint restored into `config.lora`'s adapters is these, bit for bit.
+    policy = loaded.replace(scale=policy.scale, dropout_rate=policy.dropout_rate)
   critic = None
   critic_settings = critic_config(config)
   if critic_settings is not None:

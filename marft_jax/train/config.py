@@ -357,7 +357,7 @@ class TrainConfig:
   # end; 0: none (evaluate checkpoints with launch/eval.py). Single-process runs only.
   eval_every: int = 0
   eval_episodes: int = 64
-  init_from: str = ""  # comma-separated PEFT adapter folders, one per adapter
+  init_from: str = ""  # comma-separated PEFT folders, one per adapter, of lora's rank/scale/targets
 
   def __post_init__(self):
     _one_of("algorithm", self.algorithm, tuple(ALGORITHMS))

@@ -176,3 +176,56 @@ def test_init_from_needs_one_folder_per_adapter():
   assert algorithms.resolve(shared).num_adapters == 1
   with pytest.raises(ValueError, match=r"2 adapter folder\(s\) for the team's 1"):
     algorithms.resolve(dataclasses.replace(shared, init_from="a,b"))
+
+
+def _peft_folders(root, lora_config, names=("planner", "solver"), dropout=0.0):
+  """One PEFT folder per name holding a random adapter of `lora_config`, as an export is."""
+  import jax
+  from marft_jax import lora
+  from marft_jax.models.config import tiny_config
+  adapters = lora.init_adapters(dataclasses.replace(lora_config, dropout_rate=dropout),
+                                tiny_config(), jax.random.key(0), len(names))
+  adapters = adapters.replace(layers=jax.tree.map(lambda x: x + 0.01, adapters.layers))
+  return ",".join(lora.save_peft_adapters(root, adapters, list(names)))
+
+
+@pytest.mark.parametrize("folder_lora, message, fixes", [
+    (dict(rank=4, alpha=8.0), r"rank 4 \(config.lora: 8\)", "lora.rank=4 lora.alpha=8"),
+    (dict(rank=8, alpha=4.0), r"scale 0.5 \(config.lora: 2\)", "lora.alpha=4"),
+    (dict(rank=8, alpha=16.0, targets=("q_proj", "v_proj")),
+     r"targets q_proj, v_proj \(config.lora: q_proj, k_proj, v_proj, o_proj, gate_proj, "
+     r"up_proj, down_proj\)", "lora.targets='q_proj|v_proj'")])
+def test_init_from_adapters_must_be_the_ones_config_lora_describes(tmp_path, folder_lora,
+                                                                    message, fixes):
+  """A run records, checkpoints and evaluates its adapters as `config.lora` says: a folder of
+  another rank, scale or targets is refused before the model loads (it would train under its
+  own scale and be scored under the config's), and the message's fix is accepted."""
+  from marft_jax.lora.config import LoraConfig
+  config = algorithms.resolve(TrainConfig(init_from=_peft_folders(tmp_path, LoraConfig(
+      **folder_lora))))
+  assert (config.lora.rank, config.lora.alpha) == (8, 16.0)
+  with pytest.raises(ValueError, match=r"init_from='.*planner': its adapter is not the one "
+                     rf"config.lora describes: {message}\. Set {re.escape(fixes)} to train"):
+    assembly.check_training_files(config)
+  fixed = {key.split(".")[1]: value for key, value in
+           (fix.split("=") for fix in fixes.split(" "))}
+  fixed = {k: (int(v) if k == "rank" else float(v) if k == "alpha" else v.strip("'"))
+           for k, v in fixed.items()}
+  assembly.check_training_files(dataclasses.replace(
+      config, lora=dataclasses.replace(config.lora, **fixed)))
+
+
+def test_init_from_adapters_train_under_the_configs_scale_and_dropout(tmp_path):
+  """What the check compares is the scale, not alpha: an rsLoRA config takes the folders it
+  exports (PEFT's plain alpha = scale · r). The loaded adapters carry the config's scale and
+  its dropout (a training setting), so a checkpoint restores into `config.lora`'s adapters."""
+  from marft_jax.lora.config import LoraConfig
+  from marft_jax.models import tiny
+  rslora = LoraConfig(rank=8, alpha=16.0, use_rslora=True)
+  config = algorithms.resolve(TrainConfig(lora=rslora, init_from=_peft_folders(
+      tmp_path, rslora, dropout=0.25)))
+  assembly.check_training_files(config)
+  params, model_config, tokenizer = tiny.tiny_model()
+  state = assembly.new_state(config, assembly.Model(params, model_config, tokenizer))
+  assert state.policy.scale == rslora.scale == 16.0 / 8 ** 0.5
+  assert state.policy.dropout_rate == 0.0  # the config's, not the folders' 0.25
