@@ -26,7 +26,8 @@ from absl import flags
 from launch import cli
 from marft_jax import multihost, sharding
 from marft_jax.train import algorithms, assembly
-from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
+from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
+                                       saved_steps)
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import train
 
@@ -57,7 +58,7 @@ def main(config: TrainConfig) -> None:
   except ValueError as e:
     cli.fail(f"config.{e}")
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
-    assembly.check_training_files(config)
+    assembly.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
   cli.make_folder("--workdir", _WORKDIR.value)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None

@@ -94,14 +94,16 @@ def read_task_data(config: TrainConfig) -> None:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
 
 
-def check_training_files(config: TrainConfig) -> None:
+def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
   """Checks every file a training run reads besides its base model, before anything slow
-  starts: the task's problem files (`read_task_data`), `init_from`'s PEFT folders and, with
-  the judge on, `reward.judge_model` and `reward.judge_adapter` (found and well formed: the
-  folders' configs are read, their tensors are not). A bad one is an OSError or ValueError
-  naming the config key and the file."""
+  starts: the task's problem files (`read_task_data`), `init_from`'s PEFT folders (unless
+  `resuming`: the checkpoint wins, and they are not read) and, with the judge on,
+  `reward.judge_model` and `reward.judge_adapter` (found and well formed: the folders'
+  configs are read, their tensors are not). A bad one is an OSError or ValueError naming the
+  config key and the file."""
   read_task_data(config)
-  check_init_from(config)
+  if not resuming:
+    check_init_from(config)
   if config.reward.judge_adapter:
     with _naming("reward.judge_adapter", config.reward.judge_adapter):
       lora_lib.check_peft_folder(config.reward.judge_adapter)

@@ -99,6 +99,16 @@ def first_non_finite(tree: Any) -> Optional[str]:
   return None
 
 
+def saved_steps(workdir: StrPath) -> list[int]:
+  """The finalised steps in `workdir/checkpoints`, oldest first ([] for a fresh workdir),
+  from the folder names alone (no Orbax manager is made): whether a run will resume, known
+  before anything loads."""
+  directory = os.path.join(os.fspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    return []
+  return sorted(ocp.path.step.checkpoint_steps(directory))
+
+
 class Checkpointer:
   """Saves and restores `(state, meta)` pairs by step in `workdir/checkpoints`.
 

@@ -58,7 +58,7 @@ from marft_jax.train import teams
 from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
-from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag
+from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves
 from marft_jax.train.update import TrainState, make_update, prepare
@@ -85,13 +85,15 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   config = algorithms.resolve(config)
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
-  assembly.check_training_files(config)  # a missing or malformed file fails before the load
+  # The checkpoint in workdir wins: a resumed run does not read `init_from` again.
+  resuming = bool(saved_steps(workdir))
+  assembly.check_training_files(config, resuming)  # a bad file fails before the load
   os.makedirs(workdir, exist_ok=True)
   model = assembly.load(config) if model is None else model
   with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
                                            config.model.param_dtype):
     return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
-                  reward_fn)
+                  reward_fn, resuming)
 
 
 def _place_model(model: Model, mesh) -> Model:
@@ -122,13 +124,15 @@ class _Run:
   heldout: Callable  # (policy, step) -> "heldout/..." metrics
 
 
-def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> dict:
+def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resuming) -> dict:
   # --- build: the team, its environments, the sampler's weights, the update -------------------
-  run, state = _build(config, mesh, model)
+  run, state = _build(config, mesh, model, resuming)
   with contextlib.ExitStack() as cleanup:  # closed in reverse order, whatever fails
     cleanup.callback(run.envs.close)  # grading workers, code sandboxes
     # --- restore: the checkpoint already in workdir wins --------------------------------------
     checkpointer = cleanup.enter_context(Checkpointer(workdir, max_to_keep=config.max_to_keep))
+    if (checkpointer.latest_step() is not None) != resuming:  # the state was built for it
+      raise RuntimeError(f"{workdir}: its checkpoints changed while the run was being built")
     state, start = _restore(checkpointer, run, state, workdir)
     writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
     cleanup.callback(writer.close)
@@ -190,14 +194,16 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn) -> d
   return metrics
 
 
-def _build(config: TrainConfig, mesh, model: Model) -> tuple[_Run, TrainState]:
-  """The run's pieces and the state it starts from (placed on the mesh)."""
+def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Run, TrainState]:
+  """The run's pieces and the state it starts from (placed on the mesh; `resuming`: a
+  template the checkpoint restores into, `init_from` not read)."""
   model = _with_remat(model, config.model.remat)
   team, structure = assembly.build_team(config)
   rollout_weights = assembly.rollout_model(model, config)
   judge = assembly.build_judge(config, model, rollout_weights)
   policy_optimizer, critic_optimizer = assembly.optimizers(config)
-  state = assembly.init_state(config, model, assembly.num_agents(team, structure),
+  start = dataclasses.replace(config, init_from="") if resuming else config
+  state = assembly.init_state(start, model, assembly.num_agents(team, structure),
                               policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)

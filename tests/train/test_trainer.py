@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -247,6 +248,20 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
   start = assembly.new_state(restarted, model)
   for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+  # A run from copies of them, whose folders are then gone (a preempted job restarting on
+  # another host): the checkpoint wins on resume, and the folders are not read again.
+  copies = shutil.copytree(exports, tmp_path / "init")
+  restarted = dataclasses.replace(train_config, init_from=",".join(
+      str(copies / role) for role in ("helper0", "repeater")))
+  second = _trained(restarted, model, tmp_path / "second")
+  shutil.rmtree(copies)
+  resumed = dataclasses.replace(restarted, iterations=2)
+  loop.train(resumed, second, model=model, progress=False)
+  assert [m["step"] for m in _metrics(second)] == [0, 1]  # resumed after iteration 0
+  assert checkpoint_lib.saved_steps(second) == [1, 2]
+  with pytest.raises(FileNotFoundError, match="init_from="):  # a fresh run still needs them
+    loop.train(resumed, str(tmp_path / "third"), model=model, progress=False)
 
 
 def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path):
