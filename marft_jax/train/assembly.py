@@ -142,6 +142,11 @@ def check_init_from(config: TrainConfig) -> None:
       if differences:
         raise ValueError(f"its adapter is not the one config.lora describes: "
                          f"{'; '.join(differences)}. Set {' '.join(fixes)} to train from it")
+      layers = lora_lib.check_peft_folder(folder)[0].get("layers_to_transform")
+      if layers is not None:  # the other layers load as a = b = 0: no gradient ever moves them
+        raise ValueError(f"its adapter covers only layers {layers} (layers_to_transform); "
+                         "config.lora trains every layer, and the layers it lacks could "
+                         "not train from zero factors")
 
 
 @contextlib.contextmanager

@@ -215,6 +215,20 @@ def test_init_from_adapters_must_be_the_ones_config_lora_describes(tmp_path, fol
       config, lora=dataclasses.replace(config.lora, **fixed)))
 
 
+def test_init_from_adapters_of_some_layers_only_are_refused(tmp_path):
+  """PEFT's layers_to_transform: the layers it leaves out would load with both factors zero,
+  which no gradient moves, while config.lora trains every layer."""
+  import json
+  from marft_jax.lora.config import LoraConfig
+  config = algorithms.resolve(TrainConfig(init_from=_peft_folders(tmp_path, LoraConfig())))
+  assembly.check_training_files(config)
+  settings = tmp_path / "solver" / "adapter_config.json"
+  settings.write_text(json.dumps(dict(json.loads(settings.read_text()), layers_to_transform=[0])))
+  with pytest.raises(ValueError, match=r"init_from='.*solver': its adapter covers only layers "
+                     r"\[0\] \(layers_to_transform\)"):
+    assembly.check_training_files(config)
+
+
 def test_init_from_adapters_train_under_the_configs_scale_and_dropout(tmp_path):
   """What the check compares is the scale, not alpha: an rsLoRA config takes the folders it
   exports (PEFT's plain alpha = scale · r). The loaded adapters carry the config's scale and
