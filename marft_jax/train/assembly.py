@@ -68,6 +68,11 @@ RESUME_MAY_DIFFER = ("iterations", "checkpoint_every", "mesh", "eval_every", "ev
 # differ.
 EVAL_MUST_MATCH = ("model.source", "lora.rank", "lora.alpha", "lora.use_rslora", "lora.targets",
                    "team.num_roles", "team.shared_adapter", "team.graph")
+# Keys (or sections) that shape the episodes an evaluation plays: an evaluation under other
+# values than the run trained with says which (`evaluate.restore_policy`), since the launch
+# takes its settings from the config file and flags, not from the checkpoint.
+EVAL_SHOWS_IF_CHANGED = ("task", "team", "rollout.context_mode", "rollout.max_context",
+                         "model.param_dtype", "model.matmul_precision")
 
 
 @dataclasses.dataclass

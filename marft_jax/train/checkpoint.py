@@ -329,7 +329,7 @@ class Checkpointer:
           f"{self.directory}: step {step} has no saved config to compare with the current one "
           "(the run that wrote it did not store meta['config'])")
     saved = meta["config"] if read_config is None else read_config(meta["config"])
-    saved, current = _flatten(_json_round_trip(saved)), _flatten(_json_round_trip(config))
+    saved, current = flatten(_json_round_trip(saved)), flatten(_json_round_trip(config))
     allowed = tuple(may_differ)
     differing = [key for key in sorted(saved.keys() | current.keys())
                  if saved.get(key, _MISSING) != current.get(key, _MISSING)
@@ -498,15 +498,15 @@ def _json_round_trip(value: Any) -> Any:
   return json.loads(json.dumps(value))
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are values."""
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are values (a config's dotted keys)."""
   if not isinstance(tree, dict):
     return {prefix: tree}
   if not tree and prefix:
     return {prefix: {}}
   flat = {}
   for key, value in tree.items():
-    flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
   return flat
 
 

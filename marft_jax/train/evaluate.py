@@ -30,13 +30,15 @@ from typing import Any, Optional
 
 import jax
 import numpy as np
+from absl import logging
 
 from marft_jax import envs as envs_lib
 from marft_jax.architecture import precision
+from marft_jax.configs import to_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
-from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
+from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer, flatten
 from marft_jax.train.config import TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
@@ -128,7 +130,9 @@ def restore_policy(config: TrainConfig, model, workdir: str):
   (each role's name and adapter, the orchestrator's adapter); anything else (task, data
   files, seed, sampling budgets, algorithm, critic, ...) may differ. The checkpoint is read
   into a state shaped by its own saved config (read by `assembly.read_saved_config`). A
-  difference is a `CheckpointMismatchError` naming the keys.
+  difference is a `CheckpointMismatchError` naming the keys. The settings that shape the
+  episodes (`assembly.EVAL_SHOWS_IF_CHANGED`) and differ from the run's are logged as one
+  warning (`changed_settings`): an evaluation plays under `config`, not the checkpoint's.
   """
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise FileNotFoundError(f"{workdir}: no checkpoints folder to evaluate (train first, or "
@@ -143,7 +147,23 @@ def restore_policy(config: TrainConfig, model, workdir: str):
     _check_same_adapters(saved, config, f"{workdir}: step {step}")
     template = assembly.new_state(dataclasses.replace(saved, init_from=""), model)
     state, _ = checkpointer.restore(template, step=step)
+  changed = changed_settings(saved, config)
+  if changed:
+    logging.warning("%s: step %d is evaluated with settings other than it trained with: %s",
+                    workdir, step, "; ".join(changed))
   return state.policy, step
+
+
+def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
+  """"key: trained with X, now Y" for each key under `assembly.EVAL_SHOWS_IF_CHANGED` whose
+  value in `config` differs from the training run's (`trained`: its saved config)."""
+  flat = lambda c: flatten(to_config_dict(assembly.as_recorded(c)).to_dict())
+  was, now = flat(trained), flat(config)
+  shown = lambda key: any(key == k or key.startswith(k + ".")
+                          for k in assembly.EVAL_SHOWS_IF_CHANGED)
+  brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+  return [f"{key}: trained with {brief(was.get(key))}, now {brief(now.get(key))}"
+          for key in sorted(was.keys() | now.keys()) if shown(key) and was.get(key) != now.get(key)]
 
 
 def _saved_config(meta: dict, where: str) -> TrainConfig:

@@ -237,6 +237,12 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
           config.task, eval_problems=3, echo_high=5),
       team=dataclasses.replace(config.team, max_new_tokens=7, temperature=0.9))
   grpo = config_lib.preset("grpo", model=config.model, task=config.task, team=config.team)
+  # What the evaluation logs: the episodes' settings that changed, not the training-only ones.
+  assert evaluate_lib.changed_settings(config, elsewhere) == [
+      "task.echo_high: trained with 2, now 5", "task.eval_problems: trained with 10, now 3",
+      "team.max_new_tokens: trained with 4, now 7", "team.temperature: trained with 0.3, now 0.9"]
+  assert evaluate_lib.changed_settings(config, grpo) == [  # the preset's, not the run's
+      "rollout.max_context: trained with 256, now 0"]
   for evaluated in (elsewhere, grpo):  # another task, seed, sampling, algorithm and critic
     restored, step = evaluate_lib.restore_policy(evaluated, model, workdir)
     assert step == 3
@@ -295,6 +301,12 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   assert len(tasks) == 6 and 0 < zeros < 6, tasks and written["checkpoint_step"] == 3
   assert written["accuracy"] == written["accuracy/repeater"] == zeros / 6
   assert f"accuracy={zeros / 6:.4g}" in out.stdout.splitlines()
+  # The launch takes its settings from the config file and flags, and says where they differ
+  # from the run's.
+  assert "step 3 is evaluated with settings other than it trained with" in out.stderr
+  for changed in ("task.eval_problems: trained with 10, now 300",  # echo_config.py's
+                  "team.temperature: trained with 0.3, now 0.7"):
+    assert changed in out.stderr, out.stderr
   # the library on the same problems agrees
   expected = evaluate_lib.evaluate(config, model, policy, num_problems=6)
   assert {k: v for k, v in written.items() if k != "checkpoint_step"} == expected
