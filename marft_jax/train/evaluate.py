@@ -39,7 +39,7 @@ from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer, flatten
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
 
@@ -156,14 +156,24 @@ def restore_policy(config: TrainConfig, model, workdir: str):
 
 def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
   """"key: trained with X, now Y" for each key under `assembly.EVAL_SHOWS_IF_CHANGED` whose
-  value in `config` differs from the training run's (`trained`: its saved config)."""
-  flat = lambda c: flatten(to_config_dict(assembly.as_recorded(c)).to_dict())
+  value in `config` differs from the training run's (`trained`: its saved config). Sampling
+  settings (temperature, top_p) are left out: the evaluation plays greedily."""
+  flat = lambda c: flatten(to_config_dict(_without_sampling(assembly.as_recorded(c))).to_dict())
   was, now = flat(trained), flat(config)
   shown = lambda key: any(key == k or key.startswith(k + ".")
                           for k in assembly.EVAL_SHOWS_IF_CHANGED)
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
   return [f"{key}: trained with {brief(was.get(key))}, now {brief(now.get(key))}"
           for key in sorted(was.keys() | now.keys()) if shown(key) and was.get(key) != now.get(key)]
+
+
+def _without_sampling(config: TrainConfig) -> TrainConfig:
+  """`config` with the team's and every role's temperature and top_p at their defaults."""
+  roles = tuple(dataclasses.replace(r, temperature=RoleSection.temperature, top_p=RoleSection.top_p)
+                for r in config.team.roles)
+  team = dataclasses.replace(config.team, temperature=TeamSection.temperature,
+                             top_p=TeamSection.top_p, roles=roles)
+  return dataclasses.replace(config, team=team)
 
 
 def _saved_config(meta: dict, where: str) -> TrainConfig:
