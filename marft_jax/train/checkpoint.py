@@ -329,14 +329,10 @@ class Checkpointer:
           f"{self.directory}: step {step} has no saved config to compare with the current one "
           "(the run that wrote it did not store meta['config'])")
     saved = meta["config"] if read_config is None else read_config(meta["config"])
-    saved, current = flatten(_json_round_trip(saved)), flatten(_json_round_trip(config))
-    allowed = tuple(may_differ)
-    differing = [key for key in sorted(saved.keys() | current.keys())
-                 if saved.get(key, _MISSING) != current.get(key, _MISSING)
-                 and not any(key == a or key.startswith(a + ".") for a in allowed)]
+    differing = [(key, was, now) for key, was, now in config_differences(saved, config)
+                 if not under(key, may_differ)]
     if differing:
-      lines = "; ".join(f"{key}: saved {saved.get(key, _MISSING)!r}, now "
-                        f"{current.get(key, _MISSING)!r}" for key in differing)
+      lines = "; ".join(f"{key}: saved {was!r}, now {now!r}" for key, was, now in differing)
       raise CheckpointMismatchError(
           f"{self.directory}: step {step} was written with a different config ({lines}). "
           "Resume with the saved values, or start the new config in a fresh workdir.")
@@ -498,15 +494,33 @@ def _json_round_trip(value: Any) -> Any:
   return json.loads(json.dumps(value))
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-  """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are values (a config's dotted keys)."""
+def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]
+                       ) -> list[tuple[str, Any, Any]]:
+  """(dotted key, saved value, current value) for each key whose value differs between two
+  nested config dicts (as JSON holds them; "<missing>" where one lacks the key), by key."""
+  saved, current = _flatten(_json_round_trip(saved)), _flatten(_json_round_trip(current))
+  differing = []
+  for key in sorted(saved.keys() | current.keys()):
+    was, now = saved.get(key, _MISSING), current.get(key, _MISSING)
+    if was != now:
+      differing.append((key, was, now))
+  return differing
+
+
+def under(key: str, prefixes: Iterable[str]) -> bool:
+  """`key` is one of the dotted `prefixes` or lies inside one ("team.roles" is under "team")."""
+  return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are values."""
   if not isinstance(tree, dict):
     return {prefix: tree}
   if not tree and prefix:
     return {prefix: {}}
   flat = {}
   for key, value in tree.items():
-    flat.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
   return flat
 
 

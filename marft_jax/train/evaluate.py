@@ -38,7 +38,8 @@ from marft_jax.configs import to_config_dict
 from marft_jax.envs.math_grading import FORMATTED
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
-from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer, flatten
+from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
+                                        config_differences, under)
 from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
@@ -158,13 +159,11 @@ def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
   """"key: trained with X, now Y" for each key under `assembly.EVAL_SHOWS_IF_CHANGED` whose
   value in `config` differs from the training run's (`trained`: its saved config). Sampling
   settings (temperature, top_p) are left out: the evaluation plays greedily."""
-  flat = lambda c: flatten(to_config_dict(_without_sampling(assembly.as_recorded(c))).to_dict())
-  was, now = flat(trained), flat(config)
-  shown = lambda key: any(key == k or key.startswith(k + ".")
-                          for k in assembly.EVAL_SHOWS_IF_CHANGED)
+  as_dict = lambda c: to_config_dict(_without_sampling(assembly.as_recorded(c))).to_dict()
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-  return [f"{key}: trained with {brief(was.get(key))}, now {brief(now.get(key))}"
-          for key in sorted(was.keys() | now.keys()) if shown(key) and was.get(key) != now.get(key)]
+  return [f"{key}: trained with {brief(was)}, now {brief(now)}"
+          for key, was, now in config_differences(as_dict(trained), as_dict(config))
+          if under(key, assembly.EVAL_SHOWS_IF_CHANGED)]
 
 
 def _without_sampling(config: TrainConfig) -> TrainConfig:
