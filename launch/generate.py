@@ -31,8 +31,8 @@ def chat(config: GenerateConfig) -> str:
   """Loads the model (and adapter), answers `config.prompt`, and returns the answer text."""
   # A model or adapter file that does not load is one line; the bar is closed before it is
   # printed. The adapter folder is checked before the model loads.
-  with cli.one_line_errors(OSError, ValueError):
-    if config.adapter:
+  if config.adapter:
+    with cli.one_line_errors(OSError, ValueError):
       lora.check_peft_folder(config.adapter)
   with cli.one_line_errors(OSError, ValueError), tqdm(
       total=2, desc=f"loading {config.model}", unit="step", file=sys.stderr) as bar:
