@@ -9,8 +9,9 @@ A workdir holds::
 Guarantees, and where they come from:
   - A step folder appears whole or not at all: Orbax writes `<step>.orbax-checkpoint-tmp` and
     renames it; `latest_step` ignores tmp folders and `cleanup_tmp_directories=True` deletes
-    them when the next `Checkpointer` opens the workdir. A process killed mid-save therefore
-    leaves the previous step loadable (tested with SIGKILL).
+    them when the next `Checkpointer` opens the workdir (in the background; `close` waits for
+    it). A process killed mid-save therefore leaves the previous step loadable (tested with
+    SIGKILL).
   - A state with a NaN or inf in any floating leaf is never written (`NonFiniteStateError`):
     resuming from a diverged state would only diverge again.
   - Restoring goes through an abstract tree, so a freshly initialised state of the same
@@ -236,8 +237,18 @@ class Checkpointer:
     self._closed = True
     try:
       self.wait()
+      self._await_unfinished_steps_deleted()
     finally:
       self._manager.close()
+
+  def _await_unfinished_steps_deleted(self) -> None:
+    # Orbax deletes the unfinished steps it finds at creation in a background thread and waits
+    # for it only before a save; its close() does not. A process that opens the run, restores
+    # and exits would leave the deletion racing the interpreter's exit (seen in CI). Orbax has
+    # no public handle for that future, hence the guarded private call.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
 
   def __enter__(self) -> "Checkpointer":
     return self

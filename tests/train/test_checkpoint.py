@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import chex
@@ -225,6 +226,28 @@ def test_unfinished_step_is_ignored_and_cleaned(tmp_path):
     restored, _ = ckpt.restore(make_state(seed=1))
     assert ckpt.save(2, state, meta(2))
   assert not partial.exists()
+  chex.assert_trees_all_equal(restored, state)
+
+
+def test_close_waits_for_the_deletion_of_unfinished_steps(tmp_path, monkeypatch):
+  """A process that only opens and restores must not exit with the deletion still running."""
+  from orbax.checkpoint._src.path import temporary_paths
+  cleanup = temporary_paths.cleanup_temporary_paths
+
+  restored_yet = threading.Event()
+
+  async def slow_cleanup(*args, **kwargs):  # a slow file system: the deletion lags the restore
+    restored_yet.wait(timeout=60)
+    time.sleep(0.5)
+    return await cleanup(*args, **kwargs)
+
+  state, in_flight = _step_1_and_step_2_in_flight(tmp_path)
+  monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow_cleanup)
+  with Checkpointer(tmp_path) as ckpt:
+    restored, _ = ckpt.restore(make_state(seed=1))
+    assert in_flight.exists()
+    restored_yet.set()
+  assert not in_flight.exists()
   chex.assert_trees_all_equal(restored, state)
 
 
