@@ -148,7 +148,9 @@ class Checkpointer:
     if keep_every is not None:
       policies.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=keep_every))
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=save_interval_steps, create=not read_only, read_only=read_only,
+        # (0 when read-only: Orbax would set it so, with a warning on every evaluation)
+        save_interval_steps=0 if read_only else save_interval_steps, create=not read_only,
+        read_only=read_only,
         cleanup_tmp_directories=not read_only,  # (an asynchronous deletion at creation)
         enable_async_checkpointing=async_save,
         preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies))
