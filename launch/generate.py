@@ -1,4 +1,4 @@
-r"""Chat with a model from the command line (the main job until the trainer lands).
+r"""Chat with a model, or with a trained agent through its exported adapter, from the command line.
 
   python -m launch.generate                                   # SmolLM2, default prompt
   python -m launch.generate --config.prompt="What is 12 * 7?" --config.sampling.temperature=0

@@ -1,4 +1,4 @@
-"""Chat with a model: the default main job until the trainer exists.
+"""Chat with a model, or with a trained agent (its exported adapter): `launch.generate`'s config.
 
 `GenerateConfig` is the one source of the defaults; `get_config` turns it into the
 `ConfigDict` that the command line overrides, e.g.
