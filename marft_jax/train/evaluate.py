@@ -40,7 +40,7 @@ from marft_jax.rollout import rollout
 from marft_jax.train import assembly
 from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
                                         config_differences, under)
-from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
+from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
 
 EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
 
@@ -161,20 +161,22 @@ def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
   sampling settings (temperature, top_p), since the evaluation plays greedily, and
   `task.eval_problems`, the evaluation's own count, which training never read (its held-out
   evaluation plays `eval_episodes`)."""
-  as_dict = lambda c: to_config_dict(_without_sampling(assembly.as_recorded(c))).to_dict()
+  as_dict = lambda c: to_config_dict(_without_what_eval_ignores(assembly.as_recorded(c))).to_dict()
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
   return [f"{key}: trained with {brief(was)}, now {brief(now)}"
           for key, was, now in config_differences(as_dict(trained), as_dict(config))
-          if under(key, assembly.EVAL_SHOWS_IF_CHANGED) and key != "task.eval_problems"]
+          if under(key, assembly.EVAL_SHOWS_IF_CHANGED)]
 
 
-def _without_sampling(config: TrainConfig) -> TrainConfig:
-  """`config` with the team's and every role's temperature and top_p at their defaults."""
+def _without_what_eval_ignores(config: TrainConfig) -> TrainConfig:
+  """`config` with the team's and every role's temperature and top_p, and
+  `task.eval_problems`, at their defaults (see `changed_settings`)."""
   roles = tuple(dataclasses.replace(r, temperature=RoleSection.temperature, top_p=RoleSection.top_p)
                 for r in config.team.roles)
   team = dataclasses.replace(config.team, temperature=TeamSection.temperature,
                              top_p=TeamSection.top_p, roles=roles)
-  return dataclasses.replace(config, team=team)
+  task = dataclasses.replace(config.task, eval_problems=TaskSection.eval_problems)
+  return dataclasses.replace(config, team=team, task=task)
 
 
 def _saved_config(meta: dict, where: str) -> TrainConfig:
