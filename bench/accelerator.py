@@ -24,6 +24,10 @@ shape (`qwen2_1p5b`; `--tiny`: the tiny Llama and Qwen2 test configs under the s
     `..._ratio_vs_torch`. An update that runs out of memory is retried with `model.remat`
     (`..._remat=1`).
 
+A measurement of ours that fails is logged with its traceback and the others still run (a
+device session is short: one failure should not cost the rest of its figures); the run then
+exits non-zero, naming each failed measurement.
+
 Torch runs first and gives its cached memory back before JAX starts its own work, so the two
 share the card (`XLA_PYTHON_CLIENT_PREALLOCATE=false`, set here before JAX loads). Without a
 CUDA torch (a TPU host) a full run skips the torch side; `--notorch` skips it anywhere.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 
 # Before JAX initialises a GPU backend: allocate on demand, so torch fits beside it.
@@ -90,7 +95,8 @@ def torch_device(tiny: bool):
 # --- the two sides -----------------------------------------------------------------------
 
 
-def torch_side(name, params, config, prompts, new_tokens, batches, updates, repeats, device):
+def torch_side(name, params, config, prompts, new_tokens, batches, updates, repeats, device,
+               tiny):
   """{figure name: seconds} of transformers' generate and torch + PEFT updates on `device`.
   Each figure is printed as it is measured, so a run stopped later still reports it. A
   reference that fails (out of memory, or a transformers or PEFT version that refuses the
@@ -119,7 +125,7 @@ def torch_side(name, params, config, prompts, new_tokens, batches, updates, repe
       emit(f"{name}_torch_decode_b{batch}_tok_s", batch * new_tokens / seconds)
   del model
   for rows, prompt, reply in updates:
-    label = update_label(rows, prompt, reply, FLAGS.tiny)
+    label = update_label(rows, prompt, reply, tiny)
     batch = jax.tree.map(np.asarray, update_bench.turn_batch(config.vocab_size, rows, prompt,
                                                              reply))
     seconds = attempt(f"torch + PEFT {label}", lambda: update_bench.torch_update(
@@ -150,7 +156,8 @@ def our_update(params, config, rows, prompt, reply, repeats):
 
 
 def run_model(name, params, config, prompts, new_tokens, batches, updates, repeats, limits,
-              theirs):
+              theirs, tiny) -> list[str]:
+  """Prints our figures for one model; returns the names of the measurements that failed."""
   bandwidth, peak = limits
   weight_bytes, matmul_params = model_sizes(params, config)
   emit(f"{name}_weight_bytes", weight_bytes)
@@ -161,7 +168,16 @@ def run_model(name, params, config, prompts, new_tokens, batches, updates, repea
         flush=True)
   dconfig = config.replace(layout=decoding)
   dparams = layout.convert_params(params, config.layout, decoding)
-  for batch in batches:
+  failed = []
+
+  def measured(what, run):
+    try:
+      run()
+    except Exception:  # pylint: disable=broad-except
+      logging.exception("%s failed; the other measurements go on", what)
+      failed.append(what)
+
+  def decode(batch):
     compile_s, full, _ = time_marft(dparams, dconfig, prompts[:batch], new_tokens, repeats)
     rate, bound = batch * new_tokens / full, bandwidth / weight_bytes * batch
     emit(f"{name}_decode_b{batch}_tok_s", rate)
@@ -171,9 +187,8 @@ def run_model(name, params, config, prompts, new_tokens, batches, updates, repea
     if f"decode_b{batch}" in theirs:
       emit(f"{name}_decode_b{batch}_ratio_vs_torch", rate * theirs[f"decode_b{batch}"] /
            (batch * new_tokens))
-  del dparams
-  for rows, prompt, reply in updates:
-    label = update_label(rows, prompt, reply, FLAGS.tiny)
+
+  def update(rows, prompt, reply, label):
     compile_s, update_s, remat = our_update(params, config, rows, prompt, reply, repeats)
     flops = 4 * matmul_params * rows * (prompt + reply)
     emit(f"{name}_{label}_s", update_s)
@@ -182,6 +197,14 @@ def run_model(name, params, config, prompts, new_tokens, batches, updates, repea
     emit(f"{name}_{label}_remat", int(remat))
     if label in theirs:
       emit(f"{name}_{label}_ratio_vs_torch", theirs[label] / update_s)
+
+  for batch in batches:
+    measured(f"{name}_decode_b{batch}", lambda: decode(batch))
+  del dparams
+  for rows, prompt, reply in updates:
+    label = update_label(rows, prompt, reply, tiny)
+    measured(f"{name}_{label}", lambda: update(rows, prompt, reply, label))
+  return failed
 
 
 def main(argv):
@@ -206,13 +229,16 @@ def main(argv):
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (max(batches), prompt_len))
     updates = (TINY_UPDATES if tiny else UPDATES)[name]
     theirs = {} if device is None else torch_side(name, params, config, prompts, new_tokens,
-                                                  batches, updates, repeats, device)
+                                                  batches, updates, repeats, device, tiny)
     models[name] = (params, config, prompts, updates, theirs)
+  failed = []
   for name, (params, config, prompts, updates, theirs) in models.items():
-    run_model(name, params, config, prompts, new_tokens, batches, updates, repeats,
-              (bandwidth, peak), theirs)
+    failed += run_model(name, params, config, prompts, new_tokens, batches, updates, repeats,
+                        (bandwidth, peak), theirs, tiny)
     models[name] = None  # its weights go
   emit("total_s", time.perf_counter() - start)
+  if failed:
+    sys.exit(f"bench.accelerator: failed (tracebacks above): {', '.join(failed)}")
 
 
 if __name__ == "__main__":
