@@ -336,7 +336,7 @@ class TrainConfig:
   algorithm: str = "marft_a"
   # The defaults are the embedded default run (launch/configs/train.py adds its held-out
   # evaluations): the first half of the recipe that beat the untuned team in docs/results.md,
-  # 16 iterations of 16 episodes, about 30-65 s an iteration on 2 CPU cores.
+  # 16 iterations of 16 episodes, about 25-95 s an iteration on the 2-core hosts seen.
   iterations: int = 16
   seed: int = 0
   model: ModelSection = ModelSection()
