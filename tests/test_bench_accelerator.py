@@ -66,6 +66,8 @@ def test_a_failed_measurement_is_named_and_the_others_still_run(monkeypatch, cap
       raise RuntimeError("no kernel for this shape")
     return 0.5, 2.0, 0.1
 
+  # main() quiets absl's logger for the whole process: leave this worker's as it is.
+  monkeypatch.setattr(accelerator.logging, "set_verbosity", lambda level: None)
   monkeypatch.setattr(accelerator, "time_marft", time_marft)
   monkeypatch.setattr(accelerator, "our_update", lambda *args: (1.0, 0.25, False))
   with flagsaver.as_parsed(tiny="true", torch="false", models=MODEL):
