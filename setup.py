@@ -11,7 +11,6 @@ INSTALL_REQUIRES = [
     "flax>=0.12.0,<0.13",
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.12.0,<0.13",
-    "chex>=0.1.90,<0.2",
     "numpy>=2.0,<3",
     "transformers>=5.0,<6",
     "tokenizers>=0.22,<0.24",
@@ -39,6 +38,7 @@ TEST_REQUIRES = [
     "torch==2.13.0",
     "peft>=0.17,<0.22",
     "rlax>=0.1.8,<0.2",
+    "chex>=0.1.90,<0.2",  # tree assertions in the checkpoint tests (optax requires it too)
 ]
 
 # JAX's accelerator builds: the same jax, with the CUDA plugin (and its CUDA libraries from

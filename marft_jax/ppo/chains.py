@@ -29,11 +29,10 @@ the episode ends there (bootstrap value 0 unless `v_bootstrap` says otherwise).
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_unit_interval
+from marft_jax.validation import check_rank, check_same_shape, check_unit_interval
 
 
 def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax.Array:
@@ -47,8 +46,8 @@ def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -
     layer_k: [n] layer of each turn within its env step.
     valid_k: [n] non-zero on real turns (a prefix).
   """
-  chex.assert_rank([step_k, layer_k, valid_k], 1)
-  chex.assert_equal_shape([step_k, layer_k, valid_k])
+  check_rank(1, step_k=step_k, layer_k=layer_k, valid_k=valid_k)
+  check_same_shape(step_k=step_k, layer_k=layer_k, valid_k=valid_k)
   n = step_k.shape[0]
   valid = jnp.asarray(valid_k) != 0
   index = jnp.arange(n)
@@ -80,8 +79,8 @@ def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: fl
   Raises:
     ValueError: a γ or λ outside [0, 1] or NaN.
   """
-  chex.assert_rank([step_k, next_k, done_k], 1)
-  chex.assert_equal_shape([step_k, next_k, done_k])
+  check_rank(1, step_k=step_k, next_k=next_k, done_k=done_k)
+  check_same_shape(step_k=step_k, next_k=next_k, done_k=done_k)
   for name, value in (("gamma", gamma), ("lambda_", lambda_), ("gamma_agent", gamma_agent),
                       ("lambda_agent", lambda_agent)):
     check_unit_interval(name, value)
@@ -120,7 +119,8 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
   Raises:
     ValueError: gamma_token or lambda_token outside [0, 1].
   """
-  chex.assert_rank([r_k, discount_k, lambda_k, next_k, length_k], 1)
+  check_rank(1, r_k=r_k, discount_k=discount_k, lambda_k=lambda_k, next_k=next_k,
+             length_k=length_k)
   check_unit_interval("gamma_token", gamma_token)
   check_unit_interval("lambda_token", lambda_token)
   n = r_k.shape[0]

@@ -21,11 +21,10 @@ without it the rewards are scaled by the bad factor's powers.
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_unit_interval
+from marft_jax.validation import check_rank, check_unit_interval
 
 CREDITS = ("equal", "step_discount", "per_step")
 
@@ -41,7 +40,7 @@ def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
   Returns:
     [T] array in x's dtype.
   """
-  chex.assert_rank(x_t, 1)
+  check_rank(1, x_t=x_t)
   x_t = jnp.asarray(x_t)
   return jnp.concatenate([x_t[1:], jnp.full((1,), fill, x_t.dtype)])
 
@@ -69,7 +68,8 @@ def turn_credit(team_reward_k: jax.Array, own_reward_k: jax.Array, step_k: jax.A
   Raises:
     ValueError: an unknown credit, or gamma_c outside [0, 1].
   """
-  chex.assert_rank([team_reward_k, own_reward_k, step_k, layer_k, valid_k], 1)
+  check_rank(1, team_reward_k=team_reward_k, own_reward_k=own_reward_k, step_k=step_k,
+             layer_k=layer_k, valid_k=valid_k)
   if credit not in CREDITS:
     raise ValueError(f"credit={credit!r}: use one of {CREDITS}")
   check_unit_interval("gamma_c", gamma_c)

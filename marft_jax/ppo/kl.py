@@ -22,29 +22,28 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_range
+from marft_jax.validation import check_range, check_same_shape
 from marft_jax.ppo.masked import masked_mean
 
 
 def kl_k1(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k1 = log π(w_t) − log π_ref(w_t), elementwise."""
-  chex.assert_equal_shape([logp_t, ref_logp_t])
+  check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   return logp_t - ref_logp_t
 
 
 def kl_k2(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k2 = ½ (log π(w_t) − log π_ref(w_t))², elementwise."""
-  chex.assert_equal_shape([logp_t, ref_logp_t])
+  check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   return 0.5 * (logp_t - ref_logp_t) ** 2
 
 
 def kl_k3(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k3 = exp(log r) − 1 − log r with log r = log π_ref(w_t) − log π(w_t), elementwise."""
-  chex.assert_equal_shape([logp_t, ref_logp_t])
+  check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   log_r = ref_logp_t - logp_t
   return jnp.expm1(log_r) - log_r
 
@@ -67,7 +66,7 @@ def kl_penalty(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array,
   Returns:
     scalar.
   """
-  chex.assert_equal_shape([logp_t, ref_logp_t, mask_t])
+  check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   valid = mask_t != 0
   # Padding may hold garbage; keep it out of exp() so no inf reaches the gradient.
   logp_t = jnp.where(valid, logp_t, jnp.zeros_like(logp_t))
@@ -95,7 +94,7 @@ def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_co
       from the reference). A traced β is checked only under `checkify` (`marft_jax.ppo`);
       without it a NaN β makes every valid reward NaN.
   """
-  chex.assert_equal_shape([logp_t, ref_logp_t, mask_t])
+  check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   check_range("kl_coef", kl_coef, 0.0, math.inf, high_open=True)
   valid = mask_t != 0
   kl = estimator(jnp.where(valid, logp_t, 0.0), jnp.where(valid, ref_logp_t, 0.0))
@@ -107,7 +106,7 @@ def approx_kl(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> ja
 
   k3 on samples from π_old, as the original's `approx_kl`. Any shape; scalar, no gradient.
   """
-  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
+  check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, mask_t=mask_t)
   valid = mask_t != 0
   kl = kl_k3(jnp.where(valid, old_logp_t, 0.0), jnp.where(valid, logp_t, 0.0))
   return jax.lax.stop_gradient(masked_mean(kl, mask_t))

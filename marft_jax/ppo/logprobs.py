@@ -18,11 +18,10 @@ is checked only under `checkify` (see `marft_jax.ppo`); without it τ = 0 gives 
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_positive
+from marft_jax.validation import check_positive, check_rank, check_same_shape
 from marft_jax.ppo.masked import masked_mean, masked_sum
 
 
@@ -58,10 +57,10 @@ def logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature=1.0,
   """
   check_positive("temperature", temperature)
   logits, tokens, temperature = (jnp.asarray(x) for x in (logits, tokens, temperature))
-  chex.assert_rank(tokens, logits.ndim - 1)
-  chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
+  check_rank(logits.ndim - 1, tokens=tokens)
+  check_same_shape(leading=tokens.ndim, logits=logits, tokens=tokens)
   if temperature.ndim:
-    chex.assert_equal_shape([tokens, temperature])
+    check_same_shape(tokens=tokens, temperature=temperature)
     temperature = temperature[..., None]
   logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
   logits = logits / temperature
@@ -86,7 +85,7 @@ def action_log_prob(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
 
   The PPO ratio exp(Σ Δ) is sharp for long replies. logp_t, mask_t: [T]; returns scalar.
   """
-  chex.assert_rank([logp_t, mask_t], 1)
+  check_rank(1, logp_t=logp_t, mask_t=mask_t)
   return masked_sum(logp_t, mask_t)
 
 
@@ -97,5 +96,5 @@ def action_log_prob_per_token(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array
   2025). The original divided by the last valid index + 1, which is ℓ for a prefix mask.
   logp_t, mask_t: [T]; returns scalar, 0 for an empty action.
   """
-  chex.assert_rank([logp_t, mask_t], 1)
+  check_rank(1, logp_t=logp_t, mask_t=mask_t)
   return masked_mean(logp_t, mask_t)

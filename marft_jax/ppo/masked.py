@@ -8,14 +8,15 @@ and an all-masked input reduces to 0 instead of NaN.
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
+
+from marft_jax.validation import check_same_shape
 
 
 def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Σᵢ xᵢ over the valid elements of `x` (any shape, same shape as `mask`)."""
-  chex.assert_equal_shape([x, mask])
+  check_same_shape(x=x, mask=mask)
   return jnp.sum(jnp.where(mask != 0, x, jnp.zeros_like(x)))
 
 

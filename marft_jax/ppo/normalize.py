@@ -32,11 +32,11 @@ from __future__ import annotations
 import functools
 import math
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_ids, check_positive, check_range, check_size
+from marft_jax.validation import (check_ids, check_positive, check_range, check_same_shape,
+                                  check_size)
 
 
 def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
@@ -94,7 +94,7 @@ def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool
   Raises:
     ValueError: eps not > 0 (or NaN, inf) when concrete.
   """
-  chex.assert_equal_shape([x, mask])
+  check_same_shape(x=x, mask=mask)
   check_positive("eps", eps)
   return _pool_normalize(x, mask, jnp.zeros(jnp.shape(x), jnp.int32), 1, center, scale, False,
                          unbiased, eps)
@@ -129,7 +129,7 @@ def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
       moves the element into a neighbouring group's pool), a size not an int ≥ 1, or eps
       not > 0.
   """
-  chex.assert_equal_shape([x, mask, group_ids, agent_ids])
+  check_same_shape(x=x, mask=mask, group_ids=group_ids, agent_ids=agent_ids)
   num_groups = check_size("num_groups", num_groups)
   num_agents = check_size("num_agents", num_agents)
   check_positive("eps", eps)

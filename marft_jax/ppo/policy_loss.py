@@ -20,11 +20,10 @@ a negative ε inverts the clip range and a NaN one makes the loss NaN.
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_range
+from marft_jax.validation import check_range, check_same_shape
 from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
 
 _sg = jax.lax.stop_gradient
@@ -42,7 +41,7 @@ def _select(x_t: jax.Array, mask_t: jax.Array) -> jax.Array:
 
 def _ratio(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
   # Padding may hold garbage log-probs (inf − inf, exp overflow): select them away first.
-  chex.assert_equal_shape([logp_t, old_logp_t, mask_t])
+  check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, mask_t=mask_t)
   return jnp.exp(_select(logp_t, mask_t) - _sg(_select(old_logp_t, mask_t)))
 
 
@@ -67,7 +66,7 @@ def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
   Raises:
     ValueError: a concrete epsilon or epsilon_high < 0 or NaN, or dual_clip ≤ 1 or NaN.
   """
-  chex.assert_equal_shape([ratio_t, adv_t])
+  check_same_shape(ratio_t=ratio_t, adv_t=adv_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
   return _surrogate(ratio_t, adv_t, epsilon, epsilon_high, dual_clip)
 
@@ -98,7 +97,7 @@ def ppo_clip_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv_t: jax.Array,
   Raises:
     ValueError: as `clipped_surrogate`.
   """
-  chex.assert_equal_shape([logp_t, old_logp_t, adv_t, mask_t])
+  check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, adv_t=adv_t, mask_t=mask_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
   ratio = _ratio(logp_t, old_logp_t, mask_t)
   adv_t = _sg(_select(adv_t, mask_t))
@@ -128,7 +127,8 @@ def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: 
   Raises:
     ValueError: as `clipped_surrogate`, or a concrete imp_weight_cap ≤ 0 or NaN.
   """
-  chex.assert_equal_shape([logp_t, prox_logp_t, behav_logp_t, adv_t, mask_t])
+  check_same_shape(logp_t=logp_t, prox_logp_t=prox_logp_t, behav_logp_t=behav_logp_t,
+                   adv_t=adv_t, mask_t=mask_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
   ratio = _ratio(logp_t, prox_logp_t, mask_t)
   weight, keep = importance_weights(prox_logp_t, behav_logp_t, mask_t, imp_weight_cap)

@@ -29,13 +29,12 @@ NaN or inf without reaching the advantages or their gradients.
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
 from marft_jax.ppo import chains
 from marft_jax.ppo import credit as ppo_credit  # `credit` is turn_chain_advantages' mode
-from marft_jax.validation import check_unit_interval
+from marft_jax.validation import check_rank, check_same_shape, check_unit_interval
 
 
 def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | float,
@@ -69,8 +68,8 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
   Raises:
     ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
   """
-  chex.assert_rank([r_t, discount_t, v_t, mask_t], 1)
-  chex.assert_equal_shape([r_t, discount_t, v_t, mask_t])
+  check_rank(1, r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t)
+  check_same_shape(r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t)
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
   return _gae(r_t, discount_t, lambda_t, v_t, mask_t, v_bootstrap)
@@ -131,8 +130,8 @@ def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
   Raises:
     ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
   """
-  chex.assert_rank([r_t, discount_t, v_t, mask_t, next_t], 1)
-  chex.assert_equal_shape([r_t, discount_t, v_t, mask_t, next_t])
+  check_rank(1, r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
+  check_same_shape(r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
   dtype = _float_dtype(v_t)
@@ -224,9 +223,9 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   Raises:
     ValueError: a concrete gamma, lambda_, gamma_agent or lambda_agent outside [0, 1] or NaN.
   """
-  chex.assert_rank([r_t, v_t, done_t], [2, 2, 1])
-  chex.assert_equal_shape([r_t, v_t])
-  chex.assert_equal_shape_prefix([r_t, done_t], 1)
+  check_rank([2, 2, 1], r_t=r_t, v_t=v_t, done_t=done_t)
+  check_same_shape(r_t=r_t, v_t=v_t)
+  check_same_shape(leading=1, r_t=r_t, done_t=done_t)
   _check_hops(gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
   gamma_agent = gamma if gamma_agent is None else gamma_agent
   lambda_agent = lambda_ if lambda_agent is None else lambda_agent
@@ -289,10 +288,10 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   Raises:
     ValueError: a concrete γ or λ argument outside [0, 1] or NaN.
   """
-  chex.assert_rank([r_t, v_t, mask_t, done_t], [2, 3, 3, 1])
-  chex.assert_equal_shape([v_t, mask_t])
-  chex.assert_equal_shape_prefix([r_t, v_t], 2)
-  chex.assert_equal_shape_prefix([r_t, done_t], 1)
+  check_rank([2, 3, 3, 1], r_t=r_t, v_t=v_t, mask_t=mask_t, done_t=done_t)
+  check_same_shape(v_t=v_t, mask_t=mask_t)
+  check_same_shape(leading=2, r_t=r_t, v_t=v_t)
+  check_same_shape(leading=1, r_t=r_t, done_t=done_t)
   _check_hops(gamma=gamma, lambda_=lambda_, gamma_token=gamma_token,
               lambda_token=lambda_token, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
   gamma_token, gamma_agent = (gamma if g is None else g for g in (gamma_token, gamma_agent))

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import functools
 
-import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_positive, check_range
+from marft_jax.validation import check_positive, check_range, check_same_shape
 from marft_jax.ppo.masked import masked_mean
 
 _sg = jax.lax.stop_gradient
@@ -72,7 +71,7 @@ def clipped_value_loss(v_t: jax.Array, old_v_t: jax.Array, returns_t: jax.Array,
   Raises:
     ValueError: a concrete clip_eps < 0 or NaN.
   """
-  chex.assert_equal_shape([v_t, old_v_t, returns_t, mask_t])
+  check_same_shape(v_t=v_t, old_v_t=old_v_t, returns_t=returns_t, mask_t=mask_t)
   loss = _pessimistic(lambda e: 0.5 * e**2, v_t, old_v_t, returns_t, mask_t, clip_eps)
   return masked_mean(loss, mask_t)
 
@@ -94,7 +93,7 @@ def clipped_huber_value_loss(v_t: jax.Array, old_v_t: jax.Array, returns_t: jax.
   Raises:
     ValueError: a concrete delta ≤ 0, NaN or inf, or clip_eps < 0 or NaN.
   """
-  chex.assert_equal_shape([v_t, old_v_t, returns_t, mask_t])
+  check_same_shape(v_t=v_t, old_v_t=old_v_t, returns_t=returns_t, mask_t=mask_t)
   check_positive("delta", delta)
   error_fn = functools.partial(_huber, delta=delta)
   return masked_mean(_pessimistic(error_fn, v_t, old_v_t, returns_t, mask_t, clip_eps), mask_t)

@@ -62,7 +62,6 @@ import functools
 import math
 from typing import Any, Optional
 
-import chex
 import jax
 import jax.numpy as jnp
 
@@ -73,7 +72,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.transformer import hidden_states
 from marft_jax.ppo.credit import token_to_action_frame
 from marft_jax.train.batching import over_row_chunks
-from marft_jax.validation import check_ids, check_range, check_size
+from marft_jax.validation import check_ids, check_range, check_rank, check_size
 
 MODES = ("shared", "per_agent_lora", "per_agent_head")
 CriticParams = dict  # {"head": [N, ...] kernels, "lora": Adapters (optional)}
@@ -143,7 +142,7 @@ def action_frame_ids(agent_ids: jax.Array) -> jax.Array:
   out[b, t] = agent_ids[b, t+1], the agent that emits token t+1; out[b, T-1] = -1
   (`ppo.token_to_action_frame` on each row).
   """
-  chex.assert_rank(agent_ids, 2)
+  check_rank(2, agent_ids=agent_ids)
   return jax.vmap(lambda ids_t: token_to_action_frame(ids_t, -1))(jnp.asarray(agent_ids))
 
 
@@ -200,7 +199,7 @@ def values_from_hidden(head_params: list, h: jax.Array, action_agent_ids: Option
     ValueError: unknown mode, N ≠ 1 outside "per_agent_head", or (concrete) ids outside
       [-1, N) or missing in "per_agent_head".
   """
-  chex.assert_rank(h, 3)
+  check_rank(3, h=h)
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: choose one of {MODES}")
   num_heads = head_params[0].shape[0]

@@ -260,3 +260,56 @@ def test_a_retraced_function_is_the_same_program_unless_traced_checks_are_on():
   assert lowered() == lowered()
   with validation.traced_checks():
     assert lowered() != lowered()
+
+
+# (call with one argument of the wrong shape, the message naming it): one per module.
+SHAPE_CASES = [
+    (lambda: ppo.masked_gae(_r(T), _r(T), 0.9, _r(T - 1), _m(T), 0.0),
+     "v_t: shape (3,) differs from r_t's (4,)"),
+    (lambda: ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), np.arange(T + 1)),
+     "next_t: shape (5,) differs from r_t's (4,)"),
+    (lambda: ppo.action_level_advantages(_r(T), _r(T, N), DONE, 0.0, 0.9, 0.9),
+     "r_t: shape (4,) has rank 1, expected 2"),
+    (lambda: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE[:3], 0.0,
+                                        0.9, 0.9),
+     "done_t: shape (3,) differs from r_t's (4, 2) in its first axis"),
+    (lambda: ppo.token_level_advantages(_r(T, N + 1), _r(T, N, K), _m(T, N, K), DONE, 0.0,
+                                        0.9, 0.9),
+     "v_t: shape (4, 2, 3) differs from r_t's (4, 3) in its first 2 axes"),
+    (lambda: ppo.ppo_clip_loss(_r(T), _r(T, 1), _r(T), _m(T), 0.2),
+     "old_logp_t: shape (4, 1) differs from logp_t's (4,)"),
+    (lambda: ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T - 1), 0.2),
+     "mask_t: shape (3,) differs from logp_t's (4,)"),
+    (lambda: ppo.clipped_value_loss(_r(T), _r(T), _r(T + 1), _m(T)),
+     "returns_t: shape (5,) differs from v_t's (4,)"),
+    (lambda: ppo.kl_penalty(_r(T), _r(T + 2), _m(T)),
+     "ref_logp_t: shape (6,) differs from logp_t's (4,)"),
+    (lambda: ppo.logprobs_and_entropy(LOGITS, np.zeros((T + 1,), np.int32)),
+     "tokens: shape (5,) differs from logits' (4, 5) in its first axis"),
+    (lambda: ppo.logprobs_and_entropy(LOGITS, np.zeros((T, 1), np.int32)),
+     "tokens: shape (4, 1) has rank 2, expected 1"),
+    (lambda: ppo.action_log_prob(_r(T, 1), _m(T, 1)),
+     "logp_t: shape (4, 1) has rank 2, expected 1"),
+    (lambda: ppo.masked_sum(_r(T), _m(T + 1)), "mask: shape (5,) differs from x's (4,)"),
+    (lambda: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, np.int32),
+                                       np.zeros(T - 1, np.int32), 1, 1),
+     "agent_ids: shape (3,) differs from x's (4,)"),
+    (lambda: ppo.turn_successors(STEPS, LAYERS[:3], _m(T)),
+     "layer_k: shape (3,) differs from step_k's (4,)"),
+    (lambda: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T, 1), "equal"),
+     "valid_k: shape (4, 1) has rank 2, expected 1"),
+    (lambda: ppo.token_to_action_frame(_r(T, 2), 0.0), "x_t: shape (4, 2) has rank 2, expected 1"),
+]
+
+
+@pytest.mark.parametrize("call,message", SHAPE_CASES, ids=[m.split(":")[0] + f"-{i}" for i, (
+    _, m) in enumerate(SHAPE_CASES)])
+def test_a_wrong_shape_is_refused_naming_the_argument(call, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    call()
+
+
+def test_a_wrong_shape_is_refused_naming_the_argument_under_jit():
+  loss = jax.jit(ppo.ppo_clip_loss, static_argnums=4)
+  with pytest.raises(ValueError, match=re.escape("adv_t: shape (3,) differs from logp_t's (4,)")):
+    loss(_r(T), _r(T), _r(T - 1), _m(T), 0.2)
