@@ -18,10 +18,11 @@ Bad input is refused by name, never turned into a wrong number. An array of the 
 or shape raises `ValueError("v_t: shape (2,) differs from r_t's (3,)")`, at call or trace
 time (shapes are static). Scalars (γ, λ, ε, δ, temperatures, eps) and ids (group, agent,
 step) given as Python numbers or concrete arrays are checked when the function is called
-(or traced, for values closed over by `jit`), and a bad one raises `ValueError("gamma=1.5: must be in [0, 1]")`. Traced values cannot
-be read at trace time; each docstring says what a bad one does. The same checks run inside
-the computation under `jax.experimental.checkify` when it is traced inside
-`marft_jax.validation.traced_checks()` (outside, they add nothing to the program):
+(or traced, for values closed over by `jit`), and a bad one raises
+`ValueError("gamma=1.5: must be in [0, 1]")`. Traced values cannot be read at trace time;
+each docstring says what a bad one does. The same checks run inside the computation under
+`jax.experimental.checkify` when it is traced inside `marft_jax.validation.traced_checks()`
+(outside, they add nothing to the program):
 
     from jax.experimental import checkify
     from marft_jax import validation
