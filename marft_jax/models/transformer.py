@@ -44,7 +44,8 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
 from marft_jax.models.layout import check_params_layout
 from marft_jax.models.targets import LINEARS, NORMS
-from marft_jax.validation import check_ids, checking_traced_values, is_traced
+from marft_jax.validation import (check_ids, check_rank, check_same_shape, checking_traced_values,
+                                  is_traced)
 
 Params = dict
 # Without a cache, attention runs its queries in blocks of this many, each against the keys up
@@ -366,16 +367,19 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
       attention skips reading it (a prompt's attention over S empty slots costs as much as
       over its own T tokens). The tokens are still written into it.
 
-  Concrete arguments are checked (ValueError naming `tokens`, `cache`, `adapter_ids` or the
-  params' layout); traced ones cannot be: an out-of-range token reads a clamped embedding
-  row, an overflowing cache write is clamped, an out-of-range adapter id gets the base model.
-  Wrap the call in `jax.experimental.checkify.checkify`, traced inside
+  Concrete arguments are checked (ValueError naming `tokens`, `mask`, `positions`, `cache`,
+  `adapter_ids` or the params' layout; shapes also when traced). Traced values cannot be:
+  an out-of-range token reads a clamped embedding row, an overflowing cache write is
+  clamped, an out-of-range adapter id gets the base model. Wrap the call in `jax.experimental.checkify.checkify`, traced inside
   `validation.traced_checks()`, to have the last two reported.
   Returns:
     h: [B, T, D] compute dtype; the new cache (None without one).
   """
   layout = config.layout
   check_params_layout(params, layout, config)
+  check_rank(2, tokens=tokens)
+  given = {"mask": mask, "positions": positions}
+  check_same_shape(tokens=tokens, **{k: v for k, v in given.items() if v is not None})
   B, T = tokens.shape
   mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
   check_ids("tokens", tokens, config.vocab_size, where=mask)

@@ -6,6 +6,7 @@ out-of-range adapter ids under jit.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,19 @@ def test_adapter_ids_out_of_range_are_refused(params, adapters, ids):
   with pytest.raises(ValueError, match="adapter_ids"):
     transformer.forward(params, PROMPTS, CONFIG, lora=adapters,
                         adapter_ids=np.broadcast_to(ids, (2,)))
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tokens=PROMPTS[0]), "tokens: shape (6,) has rank 1, expected 2"),
+    (dict(mask=np.ones((2, 5), bool)), "mask: shape (2, 5) differs from tokens' (2, 6)"),
+    (dict(positions=np.arange(6)), "positions: shape (6,) differs from tokens' (2, 6)"),
+])
+def test_forward_refuses_a_wrong_shape_naming_it(params, kw, message):
+  kw = dict(kw)
+  tokens = kw.pop("tokens", PROMPTS)
+  for forward in (transformer.forward, jax.jit(transformer.forward, static_argnums=2)):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      forward(params, tokens, CONFIG, **kw)
 
 
 def test_padding_off_the_mask_may_hold_any_id(params):
