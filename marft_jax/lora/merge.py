@@ -17,12 +17,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marft_jax.lora.routing import Adapters
+from marft_jax.lora.routing import Adapters, check_adapter_index
 from marft_jax.architecture.layout import TRAINING, Layout
 
 
 def adapter_kernel_deltas(adapters: Adapters, index: int) -> dict[str, jax.Array]:
-  """ΔW = scale · a[:, index] @ b[:, index] per target: {name: [L, D_in, D_out]} in float32."""
+  """ΔW = scale · a[:, index] @ b[:, index] per target: {name: [L, D_in, D_out]} in float32.
+  `index` (a Python int in [0, A)) is checked: a JAX index would clamp to another adapter."""
+  check_adapter_index(index, adapters.num_adapters)
   return {name: adapters.scale * jnp.einsum("lir,lro->lio", w["a"][:, index], w["b"][:, index],
                                             precision=jax.lax.Precision.HIGHEST)
           for name, w in adapters.layers.items()}

@@ -30,7 +30,7 @@ import numpy as np
 
 from marft_jax.lora.adapters import stack_adapters
 from marft_jax.lora.config import LoraConfig
-from marft_jax.lora.routing import Adapters
+from marft_jax.lora.routing import Adapters, check_adapter_index
 from marft_jax.architecture.config import ModelConfig
 from marft_jax.architecture.targets import LINEAR, hf_module_path, linear_shapes
 
@@ -61,7 +61,7 @@ def peft_key(target: str, layer: int, factor: str) -> str:
 
 def peft_tensors(adapters: Adapters, index: int = 0) -> dict[str, np.ndarray]:
   """Adapter `index` as PEFT's float32 tensors {key: array}, in torch layout."""
-  _check_index(index, adapters.num_adapters)
+  check_adapter_index(index, adapters.num_adapters)
   tensors = {}
   for name, w in adapters.layers.items():
     a, b = np.asarray(w["a"][:, index], np.float32), np.asarray(w["b"][:, index], np.float32)
@@ -95,7 +95,7 @@ def save_peft_adapter(path: StrPath, adapters: Adapters, index: int = 0,
   On an exception `path` keeps its previous contents; `_write_folders_atomically` says what a
   crash leaves.
   """
-  _check_index(index, adapters.num_adapters)
+  check_adapter_index(index, adapters.num_adapters)
   _write_folders_atomically({path: functools.partial(_write_adapter, adapters=adapters,
                                                      index=index, base=base_model_name_or_path)})
 
@@ -260,13 +260,6 @@ def _tensor(tensors, key, shape, weights_file):
     raise ValueError(f"{weights_file}: tensor {key!r} has shape {tensors[key].shape}, "
                      f"the model and rank imply {shape}")
   return tensors[key]
-
-
-def _check_index(index, num_adapters: int) -> None:
-  # Negative or large indices would wrap or clamp inside NumPy/JAX and export another adapter.
-  if not (_is_int(index) or isinstance(index, np.integer)) or not 0 <= index < num_adapters:
-    raise ValueError(f"index={index!r}: use an int in [0, {num_adapters}), the adapters hold "
-                     f"{num_adapters}")
 
 
 def _check_names(names: Sequence[str], num_adapters: int) -> None:

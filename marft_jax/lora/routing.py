@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from marft_jax.validation import check_ids
@@ -82,10 +83,19 @@ class Adapters:
     return functools.partial(route, scale=self.scale, dropout_rate=self.dropout_rate)
 
 
+def check_adapter_index(index: Any, num_adapters: int) -> None:
+  """Refuses anything but a Python or NumPy int in [0, A), naming `index`. An array index of
+  -1 or A would silently wrap or clamp (NumPy, JAX) to another adapter, and -1 means "no
+  adapter" everywhere else in the library."""
+  is_int = isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_))
+  if not is_int or not 0 <= index < num_adapters:
+    raise ValueError(f"index={index!r}: use an int in [0, {num_adapters}), the adapters hold "
+                     f"{num_adapters}")
+
+
 def select_adapter(adapters: Adapters, index: int) -> Adapters:
   """Adapter `index` alone, as an A = 1 set."""
-  if not 0 <= index < adapters.num_adapters:
-    raise ValueError(f"adapter index {index} out of range [0, {adapters.num_adapters})")
+  check_adapter_index(index, adapters.num_adapters)
   return adapters.replace(layers=jax.tree.map(lambda x: x[:, index:index + 1], adapters.layers))
 
 

@@ -1,5 +1,7 @@
 """LoraConfig validation, PEFT-style initialisation, stacking, and import order."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -58,5 +60,6 @@ def test_stack_and_select_round_trip():
   jax.tree.map(np.testing.assert_array_equal, lora.stack_adapters(parts), adapters)
   with pytest.raises(ValueError, match="only identical configs stack"):
     lora.stack_adapters([parts[0], random_adapters(1, targets="q_proj")])
-  with pytest.raises(ValueError, match="out of range"):
-    lora.select_adapter(adapters, 3)
+  for index in (3, -1, 1.0):
+    with pytest.raises(ValueError, match=re.escape(f"index={index!r}: use an int in [0, 3)")):
+      lora.select_adapter(adapters, index)

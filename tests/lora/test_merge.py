@@ -1,8 +1,11 @@
 """Merging an adapter into the base equals routing through it; unmerging restores the base."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from marft_jax import lora
 from marft_jax.models import transformer
@@ -35,6 +38,16 @@ def test_kernel_delta_is_scale_a_b():
   expected = adapters.scale * np.einsum("lir,lro->lio", w["a"][:, 1], w["b"][:, 1])
   np.testing.assert_allclose(lora.adapter_kernel_deltas(adapters, 1)["up_proj"], expected,
                              atol=1e-6)
+
+
+@pytest.mark.parametrize("index", [3, -1, 1.0, True])
+def test_an_index_that_would_merge_another_adapter_is_refused(params, index):
+  """JAX clamps an index of 3 to adapter 2 and wraps -1 to it, which elsewhere means "no
+  adapter": each is refused by name instead."""
+  adapters = random_adapters(3, targets="q_proj")
+  for fn in (lora.merge_adapter, lora.unmerge_adapter):
+    with pytest.raises(ValueError, match=re.escape(f"index={index!r}: use an int in [0, 3)")):
+      fn(params, adapters, index=index)
 
 
 def test_merge_in_every_layout_equals_the_training_layout_merge(params):
