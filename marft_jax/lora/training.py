@@ -55,6 +55,9 @@ def where_adapters(take_new: jax.Array, new: Any, old: Any) -> Any:
   def pick(n, o):
     if not isinstance(n, Adapters):
       return n
+    if take_new.shape != (n.num_adapters,):  # a [1] mask would broadcast over every adapter
+      raise ValueError(f"take_new: shape {take_new.shape}, expected ({n.num_adapters},): one "
+                       f"flag per adapter")
     select = lambda x, y: jnp.where(take_new[None, :, None, None], x, y)
     return n.replace(layers=jax.tree.map(select, n.layers, o.layers))
 

@@ -5,6 +5,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import optax
 
 from marft_jax import lora
@@ -75,3 +76,6 @@ def test_later_agent_loss_reaches_earlier_agent_through_context_and_where_adapte
   kept_state = lora.where_adapters(only_1, new_state, state)
   mu, mu_before = kept_state[0].mu, state[0].mu
   np.testing.assert_array_equal(_per_adapter_changed(mu, mu_before), [False, True, False])
+  for flags in ([True], [False, True]):  # [1] would broadcast over all 3; [2] is short
+    with pytest.raises(ValueError, match=r"take_new: shape \(\d,\), expected \(3,\)"):
+      lora.where_adapters(jnp.asarray(flags), stepped, adapters)
