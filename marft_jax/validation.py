@@ -230,3 +230,25 @@ def check_same_shape(*, leading: Optional[int] = None, **arrays: Any) -> None:
               else f" in its first {leading} axes")
       owner = f"{first}'" if first.endswith("s") else f"{first}'s"
       raise ValueError(f"{name}: shape {shape} differs from {owner} {want}{axes}")
+
+
+def check_forward_pointers(name: str, pointers: Any, end: int) -> None:
+  """Refuses a successor pointer that does not lead forward: entry i must be in (i, end],
+  `end` meaning "none". One pointing back reads an entry not yet computed, and one past
+  `end` (or -1, "none" elsewhere in the library) is clamped or wrapped by JAX's indexing:
+  either gives wrong numbers silently."""
+  if is_traced(pointers):
+    if not checking_traced_values():
+      return
+    x = jnp.asarray(pointers)
+    ok = (x > jnp.arange(x.shape[0])) & (x <= end)
+    checkify.debug_check(jnp.all(ok), f"{name}: an entry i is outside (i, {end}]")
+    return
+  x = np.asarray(pointers)
+  if x.size and not np.issubdtype(x.dtype, np.integer):
+    raise ValueError(f"{name}: expected integer indices, got dtype {x.dtype}")
+  bad = (x <= np.arange(x.shape[0])) | (x > end)
+  if np.any(bad):
+    i = int(np.argmax(bad))
+    raise ValueError(f"{name}[{i}]={x[i].item()}: must be in ({i}, {end}], a later entry or "
+                     f"{end} for none ({int(bad.sum())} such entries)")

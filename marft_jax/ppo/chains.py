@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from marft_jax.validation import check_rank, check_same_shape, check_unit_interval
+from marft_jax.validation import (check_forward_pointers, check_range, check_rank,
+                                  check_same_shape, check_unit_interval, is_traced)
 
 
 def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax.Array:
@@ -45,9 +47,14 @@ def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -
     step_k: [n] env step of each turn.
     layer_k: [n] layer of each turn within its env step.
     valid_k: [n] non-zero on real turns (a prefix).
+  Raises:
+    ValueError: concrete valid_k that is not a prefix, or a group whose turns are not
+      contiguous (traced ones are not checked: successors would then skip or repeat groups).
   """
   check_rank(1, step_k=step_k, layer_k=layer_k, valid_k=valid_k)
   check_same_shape(step_k=step_k, layer_k=layer_k, valid_k=valid_k)
+  if not is_traced(step_k, layer_k, valid_k):
+    _check_turn_order(np.asarray(step_k), np.asarray(layer_k), np.asarray(valid_k) != 0)
   n = step_k.shape[0]
   valid = jnp.asarray(valid_k) != 0
   index = jnp.arange(n)
@@ -57,6 +64,20 @@ def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -
   later = jnp.concatenate([start_index[1:], jnp.full((1,), n, start_index.dtype)])
   successor = jax.lax.cummin(later, reverse=True)
   return jnp.where(valid, successor, n).astype(jnp.int32)
+
+
+def _check_turn_order(step, layer, valid) -> None:
+  if np.any(valid[1:] & ~valid[:-1]):
+    i = int(np.argmax(valid[1:] & ~valid[:-1])) + 1
+    raise ValueError(f"valid_k[{i}]: a real turn after a padding one (real turns come first)")
+  groups = list(zip(step[valid].tolist(), layer[valid].tolist()))
+  seen = set()
+  for i, group in enumerate(groups):
+    if group in seen and group != groups[i - 1]:
+      raise ValueError(f"step_k, layer_k: turn {i} (step {group[0]}, layer {group[1]}) is "
+                       f"apart from the earlier turns of its group (a group's turns are "
+                       f"contiguous)")
+    seen.add(group)
 
 
 def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: float,
@@ -77,10 +98,11 @@ def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: fl
     done_k: [n] non-zero if the episode ended after the turn's env step.
     gamma, lambda_, gamma_agent, lambda_agent: in [0, 1].
   Raises:
-    ValueError: a γ or λ outside [0, 1] or NaN.
+    ValueError: a γ or λ outside [0, 1] or NaN; a concrete next_k[k] outside (k, n].
   """
   check_rank(1, step_k=step_k, next_k=next_k, done_k=done_k)
   check_same_shape(step_k=step_k, next_k=next_k, done_k=done_k)
+  check_forward_pointers("next_k", next_k, step_k.shape[0])
   for name, value in (("gamma", gamma), ("lambda_", lambda_), ("gamma_agent", gamma_agent),
                       ("lambda_agent", lambda_agent)):
     check_unit_interval(name, value)
@@ -108,7 +130,7 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
   Args:
     r_k, discount_k, lambda_k: [n] per-turn reward and hop (`credit.turn_credit`,
       `turn_hops`).
-    next_k: [n] successor turn, n where none.
+    next_k: [n] successor turn, a later one (k < next_k[k]), n where none.
     length_k: [n] positions of each turn (0 for padding turns; real turns ≥ 1).
     width: W ≥ Σ length_k, static.
     gamma_token, lambda_token: in [0, 1].
@@ -117,13 +139,21 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
     (r_t, discount_t, lambda_t, next_t, mask_t, turn_t), each [W]: next_t = W where no
     successor, mask_t 1 on real positions, turn_t the position's turn (n on padding).
   Raises:
-    ValueError: gamma_token or lambda_token outside [0, 1].
+    ValueError: gamma_token or lambda_token outside [0, 1]; concrete next_k[k] outside
+      (k, n], a negative length_k or Σ length_k > width.
   """
   check_rank(1, r_k=r_k, discount_k=discount_k, lambda_k=lambda_k, next_k=next_k,
              length_k=length_k)
+  check_same_shape(r_k=r_k, discount_k=discount_k, lambda_k=lambda_k, next_k=next_k,
+                   length_k=length_k)
   check_unit_interval("gamma_token", gamma_token)
   check_unit_interval("lambda_token", lambda_token)
   n = r_k.shape[0]
+  check_forward_pointers("next_k", next_k, n)
+  check_range("length_k", length_k, 0)
+  if not is_traced(length_k) and int(np.sum(length_k)) > width:
+    raise ValueError(f"length_k: the turns fill {int(np.sum(length_k))} positions, more than "
+                     f"width={width}")
   length = jnp.asarray(length_k, jnp.int32)
   end = jnp.cumsum(length)
   start = end - length

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from marft_jax.ppo import chains
 from marft_jax.ppo import credit as ppo_credit  # `credit` is turn_chain_advantages' mode
-from marft_jax.validation import check_rank, check_same_shape, check_unit_interval
+from marft_jax.validation import (check_forward_pointers, check_rank, check_same_shape,
+                                  check_unit_interval)
 
 
 def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | float,
@@ -123,15 +124,17 @@ def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
 
   Args:
     r_t, discount_t, lambda_t, v_t, mask_t: [T] as in `masked_gae`.
-    next_t: [T] int, each entry in (t, T].
+    next_t: [T] int, each entry in (t, T] (T: none).
     v_bootstrap: scalar value past the end.
   Returns:
     [T] advantages, 0 at masked positions.
   Raises:
-    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
+    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN, or a concrete
+      next_t[t] outside (t, T].
   """
   check_rank(1, r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
   check_same_shape(r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
+  check_forward_pointers("next_t", next_t, r_t.shape[0])
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
   dtype = _float_dtype(v_t)

@@ -313,3 +313,48 @@ def test_a_wrong_shape_is_refused_naming_the_argument_under_jit():
   loss = jax.jit(ppo.ppo_clip_loss, static_argnums=4)
   with pytest.raises(ValueError, match=re.escape("adv_t: shape (3,) differs from logp_t's (4,)")):
     loss(_r(T), _r(T), _r(T - 1), _m(T), 0.2)
+
+
+# (call with one bad pointer, order or length, the message naming it). JAX's indexing would
+# wrap -1 to the end and clamp a pointer past it, and a pointer back reads an entry the
+# backward pass has not computed yet: each would be a wrong advantage, silently.
+ORDER_CASES = [
+    (lambda: ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), np.array([1, 2, 3, -1])),
+     "next_t[3]=-1: must be in (3, 4]"),
+    (lambda: ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), np.array([1, 0, 3, 4])),
+     "next_t[1]=0: must be in (1, 4]"),
+    (lambda: ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), np.array([1, 2, 9, 4])),
+     "next_t[2]=9: must be in (2, 4]"),
+    (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, -1]), np.array([2, 3]), 8),
+     "next_k[1]=-1: must be in (1, 2]"),
+    (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, 2]), np.array([2, -3]), 8),
+     "length_k: entry -3.0 must be >= 0"),
+    (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, 2]), np.array([5, 6]), 8),
+     "length_k: the turns fill 11 positions, more than width=8"),
+    (lambda: ppo.turn_hops(STEPS, np.array([1, 0, 3, 4]), DONE, 0.9, 0.9),
+     "next_k[1]=0: must be in (1, 4]"),
+    (lambda: ppo.turn_successors(STEPS, LAYERS, np.array([1, 0, 1, 0])),
+     "valid_k[2]: a real turn after a padding one"),
+    (lambda: ppo.turn_successors(np.array([0, 0, 0, 1]), np.array([0, 1, 0, 0]), _m(T)),
+     "step_k, layer_k: turn 2 (step 0, layer 0) is apart from the earlier turns of its group"),
+]
+
+
+@pytest.mark.parametrize("call,message", ORDER_CASES, ids=[m.split(":")[0] + f"-{i}" for i, (
+    _, m) in enumerate(ORDER_CASES)])
+def test_a_pointer_that_does_not_lead_forward_is_refused_naming_it(call, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    call()
+
+
+def test_a_traced_pointer_back_is_caught_by_checkify():
+  def gae(next_t):
+    return ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), next_t)
+
+  with validation.traced_checks():
+    checked = checkify.checkify(jax.jit(gae), errors=checkify.user_checks)
+    err, _ = checked(jnp.array([1, 0, 3, 4]))
+    with pytest.raises(Exception, match=re.escape("next_t: an entry i is outside (i, 4]")):
+      err.throw()
+    err, _ = checked(jnp.array([1, 2, 3, 4]))
+  err.throw()  # a good one passes
