@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_rank, check_unit_interval
+from marft_jax.validation import check_rank, check_same_shape, check_unit_interval
 
 CREDITS = ("equal", "step_discount", "per_step")
 
@@ -70,6 +70,8 @@ def turn_credit(team_reward_k: jax.Array, own_reward_k: jax.Array, step_k: jax.A
   """
   check_rank(1, team_reward_k=team_reward_k, own_reward_k=own_reward_k, step_k=step_k,
              layer_k=layer_k, valid_k=valid_k)
+  check_same_shape(team_reward_k=team_reward_k, own_reward_k=own_reward_k, step_k=step_k,
+                   layer_k=layer_k, valid_k=valid_k)
   if credit not in CREDITS:
     raise ValueError(f"credit={credit!r}: use one of {CREDITS}")
   check_unit_interval("gamma_c", gamma_c)

@@ -298,6 +298,8 @@ SHAPE_CASES = [
      "layer_k: shape (3,) differs from step_k's (4,)"),
     (lambda: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T, 1), "equal"),
      "valid_k: shape (4, 1) has rank 2, expected 1"),
+    (lambda: ppo.turn_credit(_r(T), _r(T - 1), STEPS, LAYERS, _m(T), "per_step"),
+     "own_reward_k: shape (3,) differs from team_reward_k's (4,)"),
     (lambda: ppo.token_to_action_frame(_r(T, 2), 0.0), "x_t: shape (4, 2) has rank 2, expected 1"),
 ]
 
