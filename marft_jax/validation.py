@@ -125,7 +125,8 @@ def check_range(name: str, value: Any, low: Optional[float] = None,
   if x.size == 1:
     shown = value if isinstance(value, (int, float)) else x.item()
     raise ValueError(f"{name}={shown!r}: must be {allowed}")
-  raise ValueError(f"{name}: entry {x[bad].flat[0].item()!r} must be {allowed} "
+  entry = np.asarray(value)[bad].flat[0].item()  # as given: an int stays an int
+  raise ValueError(f"{name}: entry {entry!r} must be {allowed} "
                    f"({int(bad.sum())} such entries)")
 
 

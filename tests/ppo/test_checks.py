@@ -323,7 +323,7 @@ ORDER_CASES = [
     (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, -1]), np.array([2, 3]), 8),
      "next_k[1]=-1: must be in (1, 2]"),
     (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, 2]), np.array([2, -3]), 8),
-     "length_k: entry -3.0 must be >= 0"),
+     "length_k: entry -3 must be >= 0"),
     (lambda: ppo.expand_turns(_r(2), _r(2), _r(2), np.array([1, 2]), np.array([5, 6]), 8),
      "length_k: the turns fill 11 positions, more than width=8"),
     (lambda: ppo.turn_hops(STEPS, np.array([1, 0, 3, 4]), DONE, 0.9, 0.9),
