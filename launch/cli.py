@@ -12,7 +12,7 @@
     is one line naming the key, and exit status 2, instead of a traceback;
   * INFO logs (e.g. JAX's "Unable to initialize backend 'tpu'") stay off the progress bars;
     `--verbosity=0` brings them back; a damaged checkpoint's error is not buried under the
-    reports of tensorstore's reads still in flight;
+    reports of tensorstore's reads still in flight (`sys.unraisablehook`, asyncio's log);
   * `--compilation_cache=DIR` keeps XLA's compiled programs in DIR (JAX's persistent cache), so
     a relaunch (a resume, an eval after training) loads them instead of compiling again.
   * `--retain_host_memory` keeps freed host memory in the process (`marft_jax.host_allocator`):
@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import logging as std_logging
 import os
 import re
 import sys
@@ -93,6 +94,7 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
     sys.unraisablehook = _drop_closed_event_loop_reports
+    std_logging.getLogger("asyncio").addFilter(_drop_failed_read_task_reports)
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     if _RETAIN_HOST_MEMORY.value:
@@ -121,6 +123,16 @@ def _drop_closed_event_loop_reports(unraisable) -> None:
   if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
     return
   sys.__unraisablehook__(unraisable)
+
+
+def _drop_failed_read_task_reports(record: std_logging.LogRecord) -> bool:
+  """The same reads still in flight, seen from asyncio: when one of their failed tasks is
+  collected (at exit, or earlier: it depends on the garbage collector), asyncio logs "Task
+  exception was never retrieved" with its traceback, the read error the one-line message
+  already gave. Those alone (a tensorstore error, which names its spec) are dropped."""
+  error = record.exc_info[1] if record.exc_info else None
+  return not ("exception was never retrieved" in record.getMessage()
+              and isinstance(error, (OSError, ValueError)) and "tensorstore_spec" in str(error))
 
 
 def enable_compilation_cache(folder: str) -> None:

@@ -8,7 +8,9 @@ token). A hand-built LoRA on the last MLP's down projection switches one agent's
 whose task shows the number the script answers, counted from the task text.
 """
 
+import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from launch import cli
 from marft_jax import lora as lora_lib
 from marft_jax.configs import to_config_dict
 from marft_jax.models import tiny
@@ -343,3 +346,33 @@ def test_launch_eval_names_a_damaged_checkpoint_in_one_line(run, tmp_path):
   assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
   assert errors[0].startswith(f"error: {workdir}/checkpoints/3: checkpoint of step 3 cannot be "
                               "read") and errors[0].endswith("start again in a fresh workdir")
+
+
+def _collect_a_failed_task(error: Exception) -> None:
+  """A task whose exception nobody retrieves, garbage-collected: asyncio then logs "Task
+  exception was never retrieved", as for Orbax's reads still in flight after a failed one."""
+  async def read():
+    raise error
+
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(read())
+  loop.run_until_complete(asyncio.sleep(0.01))
+  loop.close()
+  del task
+  gc.collect()
+
+
+def test_asyncio_reports_of_failed_reads_in_flight_are_dropped_and_others_kept(caplog):
+  """The damaged-checkpoint run above printed them now and then (when the garbage collector
+  took the tasks before exit): its one line became 36. Only tensorstore's read errors go."""
+  asyncio_log = logging.getLogger("asyncio")
+  asyncio_log.addFilter(cli._drop_failed_read_task_reports)
+  try:
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+      _collect_a_failed_task(ValueError("OUT_OF_RANGE: Error reading \"step/.zarray\" "
+                                        "[tensorstore_spec='{}']"))
+      _collect_a_failed_task(ValueError("some other failure"))
+  finally:
+    asyncio_log.removeFilter(cli._drop_failed_read_task_reports)
+  reports = [r for r in caplog.records if r.name == "asyncio"]
+  assert len(reports) == 1 and "some other failure" in str(reports[0].exc_info[1])
