@@ -370,8 +370,9 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   Concrete arguments are checked (ValueError naming `tokens`, `mask`, `positions`, `cache`,
   `adapter_ids` or the params' layout; shapes also when traced). Traced values cannot be:
   an out-of-range token reads a clamped embedding row, an overflowing cache write is
-  clamped, an out-of-range adapter id gets the base model. Wrap the call in `jax.experimental.checkify.checkify`, traced inside
-  `validation.traced_checks()`, to have the last two reported.
+  clamped, an out-of-range adapter id gets the base model. Wrap the call in
+  `jax.experimental.checkify.checkify`, traced inside `validation.traced_checks()`, to have
+  the last two reported.
   Returns:
     h: [B, T, D] compute dtype; the new cache (None without one).
   """

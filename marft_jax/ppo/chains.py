@@ -151,9 +151,9 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
   n = r_k.shape[0]
   check_forward_pointers("next_k", next_k, n)
   check_range("length_k", length_k, 0)
-  if not is_traced(length_k) and int(np.sum(length_k)) > width:
-    raise ValueError(f"length_k: the turns fill {int(np.sum(length_k))} positions, more than "
-                     f"width={width}")
+  filled = None if is_traced(length_k) else int(np.sum(length_k))
+  if filled is not None and filled > width:
+    raise ValueError(f"length_k: the turns fill {filled} positions, more than width={width}")
   length = jnp.asarray(length_k, jnp.int32)
   end = jnp.cumsum(length)
   start = end - length
