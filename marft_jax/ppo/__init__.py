@@ -34,6 +34,11 @@ each docstring says what a bad one does. The same checks run inside the computat
 Masked positions are selected away before any arithmetic, so padding that holds NaN or
 inf contributes exactly 0 to every loss and to its gradient.
 
+The arithmetic is float32 or wider whatever the inputs: bfloat16 and float16 arrays are cast
+up first and the results are float32 (`masked.at_least_float32`; the module says what bf16
+arithmetic got wrong). Log-probs, values and rewards may therefore come straight from a
+bf16 model.
+
 Defect labels (D3, D4, …) and notes (A1, …) cited in the docstrings are explained in
 docs/references.md, with the papers behind the formulas.
 """

@@ -26,25 +26,25 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.validation import check_range, check_same_shape
-from marft_jax.ppo.masked import masked_mean
+from marft_jax.ppo.masked import at_least_float32, masked_mean
 
 
 def kl_k1(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k1 = log π(w_t) − log π_ref(w_t), elementwise."""
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
-  return logp_t - ref_logp_t
+  return at_least_float32(logp_t) - at_least_float32(ref_logp_t)
 
 
 def kl_k2(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k2 = ½ (log π(w_t) − log π_ref(w_t))², elementwise."""
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
-  return 0.5 * (logp_t - ref_logp_t) ** 2
+  return 0.5 * (at_least_float32(logp_t) - at_least_float32(ref_logp_t)) ** 2
 
 
 def kl_k3(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
   """k3 = exp(log r) − 1 − log r with log r = log π_ref(w_t) − log π(w_t), elementwise."""
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
-  log_r = ref_logp_t - logp_t
+  log_r = at_least_float32(ref_logp_t) - at_least_float32(logp_t)
   return jnp.expm1(log_r) - log_r
 
 
@@ -68,9 +68,10 @@ def kl_penalty(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array,
   """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   valid = mask_t != 0
+  logp_t, ref_logp_t = at_least_float32(logp_t), at_least_float32(ref_logp_t)
   # Padding may hold garbage; keep it out of exp() so no inf reaches the gradient.
   logp_t = jnp.where(valid, logp_t, jnp.zeros_like(logp_t))
-  ref_logp_t = jnp.where(valid, jax.lax.stop_gradient(ref_logp_t), jnp.zeros_like(logp_t))
+  ref_logp_t = jnp.where(valid, jax.lax.stop_gradient(ref_logp_t), jnp.zeros_like(ref_logp_t))
   return masked_mean(estimator(logp_t, ref_logp_t), mask_t)
 
 
@@ -97,6 +98,7 @@ def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_co
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   check_range("kl_coef", kl_coef, 0.0, math.inf, high_open=True)
   valid = mask_t != 0
+  logp_t, ref_logp_t = at_least_float32(logp_t), at_least_float32(ref_logp_t)
   kl = estimator(jnp.where(valid, logp_t, 0.0), jnp.where(valid, ref_logp_t, 0.0))
   return jnp.where(valid, -kl_coef * jax.lax.stop_gradient(kl), jnp.zeros_like(kl))
 
@@ -108,5 +110,6 @@ def approx_kl(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> ja
   """
   check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, mask_t=mask_t)
   valid = mask_t != 0
-  kl = kl_k3(jnp.where(valid, old_logp_t, 0.0), jnp.where(valid, logp_t, 0.0))
+  kl = kl_k3(jnp.where(valid, at_least_float32(old_logp_t), 0.0),
+             jnp.where(valid, at_least_float32(logp_t), 0.0))
   return jax.lax.stop_gradient(masked_mean(kl, mask_t))

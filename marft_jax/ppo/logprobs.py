@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.validation import check_positive, check_rank, check_same_shape
-from marft_jax.ppo.masked import masked_mean, masked_sum
+from marft_jax.ppo.masked import at_least_float32, masked_mean, masked_sum
 
 
 def logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature=1.0,
@@ -62,7 +62,7 @@ def logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature=1.0,
   if temperature.ndim:
     check_same_shape(tokens=tokens, temperature=temperature)
     temperature = temperature[..., None]
-  logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+  logits = at_least_float32(logits)
   logits = logits / temperature
   top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   exps = jnp.exp(logits - top)  # [..., V]

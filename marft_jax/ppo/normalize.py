@@ -35,6 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from marft_jax.ppo.masked import at_least_float32
 from marft_jax.validation import (check_ids, check_positive, check_range, check_same_shape,
                                   check_size)
 
@@ -50,14 +51,14 @@ def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
   check_range("scale", scale, -math.inf, math.inf, low_open=True, high_open=True)
   check_range("bias", bias, -math.inf, math.inf, low_open=True, high_open=True)
   check_range("clip", clip, 0.0, math.inf, low_open=True)
-  r = (r + bias) * scale
+  r = (at_least_float32(r) + bias) * scale
   return r if clip is None else jnp.clip(r, -clip, clip)
 
 
 def _pool_normalize(x, mask, group_ids, num_groups, center, scale, leave_one_out, unbiased,
                     eps):
   # `normalize` and `agent_group_normalize` without the argument checks: one pool per id.
-  x = jnp.asarray(x, jnp.promote_types(jnp.asarray(x).dtype, jnp.float32))
+  x = at_least_float32(x)
   valid = (jnp.asarray(mask) != 0).reshape(-1)
   ids = jnp.where(valid, jnp.asarray(group_ids).reshape(-1), 0)
   xs = jnp.where(valid, x.reshape(-1), jnp.zeros((), x.dtype))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.validation import check_range, check_same_shape
-from marft_jax.ppo.masked import masked_count, masked_mean, masked_sum
+from marft_jax.ppo.masked import at_least_float32, masked_count, masked_mean, masked_sum
 
 _sg = jax.lax.stop_gradient
 
@@ -36,6 +36,8 @@ def _check_clip(epsilon, epsilon_high=None, dual_clip=None) -> None:
 
 
 def _select(x_t: jax.Array, mask_t: jax.Array) -> jax.Array:
+  """x_t (at least f32) where mask_t is set, 0 elsewhere."""
+  x_t = at_least_float32(x_t)
   return jnp.where(mask_t != 0, x_t, jnp.zeros_like(x_t))
 
 
@@ -68,7 +70,8 @@ def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
   """
   check_same_shape(ratio_t=ratio_t, adv_t=adv_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
-  return _surrogate(ratio_t, adv_t, epsilon, epsilon_high, dual_clip)
+  return _surrogate(at_least_float32(ratio_t), at_least_float32(adv_t), epsilon, epsilon_high,
+                    dual_clip)
 
 
 def _surrogate(ratio_t, adv_t, epsilon, epsilon_high, dual_clip):

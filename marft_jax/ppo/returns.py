@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from marft_jax.ppo import chains
 from marft_jax.ppo import credit as ppo_credit  # `credit` is turn_chain_advantages' mode
+from marft_jax.ppo.masked import at_least_float32
 from marft_jax.validation import (check_forward_pointers, check_rank, check_same_shape,
                                   check_unit_interval)
 
@@ -78,7 +79,7 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
 
 def _gae(r_t, discount_t, lambda_t, v_t, mask_t, v_bootstrap) -> jax.Array:
   # `masked_gae` without the argument checks, for callers that built valid hops.
-  dtype = _float_dtype(v_t)
+  dtype = at_least_float32(v_t).dtype
   is_state = jnp.asarray(mask_t) != 0
   # Select before arithmetic: a NaN value at a masked position must not reach the gradient.
   v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
@@ -137,7 +138,7 @@ def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
   check_forward_pointers("next_t", next_t, r_t.shape[0])
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
-  dtype = _float_dtype(v_t)
+  dtype = at_least_float32(v_t).dtype
   T = r_t.shape[0]
   is_state = jnp.asarray(mask_t) != 0
   v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
@@ -163,11 +164,6 @@ def _successor_backup(table, xs):
 def _check_hops(**hops) -> None:
   for name, value in hops.items():
     check_unit_interval(name, value)
-
-
-def _float_dtype(x) -> jnp.dtype:
-  # At least f32 for the accumulation; f64 inputs stay f64 only when x64 is enabled.
-  return jnp.promote_types(jnp.asarray(x).dtype, jnp.float32)
 
 
 def _agent_hops(done_t: jax.Array, num_agents: int, gamma, lambda_, gamma_agent, lambda_agent,
@@ -236,7 +232,7 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   # rewards per turn: the trainer's `turn_chain_advantages`, not a second copy of it.
   T, N = r_t.shape
   ones = jnp.ones((T * N,), jnp.int32)
-  r = jnp.asarray(r_t, _float_dtype(r_t)).reshape(-1)
+  r = at_least_float32(r_t).reshape(-1)
   adv, ret = turn_chain_advantages(
       jnp.repeat(jnp.arange(T), N), jnp.tile(jnp.arange(N), T), ones, ones, jnp.zeros_like(r),
       r, jnp.repeat(jnp.asarray(done_t), N), jnp.asarray(v_t).reshape(-1), credit="per_step",
@@ -300,7 +296,7 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   gamma_token, gamma_agent = (gamma if g is None else g for g in (gamma_token, gamma_agent))
   lambda_token, lambda_agent = (lambda_ if x is None else x for x in (lambda_token, lambda_agent))
   valid = jnp.asarray(mask_t) != 0
-  v_t = jnp.asarray(v_t, _float_dtype(v_t))
+  v_t = at_least_float32(v_t)
   dtype = v_t.dtype
   v_t = jnp.where(valid, v_t, jnp.zeros((), dtype))
   # A token hop happens where a valid token follows some earlier valid token of the action;

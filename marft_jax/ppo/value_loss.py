@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.validation import check_positive, check_range, check_same_shape
-from marft_jax.ppo.masked import masked_mean
+from marft_jax.ppo.masked import at_least_float32, masked_mean
 
 _sg = jax.lax.stop_gradient
 
@@ -33,7 +33,7 @@ def huber_loss(x: jax.Array, delta: float) -> jax.Array:
   > 0 (ValueError otherwise, when concrete).
   """
   check_positive("delta", delta)
-  return _huber(x, delta)
+  return _huber(at_least_float32(x), delta)
 
 
 def _huber(x: jax.Array, delta: float) -> jax.Array:
@@ -47,7 +47,7 @@ def _pessimistic(error_fn, v_t, old_v_t, returns_t, mask_t, clip_eps):
   check_range("clip_eps", clip_eps, 0.0)
   valid = mask_t != 0
   v_t, old_v_t, returns_t = (jnp.where(valid, x, jnp.zeros_like(x))
-                             for x in (v_t, old_v_t, returns_t))
+                             for x in map(at_least_float32, (v_t, old_v_t, returns_t)))
   loss = error_fn(_sg(returns_t) - v_t)
   if clip_eps is None:
     return loss
