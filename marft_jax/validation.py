@@ -77,7 +77,9 @@ def _interval(low, high, low_open, high_open) -> str:
     if low is None or low == -math.inf:
       return "finite"
     return f"finite and {_interval(low, None, low_open, False)}"
-  low, high = (None if b is None else f"{b:g}" for b in (low, high))
+  # An int bound prints in full (2147483647, not 2.14748e+09).
+  low, high = (None if b is None else str(b) if isinstance(b, (int, np.integer)) else f"{b:g}"
+               for b in (low, high))
   if high is None:
     return f"{'>' if low_open else '>='} {low}"
   if low is None:
@@ -127,7 +129,12 @@ def check_range(name: str, value: Any, low: Optional[float] = None,
     raise ValueError(f"{name}={shown!r}: must be {allowed}")
   entry = np.asarray(value)[bad].flat[0].item()  # as given: an int stays an int
   raise ValueError(f"{name}: entry {entry!r} must be {allowed} "
-                   f"({int(bad.sum())} such entries)")
+                   f"({_such_entries(bad)})")
+
+
+def _such_entries(bad: np.ndarray) -> str:
+  count = int(bad.sum())
+  return f"{count} such entr{'y' if count == 1 else 'ies'}"
 
 
 def check_unit_interval(name: str, value: Any) -> None:
@@ -207,7 +214,7 @@ def check_ids(name: str, ids: Any, upper: Any, where: Any = None, *, low: int = 
   bad = (checked >= upper) if skip_negative else (checked < low) | (checked >= upper)
   if np.any(bad):
     raise ValueError(f"{name}: id {checked[bad].flat[0].item()!r} is outside "
-                     f"{span.format(upper)} ({int(bad.sum())} such entries)")
+                     f"{span.format(upper)} ({_such_entries(bad)})")
 
 
 def check_rank(rank: Union[int, Sequence[int]], **arrays: Any) -> None:
@@ -252,4 +259,4 @@ def check_forward_pointers(name: str, pointers: Any, end: int) -> None:
   if np.any(bad):
     i = int(np.argmax(bad))
     raise ValueError(f"{name}[{i}]={x[i].item()}: must be in ({i}, {end}], a later entry or "
-                     f"{end} for none ({int(bad.sum())} such entries)")
+                     f"{end} for none ({_such_entries(bad)})")

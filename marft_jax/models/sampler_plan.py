@@ -22,7 +22,7 @@ from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.sampling import check_sampling_args
 from marft_jax.models.transformer import KVCache, Params
-from marft_jax.validation import check_ids
+from marft_jax.validation import check_ids, check_range
 
 # Bucket sizes start at these minima. N and the stop ids round up to powers of two; prompt
 # chunks and cache slots to quarter octaves (…, 64, 80, 96, 112, 128, 160, …): a prompt's
@@ -89,7 +89,7 @@ def _prompt_mask(tokens: np.ndarray, prompt_lens, prompt_mask) -> np.ndarray:
     return mask.astype(bool)
   if prompt_lens is not None:
     lens = _per_row("prompt_lens", prompt_lens, B, np.int64)
-    check_ids("prompt_lens", lens, P + 1)
+    check_range("prompt_lens", lens, 0, P)
     return np.arange(P)[None, :] < lens[:, None]
   return np.ones((B, P), bool)
 
@@ -250,8 +250,8 @@ def checked(tokens, config: ModelConfig, max_new_tokens, prompt_lens, prompt_mas
   check_ids("tokens", tokens, config.vocab_size, where=mask)
   if not np.issubdtype(np.asarray(max_new_tokens).dtype, np.integer):
     raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int or ints")
+  check_range("max_new_tokens", max_new_tokens, 0, np.iinfo(np.int32).max)
   max_new = _per_row("max_new_tokens", max_new_tokens, B, np.int64)
-  check_ids("max_new_tokens", max_new, np.iinfo(np.int32).max)
   if np.any((max_new > 0) & ~mask.any(axis=1)):
     raise ValueError("a row with max_new_tokens > 0 has no real prompt token in the chunk")
   check_sampling_args(temperature, top_p, top_k)

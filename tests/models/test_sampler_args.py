@@ -65,9 +65,12 @@ def _generate(params, **kw):
     (dict(tokens=np.array([[1.0, 2.0]])), "tokens"),
     (dict(eos_ids=[V]), "eos_ids"),
     (dict(stop_ids=[[3], [-2]]), "stop_ids"),
-    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=-1), re.escape("max_new_tokens=-1: must be in [0, 2147483647]")),
+    (dict(max_new_tokens=[3, -2]),
+     re.escape("max_new_tokens: entry -2 must be in [0, 2147483647] (1 such entry)")),
     (dict(max_new_tokens=2.0), "max_new_tokens"),
-    (dict(prompt_lens=[7, 2]), "prompt_lens"),
+    (dict(prompt_lens=[7, 2]), re.escape("prompt_lens: entry 7 must be in [0, 6] (1 such entry)")),
+    (dict(prompt_lens=[7, 9]), re.escape("prompt_lens: entry 7 must be in [0, 6] (2 such entries)")),
     (dict(prompt_mask=np.ones((2, 5), bool)), "prompt_mask"),
     (dict(max_new_tokens=60), "max_position_embeddings"),  # 6 + 60 > 64
 ])
