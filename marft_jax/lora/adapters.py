@@ -22,6 +22,7 @@ from marft_jax.lora.config import LoraConfig
 from marft_jax.lora.routing import Adapters, select_adapter  # noqa: F401 (re-exported)
 from marft_jax.architecture.config import ModelConfig
 from marft_jax.architecture.targets import linear_shapes
+from marft_jax.validation import check_positive_int
 
 
 def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.Array,
@@ -34,7 +35,15 @@ def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.A
 
   Returns:
     Adapters with `a`: [L, A, D_in, R] and `b`: [L, A, R, D_out] for each target.
+  Raises:
+    ValueError: the two configs swapped or of another type, or num_adapters not an int ≥ 1.
   """
+  for name, value, kind in (("lora_config", lora_config, LoraConfig),
+                            ("model_config", model_config, ModelConfig)):
+    if not isinstance(value, kind):
+      raise ValueError(f"init_adapters: {name} must be a {kind.__name__}, got "
+                       f"{type(value).__name__}")
+  check_positive_int("num_adapters", num_adapters)
   shapes = linear_shapes(model_config)
   names = lora_config.target_names()
   keys = jax.random.split(rng, len(names))
@@ -50,6 +59,8 @@ def init_adapters(lora_config: LoraConfig, model_config: ModelConfig, rng: jax.A
 
 def stack_adapters(adapters: Sequence[Adapters]) -> Adapters:
   """Concatenates adapter sets on the A axis (e.g. one A = 1 set per agent -> A = N)."""
+  if not adapters:
+    raise ValueError("stack_adapters: no adapter sets given")
   describe = lambda x: (f"targets {sorted(x.layers)}, rank {x.rank}, scale {x.scale}, "
                         f"dropout {x.dropout_rate}")
   for i, other in enumerate(adapters[1:], 1):

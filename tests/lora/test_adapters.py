@@ -53,6 +53,27 @@ def test_init_is_peft_kaiming_uniform_with_zero_b_and_deterministic():
     assert not np.allclose(a[:, 0], a[:, 1])  # Adapters start different.
 
 
+@pytest.mark.parametrize("args, message", [
+    ((CONFIG, lora.LoraConfig()), "init_adapters: lora_config must be a LoraConfig, got "
+                                  "ModelConfig"),
+    ((lora.LoraConfig(), CONFIG, jax.random.key(0), 0), "num_adapters=0: must be a positive int"),
+    ((lora.LoraConfig(), CONFIG, jax.random.key(0), -1), "num_adapters=-1: must be a positive int"),
+    ((lora.LoraConfig(), CONFIG, jax.random.key(0), 2.5), "num_adapters=2.5: must be a positive"),
+])
+def test_init_refuses_bad_arguments_by_name(args, message):
+  """Before: swapped configs raised AttributeError from deep in the shape table, -1 an MLIR
+  error, 2.5 a JAX shape error, and 0 made an empty set."""
+  if len(args) == 2:
+    args = (*args, jax.random.key(0))
+  with pytest.raises(ValueError, match=re.escape(message)):
+    lora.init_adapters(*args)
+
+
+def test_stacking_nothing_is_refused():
+  with pytest.raises(ValueError, match="stack_adapters: no adapter sets given"):
+    lora.stack_adapters([])
+
+
 def test_stack_and_select_round_trip():
   adapters = random_adapters(3)
   parts = [lora.select_adapter(adapters, i) for i in range(3)]
