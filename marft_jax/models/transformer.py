@@ -44,8 +44,8 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
 from marft_jax.models.layout import check_params_layout
 from marft_jax.models.targets import LINEARS, NORMS
-from marft_jax.validation import (check_ids, check_rank, check_same_shape, checking_traced_values,
-                                  is_traced)
+from marft_jax.validation import (check_ids, check_int, check_rank, check_same_shape,
+                                  checking_traced_values, is_traced)
 
 Params = dict
 # Without a cache, attention runs its queries in blocks of this many, each against the keys up
@@ -75,6 +75,7 @@ class KVCache:
 
 def init_cache(config: ModelConfig, batch: int, size: int) -> KVCache:
   """An empty cache of `size` slots for `batch` rows, in the compute dtype and config.layout."""
+  batch, size = check_int("batch", batch, low=0), check_int("size", size, low=0)
   k_shape = (batch, config.num_kv_heads, config.head_dim, size)
   v_shape = (batch, config.num_kv_heads, size, config.head_dim)
   if config.layout.scan_layers:
@@ -112,6 +113,38 @@ def init_params(config: ModelConfig, rng: jax.Array, std: float = 0.02) -> Param
   if not config.tie_word_embeddings:
     params["lm_head"] = normal((D, V))
   return params
+
+
+def check_cache_fits(cache: Optional[KVCache], config: ModelConfig, batch: int) -> None:
+  """Refuses a cache made for another model, layout, batch size or dtype. Shapes are static,
+  so this holds under `jit` too. Unchecked, a cache of more layers than the model was read
+  in part without a word, one of another batch size failed deep in a broadcast, and one in
+  bfloat16 rounded an f32 model's keys and values."""
+  if cache is None:
+    return
+  stacked = not isinstance(cache.k, (list, tuple))
+  if stacked != config.layout.scan_layers:
+    found = "stacked layers" if stacked else "a list of layers"
+    raise ValueError(f"cache: holds {found} but config.layout={config.layout} "
+                     "(convert it with layout.convert_cache)")
+  S = cache.size
+  K, E, L = config.num_kv_heads, config.head_dim, config.num_layers
+  want = {"keys": (batch, K, E, S), "values": (batch, K, S, E)}
+  for what, layers in (("keys", cache.k), ("values", cache.v)):
+    shapes = [tuple(layers.shape[1:])] * layers.shape[0] if stacked else [
+        tuple(jnp.shape(x)) for x in layers]
+    dtypes = {jnp.dtype(layers.dtype)} if stacked else {jnp.dtype(x.dtype) for x in layers}
+    if len(shapes) != L or set(shapes) != {want[what]}:
+      raise ValueError(f"cache: {what} of {len(shapes)} layers shaped {sorted(set(shapes))}; "
+                       f"this model and batch need {L} of {want[what]} "
+                       f"(init_cache(config, {batch}, {S}))")
+    if dtypes != {jnp.dtype(config.dtype)}:
+      found = "/".join(sorted(str(d) for d in dtypes))
+      raise ValueError(f"cache: {what} are {found} but the model computes in "
+                       f"{jnp.dtype(config.dtype)} (init_cache with this config)")
+  if tuple(cache.valid.shape) != (batch, S):
+    raise ValueError(f"cache: valid has shape {tuple(cache.valid.shape)}, expected "
+                     f"{(batch, S)}")
 
 
 def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
@@ -384,6 +417,7 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   B, T = tokens.shape
   mask = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
   check_ids("tokens", tokens, config.vocab_size, where=mask)
+  check_cache_fits(cache, config, B)
   check_cache_room(cache, T)
   if positions is None:
     positions = default_positions(mask, cache)

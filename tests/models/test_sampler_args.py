@@ -164,6 +164,32 @@ def test_a_continued_cache_that_is_too_small_grows(params):
   np.testing.assert_allclose(np.asarray(cont.logprobs), np.asarray(once.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_config, batch, message", [
+    (CONFIG, 3, "cache: keys of 2 layers shaped [(3, 2, 16, 16)]; this model and batch need 2 "
+                "of (2, 2, 16, 16) (init_cache(config, 2, 16))"),
+    (CONFIG.replace(num_layers=3), 2, "cache: keys of 3 layers shaped [(2, 2, 16, 16)]"),
+    (CONFIG.replace(param_dtype="bfloat16", compute_dtype="bfloat16"), 2,
+     "cache: keys are bfloat16 but the model computes in float32"),
+    (CONFIG.replace(layout=layout.DECODING), 2, "cache: holds a list of layers but "
+                                                "config.layout=Layout(scan_layers=True"),
+], ids=["batch", "layers", "dtype", "layout"])
+def test_forward_refuses_a_cache_made_for_another_call(params, cache_config, batch, message):
+  """Before: another batch size failed in a broadcast, a 3-layer cache was read in part
+  without a word, a bf16 cache silently rounded the f32 model's keys."""
+  cache = transformer.init_cache(cache_config, batch, 16)
+  for forward in (transformer.forward, jax.jit(transformer.forward, static_argnums=2)):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      forward(params, PROMPTS, CONFIG, cache=cache)
+
+
+@pytest.mark.parametrize("batch, size, message", [(2, -3, "size=-3: must be >= 0"),
+                                                  (-1, 8, "batch=-1: must be >= 0"),
+                                                  (2, 8.0, "size=8.0: expected an int")])
+def test_init_cache_refuses_bad_sizes_by_name(batch, size, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    transformer.init_cache(CONFIG, batch, size)
+
+
 def test_forward_refuses_a_cache_write_past_its_end(params):
   cache = transformer.init_cache(CONFIG, 2, 8)
   _, cache = transformer.forward(params, PROMPTS, CONFIG, cache=cache)  # slots 0..5
