@@ -136,6 +136,14 @@ def check_params_layout(params: dict, layout: Layout, config: Any) -> None:
     raise ValueError(f"params hold {found} but config.layout={layout} (convert them with "
                      "layout.convert_params)")
   down = (layers[0] if isinstance(layers, (list, tuple)) else layers)["down_proj"]["kernel"]
+  num_layers = len(layers) if isinstance(layers, (list, tuple)) else np.shape(down)[0]
+  if num_layers != config.num_layers:
+    raise ValueError(f"params hold {num_layers} layers but config.num_layers="
+                     f"{config.num_layers}: they belong to another model")
+  embed = tuple(np.shape(params["embed"]))
+  if embed != (config.vocab_size, config.hidden_size):
+    raise ValueError(f"params' embed is {embed} but the config's vocab_size x hidden_size is "
+                     f"{(config.vocab_size, config.hidden_size)}: they belong to another model")
   d, f = config.hidden_size, config.intermediate_size
   expected = (d, f) if layout.feature_major else (f, d)
   if d != f and tuple(np.shape(down))[-2:] != expected:

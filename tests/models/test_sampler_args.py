@@ -182,6 +182,23 @@ def test_forward_refuses_a_cache_made_for_another_call(params, cache_config, bat
       forward(params, PROMPTS, CONFIG, cache=cache)
 
 
+@pytest.mark.parametrize("changes, lay, message", [
+    (dict(num_layers=3), layout.TRAINING, "params hold 3 layers but config.num_layers=2"),
+    (dict(num_layers=3), layout.DECODING, "params hold 3 layers but config.num_layers=2"),
+    (dict(vocab_size=300), layout.TRAINING,
+     "params' embed is (300, 64) but the config's vocab_size x hidden_size is (256, 64)"),
+    (dict(hidden_size=128), layout.TRAINING, "params' embed is (256, 128)"),
+], ids=["layers", "layers_unrolled", "vocab", "width"])
+def test_forward_refuses_params_of_another_model(changes, lay, message):
+  """Before: the unrolled 3-layer params ran all 3 layers and the 300-token vocabulary gave
+  300-wide logits, both without a word; the scanned 3 layers failed inside `lax.scan`, and
+  the wider model's error blamed the layout."""
+  other = layout.convert_params(transformer.init_params(CONFIG.replace(**changes),
+                                                       jax.random.key(0)), layout.TRAINING, lay)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    transformer.forward(other, PROMPTS, CONFIG.replace(layout=lay))
+
+
 @pytest.mark.parametrize("batch, size, message", [(2, -3, "size=-3: must be >= 0"),
                                                   (-1, 8, "batch=-1: must be >= 0"),
                                                   (2, 8.0, "size=8.0: expected an int")])
