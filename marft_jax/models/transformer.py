@@ -43,7 +43,7 @@ from marft_jax.lora.routing import Adapters, canonical_adapter_ids
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.layers import apply_rope, attention, rms_norm
 from marft_jax.models.layout import check_params_layout
-from marft_jax.models.targets import LINEARS, NORMS
+from marft_jax.models.targets import LINEARS, NORMS, linear_shapes
 from marft_jax.validation import (check_ids, check_int, check_rank, check_same_shape,
                                   checking_traced_values, is_traced)
 
@@ -145,6 +145,29 @@ def check_cache_fits(cache: Optional[KVCache], config: ModelConfig, batch: int) 
   if tuple(cache.valid.shape) != (batch, S):
     raise ValueError(f"cache: valid has shape {tuple(cache.valid.shape)}, expected "
                      f"{(batch, S)}")
+
+
+def check_adapters_fit(lora: Optional[Adapters], config: ModelConfig) -> None:
+  """Refuses adapters made for another model (static shapes: also under `jit`). Unchecked,
+  adapters of more layers than an unrolled model were read in part without a word, and other
+  widths failed deep in a concatenation or a broadcast."""
+  if lora is None:
+    return
+  shapes = linear_shapes(config)
+  unknown = sorted(set(lora.layers) - set(shapes))
+  if unknown:
+    raise ValueError(f"lora: targets {unknown} are not linear layers of this model "
+                     f"({sorted(shapes)})")
+  L, A, R = config.num_layers, lora.num_adapters, lora.rank
+  for name, (d_in, d_out) in shapes.items():  # the model's order: q_proj first
+    if name not in lora.layers:
+      continue
+    want = {"a": (L, A, d_in, R), "b": (L, A, R, d_out)}
+    for factor in ("a", "b"):
+      got = tuple(jnp.shape(lora.layers[name][factor]))
+      if got != want[factor]:
+        raise ValueError(f"lora: {name}.{factor} has shape {got}; this model needs "
+                         f"{want[factor]} ([layers, adapters, ...]): adapters of another model")
 
 
 def check_cache_room(cache: Optional[KVCache], num_new: int) -> None:
@@ -401,7 +424,8 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
       over its own T tokens). The tokens are still written into it.
 
   Concrete arguments are checked (ValueError naming `tokens`, `mask`, `positions`, `cache`,
-  `adapter_ids` or the params' layout; shapes also when traced). Traced values cannot be:
+  `lora`, `adapter_ids`, or params of another layout or model; shapes also when traced: a
+  cache, adapters or params made for another model are refused). Traced values cannot be:
   an out-of-range token reads a clamped embedding row, an overflowing cache write is
   clamped, an out-of-range adapter id gets the base model. Wrap the call in
   `jax.experimental.checkify.checkify`, traced inside `validation.traced_checks()`, to have
@@ -419,6 +443,7 @@ def hidden_states(params: Params, tokens: jax.Array, config: ModelConfig, *,
   check_ids("tokens", tokens, config.vocab_size, where=mask)
   check_cache_fits(cache, config, B)
   check_cache_room(cache, T)
+  check_adapters_fit(lora, config)
   if positions is None:
     positions = default_positions(mask, cache)
   allowed = mask[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]

@@ -199,6 +199,26 @@ def test_forward_refuses_params_of_another_model(changes, lay, message):
     transformer.forward(other, PROMPTS, CONFIG.replace(layout=lay))
 
 
+@pytest.mark.parametrize("changes, lay, message", [
+    (dict(num_layers=3), layout.DECODING,
+     "lora: q_proj.a has shape (3, 2, 64, 4); this model needs (2, 2, 64, 4)"),
+    (dict(num_layers=3), layout.TRAINING, "lora: q_proj.a has shape (3, 2, 64, 4)"),
+    (dict(hidden_size=128), layout.TRAINING, "lora: q_proj.a has shape (2, 2, 128, 4)"),
+    (dict(num_kv_heads=1), layout.TRAINING,
+     "lora: k_proj.b has shape (2, 2, 4, 16); this model needs (2, 2, 4, 32)"),
+], ids=["layers_unrolled", "layers", "width", "kv_heads"])
+def test_forward_refuses_adapters_of_another_model(params, changes, lay, message):
+  """Before: 3-layer adapters on the unrolled 2-layer model were read in part without a
+  word; the other cases failed inside lax.scan, a concatenation or a broadcast."""
+  other = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4), CONFIG.replace(**changes),
+                                 jax.random.key(0), 2)
+  config = CONFIG.replace(layout=lay)
+  tree = layout.convert_params(params, layout.TRAINING, lay)
+  for forward in (transformer.forward, jax.jit(transformer.forward, static_argnums=2)):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      forward(tree, PROMPTS, config, lora=other, adapter_ids=np.array([0, 1]))
+
+
 @pytest.mark.parametrize("batch, size, message", [(2, -3, "size=-3: must be >= 0"),
                                                   (-1, 8, "batch=-1: must be >= 0"),
                                                   (2, 8.0, "size=8.0: expected an int")])
