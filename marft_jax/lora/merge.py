@@ -52,6 +52,9 @@ def _shift_kernels(params, deltas, sign, layout):
     layer = dict(layer)
     for name, delta in layer_deltas.items():
       kernel = layer[name]["kernel"]
+      if jnp.shape(delta) != jnp.shape(kernel):  # a broadcast would merge a wrong model
+        raise ValueError(f"adapters: {name}'s update has shape {jnp.shape(delta)} but the "
+                         f"kernel {jnp.shape(kernel)}: adapters of another model or layout")
       # The sum is formed in float32 so that a bfloat16 base loses only the final rounding.
       shifted = kernel.astype(jnp.float32) + sign * delta
       layer[name] = dict(layer[name], kernel=shifted.astype(kernel.dtype))
@@ -59,6 +62,10 @@ def _shift_kernels(params, deltas, sign, layout):
 
   if layout.scan_layers:
     return dict(params, layers=shift(params["layers"], deltas))
+  for name, delta in deltas.items():  # delta[i] past the end would clamp to the last layer
+    if jnp.shape(delta)[0] != len(params["layers"]):
+      raise ValueError(f"adapters: {name} has {jnp.shape(delta)[0]} layers but the params "
+                       f"hold {len(params['layers'])}: adapters of another model")
   layers = [shift(layer, {name: delta[i] for name, delta in deltas.items()})
             for i, layer in enumerate(params["layers"])]
   return dict(params, layers=layers)

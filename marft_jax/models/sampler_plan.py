@@ -260,6 +260,7 @@ def checked(tokens, config: ModelConfig, max_new_tokens, prompt_lens, prompt_mas
   ids = _per_row("adapter_ids", NO_ADAPTER if adapter_ids is None and lora is None
                  else 0 if adapter_ids is None else adapter_ids, B, np.int64)
   num_adapters = 1 if lora is None else lora.num_adapters
+  transformer.check_adapters_fit(lora, config)  # before a merge could broadcast them
   check_ids("adapter_ids", ids, num_adapters, low=NO_ADAPTER)
   if prompt_adapter_ids is not None:
     prompt_adapter_ids = np.asarray(prompt_adapter_ids)

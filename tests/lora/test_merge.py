@@ -66,3 +66,21 @@ def test_merge_in_every_layout_equals_the_training_layout_merge(params):
     restored = lora.unmerge_adapter(merged, adapters, index=1, layout=dst)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=0), restored,
                  moved)
+
+
+@pytest.mark.parametrize("lay, layers, message", [
+    ("training", 1, "adapters: q_proj's update has shape (1, 64, 64) but the kernel (2, 64, 64)"),
+    ("decoding", 1, "adapters: q_proj has 1 layers but the params hold 2"),
+    ("decoding", 3, "adapters: q_proj has 3 layers but the params hold 2"),
+])
+def test_adapters_of_another_model_are_refused(params, lay, layers, message):
+  """Before: a 1-layer update broadcast over both stacked layers; unrolled, layer 1 took the
+  clamped delta[1] of a 1-layer set, and a 3-layer set lost its last layer, all silently."""
+  from marft_jax.models import layout
+  chosen = {"training": layout.TRAINING, "decoding": layout.DECODING}[lay]
+  adapters = random_adapters(1, targets="q_proj",
+                             model_config=CONFIG.replace(num_layers=layers))
+  tree = layout.convert_params(params, layout.TRAINING, chosen)
+  for fn in (lora.merge_adapter, lora.unmerge_adapter):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      fn(tree, adapters, index=0, layout=chosen)

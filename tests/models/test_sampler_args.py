@@ -219,6 +219,16 @@ def test_forward_refuses_adapters_of_another_model(params, changes, lay, message
       forward(tree, PROMPTS, config, lora=other, adapter_ids=np.array([0, 1]))
 
 
+def test_generate_refuses_adapters_of_another_model(params):
+  """One adapter takes the merged fast path: before, a 1-layer set's update was broadcast over
+  both layers and sampled from without a word."""
+  other = lora_lib.init_adapters(lora_lib.LoraConfig(rank=4), CONFIG.replace(num_layers=1),
+                                 jax.random.key(0))
+  with pytest.raises(ValueError, match=re.escape("lora: q_proj.a has shape (1, 1, 64, 4); "
+                                                 "this model needs (2, 1, 64, 4)")):
+    _generate(params, lora=other, adapter_ids=0)
+
+
 @pytest.mark.parametrize("batch, size, message", [(2, -3, "size=-3: must be >= 0"),
                                                   (-1, 8, "batch=-1: must be >= 0"),
                                                   (2, 8.0, "size=8.0: expected an int")])
