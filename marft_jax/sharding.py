@@ -51,17 +51,16 @@ LOGICAL_RULES: Mapping[str, Any] = {
 
 def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A `("data", "fsdp", "tensor")` mesh with Auto axis types.
+  """A `("data", "fsdp", "tensor")` mesh with Auto axis types over the first devices.
 
-  `jax.make_mesh` defaults to Explicit axes in JAX 0.10, under which gathers fail with a
-  `ShardingTypeError`; Auto lets XLA propagate shardings from the jit boundary.
+  Each size is an int >= 1, or -1 for one axis: all the devices the others leave
+  (`mesh_shape`). `jax.make_mesh` defaults to Explicit axes in JAX 0.10, under which gathers
+  fail with a `ShardingTypeError`; Auto lets XLA propagate shardings from the jit boundary.
   """
   devices = list(jax.devices() if devices is None else devices)
-  n = data * fsdp * tensor
-  if n > len(devices):
-    raise ValueError(f"mesh data={data} x fsdp={fsdp} x tensor={tensor} needs {n} devices, "
-                     f"{len(devices)} available")
-  grid = np.array(devices[:n]).reshape(data, fsdp, tensor)
+  # Checked: a size of 0 made an empty mesh, and -1 sliced devices[:-1] (7 of 8).
+  data, fsdp, tensor = mesh_shape(data, fsdp, tensor, len(devices))
+  grid = np.array(devices[:data * fsdp * tensor]).reshape(data, fsdp, tensor)
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 

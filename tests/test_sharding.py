@@ -1,5 +1,7 @@
 """Sharded forward on 8 virtual CPU devices equals the single-device forward."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,16 @@ def test_make_mesh_uses_auto_axes_and_checks_device_count():
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   with pytest.raises(ValueError, match="needs 16 devices"):
     sharding.make_mesh(data=4, fsdp=2, tensor=2)
+
+
+def test_make_mesh_fills_one_axis_with_minus_one_and_refuses_bad_sizes():
+  """Before: -1 sliced devices[:-1] into a 7-device mesh, 0 made an empty one, 2.0 failed in
+  a slice with a TypeError."""
+  assert dict(sharding.make_mesh(data=-1).shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert dict(sharding.make_mesh(data=-1, fsdp=2).shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+  for size in (0, 2.0, -2):
+    with pytest.raises(ValueError, match=re.escape(f"mesh.data={size!r}: use a size >= 1")):
+      sharding.make_mesh(data=size)
 
 
 def test_partition_rules_cover_every_parameter(model):
