@@ -52,6 +52,9 @@ class EnvBatch:
                        f"range({size})")
     if num_tasks is not None and (not isinstance(num_tasks, int) or num_tasks < 1):
       raise ValueError(f"num_tasks={num_tasks!r}: must be None or an int >= 1")
+    # int() would truncate 1.5 to the seed 1; NumPy refuses a negative one without its name.
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+      raise ValueError(f"seed={seed!r}: must be an int >= 0")
     self.owned, self.num_tasks, self._closing = owned, num_tasks, tuple(closing)
     self.envs = [make_env(i) for i in owned]  # env `owned.start + j` is self.envs[j]
     self.seed, self.group_size = int(seed), group_size

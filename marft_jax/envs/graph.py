@@ -35,6 +35,11 @@ class AgentGraph:
   def __post_init__(self):
     object.__setattr__(self, "roles", tuple(self.roles))
     object.__setattr__(self, "edges", tuple(tuple(e) for e in self.edges))
+    if not self.roles:
+      raise ValueError("graph: no roles")
+    repeated = sorted({r for r in self.roles if self.roles.count(r) > 1})
+    if repeated:  # the layers would miss them and report a cycle among no roles
+      raise ValueError(f"graph: roles {repeated} appear more than once in {list(self.roles)}")
     for a, b in self.edges:
       for end in (a, b):
         if end not in self.roles:

@@ -208,6 +208,9 @@ def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.nda
   """Refuses rows whose positions would pass the model's `max_position_embeddings`."""
   read = np.asarray if rows is None else rows.get  # this process's rows of the cache
   before = 0 if cache is None else read(cache.next_positions())
+  if cache is not None and np.shape(before) != (len(mask),):
+    raise ValueError(f"cache: holds {np.shape(before)[0]} rows but tokens have {len(mask)}: "
+                     "continue an earlier call with the same rows")
   end = before + mask.sum(axis=1) + max_new
   if np.any(end > config.max_position_embeddings):
     row = int(np.argmax(end))

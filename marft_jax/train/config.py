@@ -364,7 +364,7 @@ class TrainConfig:
     for key in ("iterations", "checkpoint_every", "max_to_keep", "eval_episodes"):
       check_int(key, getattr(self, key), 1)
     check_int("eval_every", self.eval_every, 0)
-    check_int("seed", self.seed)
+    check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
 
   @property
   def init_from_folders(self) -> list[str]:

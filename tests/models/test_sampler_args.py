@@ -219,6 +219,13 @@ def test_forward_refuses_adapters_of_another_model(params, changes, lay, message
       forward(tree, PROMPTS, config, lora=other, adapter_ids=np.array([0, 1]))
 
 
+def test_continuing_a_cache_with_other_rows_is_refused(params):
+  """Before: NumPy's "operands could not be broadcast together with shapes (2,) (3,)"."""
+  first = _generate(params, max_new_tokens=2)
+  with pytest.raises(ValueError, match=re.escape("cache: holds 2 rows but tokens have 3")):
+    _generate(params, tokens=np.zeros((3, 4), np.int32), cache=first.cache)
+
+
 def test_generate_refuses_adapters_of_another_model(params):
   """One adapter takes the merged fast path: before, a 1-layer set's update was broadcast over
   both layers and sampled from without a word."""

@@ -166,6 +166,13 @@ def test_behaviour_correction_follows_the_model_dtype():
   assert algorithms.resolve(forced).loss.behaviour_correction == "on"
 
 
+def test_a_negative_seed_is_refused_with_the_config():
+  """Before: accepted, and the run failed at its first episode with NumPy's "expected
+  non-negative integer", after the model had loaded."""
+  with pytest.raises(ValueError, match=re.escape("seed=-1: must be >= 0")):
+    TrainConfig(seed=-1)
+
+
 def test_init_from_needs_one_folder_per_adapter():
   """Refused with the config, before any model or adapter loads (2 roles: 2 adapters; a shared
   adapter: 1)."""
