@@ -110,6 +110,5 @@ def approx_kl(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> ja
   """
   check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, mask_t=mask_t)
   valid = mask_t != 0
-  kl = kl_k3(jnp.where(valid, at_least_float32(old_logp_t), 0.0),
-             jnp.where(valid, at_least_float32(logp_t), 0.0))
+  kl = kl_k3(jnp.where(valid, old_logp_t, 0.0), jnp.where(valid, logp_t, 0.0))  # k3 casts up
   return jax.lax.stop_gradient(masked_mean(kl, mask_t))

@@ -79,10 +79,11 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
 
 def _gae(r_t, discount_t, lambda_t, v_t, mask_t, v_bootstrap) -> jax.Array:
   # `masked_gae` without the argument checks, for callers that built valid hops.
-  dtype = at_least_float32(v_t).dtype
+  v_t = at_least_float32(v_t)
+  dtype = v_t.dtype
   is_state = jnp.asarray(mask_t) != 0
   # Select before arithmetic: a NaN value at a masked position must not reach the gradient.
-  v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
+  v_t = jnp.where(is_state, v_t, jnp.zeros((), dtype))
   xs = (jnp.asarray(r_t, dtype), jnp.asarray(discount_t, dtype),
         jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), v_t, is_state)
 
@@ -138,10 +139,11 @@ def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
   check_forward_pointers("next_t", next_t, r_t.shape[0])
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
-  dtype = at_least_float32(v_t).dtype
+  v_t = at_least_float32(v_t)
+  dtype = v_t.dtype
   T = r_t.shape[0]
   is_state = jnp.asarray(mask_t) != 0
-  v_t = jnp.where(is_state, jnp.asarray(v_t, dtype), jnp.zeros((), dtype))
+  v_t = jnp.where(is_state, v_t, jnp.zeros((), dtype))
   xs = (jnp.asarray(r_t, dtype), jnp.asarray(discount_t, dtype),
         jnp.broadcast_to(jnp.asarray(lambda_t, dtype), r_t.shape), v_t, is_state,
         jnp.asarray(next_t, jnp.int32), jnp.arange(T))
