@@ -201,28 +201,62 @@ def _help_text(argv: list[str], config_cls: type) -> str:
   return "\n".join(lines)
 
 
-def _field_lines(cls: type, values: Any, prefix: str = "") -> list[str]:
-  """`  sampling.top_p = 0.95  # comment` for every (nested) field, as it is overridden."""
+def _field_lines(cls: type, values: Any, prefix: str = "", skip: tuple = ()) -> list[str]:
+  """`  sampling.top_p = 0.95  # comment` for every (nested) field, as it is overridden. A
+  tuple of sections keyed by name in the file (the team's roles) lists each entry's fields
+  under its name: `team.roles.actor.temperature = -1.0  # < 0: team.temperature`."""
   hints, comments = typing.get_type_hints(cls), _field_comments(cls)
   lines = []
   for field in dataclasses.fields(cls):
+    if field.name in skip:
+      continue
     value, hint = values[field.name], hints[field.name]
     if dataclasses.is_dataclass(hint):
       lines += _field_lines(hint, value, f"{prefix}{field.name}.")
+      continue
+    entry = _named_entry_class(hint)
+    if entry is not None and value:
+      for name in sorted(value):
+        lines += _field_lines(entry, value[name], f"{prefix}{field.name}.{name}.",
+                              skip=("name",))
       continue
     comment = comments.get(field.name)
     lines.append(f"  {prefix}{field.name} = {value!r}" + (f"  # {comment}" if comment else ""))
   return lines
 
 
+def _named_entry_class(hint: Any) -> Optional[type]:
+  """The section class of a `tuple[Section, ...]` field whose entries are named (`name`), as a
+  config file writes them: a mapping from each entry's name to its other fields."""
+  args = typing.get_args(hint)
+  if (typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis
+      and dataclasses.is_dataclass(args[0])
+      and "name" in {f.name for f in dataclasses.fields(args[0])}):
+    return args[0]
+  return None
+
+
 def _field_comments(cls: type) -> dict[str, str]:
-  """Field name -> the comment after its declaration in the class source (its documentation)."""
+  """Field name -> its documentation in the class source: the comment after its declaration,
+  else the first sentence of the comment lines right above it."""
   try:
     source = inspect.getsource(cls)
   except (OSError, TypeError):
     return {}
-  pattern = re.compile(r"^\s+(\w+)\s*:[^#\n]*#\s*(.+)$")
-  return {m.group(1): m.group(2).strip() for m in map(pattern.match, source.splitlines()) if m}
+  declaration = re.compile(r"^\s+(\w+)\s*:[^#\n]*?(?:#\s*(.+))?$")
+  comment_line = re.compile(r"^\s+#\s?(.*)$")
+  comments, above = {}, []
+  for line in source.splitlines():
+    comment = comment_line.match(line)
+    if comment:
+      above.append(comment.group(1).strip())
+      continue
+    match = declaration.match(line)
+    if match and (match.group(2) or above):
+      text = match.group(2) or re.split(r"(?<=\.)\s+(?=[A-Z])", " ".join(above))[0]
+      comments[match.group(1)] = text.strip()
+    above = []
+  return comments
 
 
 # --- flag errors -------------------------------------------------------------------------------

@@ -188,3 +188,47 @@ def test_rollout_max_context_is_the_models_positions_or_at_least_16():
   assert train_config.RolloutSection(max_context=16).max_context == 16
   with pytest.raises(ValueError, match="max_context=5: use 0"):
     train_config.RolloutSection(max_context=5)
+
+
+def _leaves(node, prefix=""):
+  """{dotted key: value} of every leaf of a ConfigDict, as `--config.<key>=` reaches it."""
+  out = {}
+  for key, value in node.items():
+    if hasattr(value, "items"):
+      out.update(_leaves(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+@pytest.mark.parametrize("path", sorted(
+    p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py")) if not p.endswith("__init__.py")))
+def test_help_lists_exactly_the_keys_an_override_reaches(path):
+  """`--help` prints one `key = value` line per leaf of the config file, each role's fields
+  under `team.roles.<name>.` (not the roles' mapping as one blob), and nothing else."""
+  from launch import cli  # noqa: PLC0415 (defines absl flags)
+  module_name, cls_name = TYPED[os.path.basename(path)]
+  cls = getattr(importlib.import_module(module_name), cls_name)
+  config = _load(path)
+  lines = cli._field_lines(cls, config)
+  printed = dict(line.split("  # ")[0].strip().split(" = ", 1) for line in lines)
+  assert len(printed) == len(lines)
+  assert printed == {key: repr(value) for key, value in _leaves(config).items()}
+
+
+def test_help_documents_the_role_fields_and_the_fields_commented_above():
+  from launch import cli  # noqa: PLC0415
+  from marft_jax.train.config import TrainConfig
+  lines = cli._field_lines(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
+  comments = dict(line.strip().split("  # ", 1) for line in lines if "  # " in line)
+  # A role's fields, with the comments of RoleSection (its sentinels say what they defer to).
+  assert comments["team.roles.actor.temperature = -1.0"] == "< 0: team.temperature"
+  assert comments["team.roles.reasoner.adapter = 'own'"].startswith('"own": an adapter of its')
+  assert not any(line.strip().startswith("team.roles.") and ".name = " in line
+                 for line in lines)  # the role's key, not a field to set
+  # A field documented by the comment block above it: its first sentence.
+  assert comments["iterations = 16"] == ("Rounds of a rollout (rollout.num_envs episodes) and "
+                                         "an update.")
+  assert comments["team.order = 'reasoner,actor'"].startswith("The roles' order, comma-sep")
+  # A trailing comment wins.
+  assert comments["team.max_new_tokens = 48"] == "per turn, every role but the last"

@@ -125,10 +125,11 @@ class TeamSection:
   num_roles: int = 0
   max_new_tokens: int = 48  # per turn, every role but the last
   last_max_new_tokens: int = 16  # the graded (last) role's turn
-  # Below 1: a 135M model's samples at temperature 1 are mostly gibberish. The untuned SmolLM2
-  # team on 64 held-out arithmetic problems: 0.7 -> 6 % right, too few rewards to learn from;
-  # 0.3 -> 19 % (docs/results.md). The learner scores tokens at the same temperature, so the
-  # ratio stays exact.
+  # Every role's sampling temperature unless it sets its own. Below 1: a 135M model's
+  # samples at temperature 1 are mostly gibberish. The untuned SmolLM2 team on 64 held-out
+  # arithmetic problems: 0.7 -> 6 % right, too few rewards to learn from; 0.3 -> 19 %
+  # (docs/results.md). The learner scores tokens at the same temperature, so the ratio
+  # stays exact.
   temperature: float = 0.3
   top_p: float = 1.0
   shared_adapter: bool = False  # every role runs adapter 0 (overrides each role's adapter)
@@ -334,9 +335,10 @@ class TrainConfig:
   """One training run (see the module docstring for the algorithms)."""
 
   algorithm: str = "marft_a"
-  # The defaults are the embedded default run (launch/configs/train.py adds its held-out
-  # evaluations): the first half of the recipe that beat the untuned team in docs/results.md,
-  # 16 iterations of 16 episodes, about 25-95 s an iteration on the 2-core hosts seen.
+  # Rounds of a rollout (rollout.num_envs episodes) and an update. The defaults are the
+  # embedded default run (launch/configs/train.py adds its held-out evaluations): the first
+  # half of the recipe that beat the untuned team in docs/results.md, 16 iterations of 16
+  # episodes, about 25-95 s an iteration on the 2-core hosts seen.
   iterations: int = 16
   seed: int = 0
   model: ModelSection = ModelSection()
