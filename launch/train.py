@@ -59,6 +59,7 @@ def main(config: TrainConfig) -> None:
     cli.fail(f"config.{e}")
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
     assembly.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
+    assembly.build_team(config)  # a shipped team's edges and menu are checked only here
   cli.make_folder("--workdir", _WORKDIR.value)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None

@@ -13,9 +13,10 @@ model loads, naming it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 from marft_jax.architecture import precision
+from marft_jax.envs.graph import AgentGraph
 from marft_jax.lora.config import LoraConfig
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.rollout.runner import CONTEXT_MODES
@@ -201,13 +202,6 @@ class TeamSection:
                          "roles.<name>.graded=True on the one whose answer counts)")
     elif self.order:
       raise ValueError(f"order={self.order!r} without roles: declare team.roles too")
-    known = set(names) if self.roles else None
-    for key, refs in (("edges", [x for pair in self.edge_pairs for x in pair]),
-                      ("menu", self.menu_roles)):
-      unknown = sorted({r for r in refs if known is not None and r not in known})
-      if unknown:
-        raise ValueError(f"{key}={getattr(self, key)!r}: unknown role(s) {unknown}; roles: "
-                         f"{list(order)}")
     if self.graph == "dag" and not self.edges:
       raise ValueError("graph='dag' needs edges ('a>b, a>c, ...')")
     if self.edges and self.graph != "dag":
@@ -216,6 +210,23 @@ class TeamSection:
     if self.menu and self.graph != "orchestrator":
       raise ValueError(f"menu={self.menu!r} is read with graph='orchestrator' only, not "
                        f"graph={self.graph!r}")
+    if self.roles:  # a shipped team's are checked when it is built (`teams.build_team`)
+      self.check_graph(order)
+
+  def check_graph(self, roles: Sequence[str]) -> None:
+    """Refuses `edges` or `menu` naming a role that is not one of `roles` (the team's, in
+    order), and `edges` that form a cycle."""
+    for key, refs in (("edges", [x for pair in self.edge_pairs for x in pair]),
+                      ("menu", self.menu_roles)):
+      unknown = sorted(set(refs) - set(roles))
+      if unknown:
+        raise ValueError(f"{key}={getattr(self, key)!r}: unknown role(s) {unknown}; roles: "
+                         f"{list(roles)}")
+    if self.graph == "dag":
+      try:
+        AgentGraph(tuple(roles), self.edge_pairs)
+      except ValueError as e:
+        raise ValueError(f"edges={self.edges!r}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

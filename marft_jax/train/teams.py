@@ -183,6 +183,10 @@ def build_team(team: TeamSection, task: str):
   """(agent profiles in order, schedule structure: None for a chain, an `AgentGraph` for a
   DAG, an `Orchestrator`) from the config's team section."""
   roles, order = declared(team, task)
+  try:
+    team.check_graph(order)  # a shipped team's roles are known only now
+  except ValueError as e:
+    raise ValueError(f"team.{e}") from None
   names = list(order)
   if team.anonymous:  # neutral names, no system prompts: the roles' contribution's baseline
     names = [f"agent{i + 1}" for i in range(len(roles))]
@@ -199,10 +203,7 @@ def build_team(team: TeamSection, task: str):
   rename = dict(zip(order, names))
   if team.graph == "dag":
     edges = tuple((rename[a], rename[b]) for a, b in team.edge_pairs)
-    try:
-      return profiles, envs_lib.AgentGraph(tuple(names), edges)
-    except ValueError as e:
-      raise ValueError(f"team.edges={team.edges!r}: {e}") from None
+    return profiles, envs_lib.AgentGraph(tuple(names), edges)
   menu = tuple(rename[m] for m in team.menu_roles) or tuple(names)
   profile = envs_lib.orchestrator_profile(
       [p for p in profiles if p.role in menu], adapter=orchestrator,

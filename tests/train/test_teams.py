@@ -77,6 +77,7 @@ def test_team_wide_sampling_reaches_the_roles_that_inherit_it():
     ({"team.graph": "orchestrator", "team.menu": "reasoner,oracle"}, "menu"),
     ({"team.order": "reasoner,reasoner"}, "order"),
     ({"team.graph": "dag"}, "edges"),
+    ({"team.graph": "dag", "team.edges": "reasoner>actor, actor>reasoner"}, "edges"),
     ({"team.edges": "reasoner>actor"}, "edges"),
     ({"team.roles.actor.adapter": "mine"}, "roles.actor"),
 ])
@@ -85,11 +86,30 @@ def test_a_wrong_team_is_refused_naming_the_key(overrides, key):
     _file("train.py", **overrides)
 
 
-def test_a_dag_cycle_is_refused_naming_the_edges():
-  team = TeamSection(**teams.shipped("code", 3), graph="dag",
-                     edges="planner>coder, coder>reviewer, reviewer>planner")
-  with pytest.raises(ValueError, match=r"team\.edges=.*cycle"):
-    teams.build_team(team, "code")
+@pytest.mark.parametrize("edges", ["planner>coder, coder>reviewer, reviewer>planner",
+                                   "coder>coder"])
+def test_a_dag_cycle_is_refused_with_the_config_naming_the_edges(edges):
+  """With the team's roles declared, before anything is built (the launch script's one-line
+  error, before the model loads): it once passed the config and failed when the team was
+  built, after the model had loaded, as a traceback."""
+  with pytest.raises(ValueError, match=r"edges=.*cycle among \[.*'coder'"):
+    TeamSection(**teams.shipped("code", 3), graph="dag", edges=edges)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(graph="dag", edges="reasoner>actor, actor>reasoner"),
+     r"team\.edges='reasoner>actor, actor>reasoner': graph has a cycle among"),
+    (dict(graph="dag", edges="reasoner>judge"),
+     r"team\.edges='reasoner>judge': unknown role\(s\) \['judge'\]; roles: \['reasoner', 'actor'\]"),
+    (dict(graph="orchestrator", menu="oracle"),
+     r"team\.menu='oracle': unknown role\(s\) \['oracle'\]"),
+])
+def test_a_shipped_teams_graph_is_checked_when_it_is_built(changes, message):
+  """Without declared roles the names are the task's shipped team's, known when the team is
+  built: an unknown one was a bare KeyError ('judge')."""
+  team = TeamSection(num_roles=2, **changes)
+  with pytest.raises(ValueError, match=message):
+    teams.build_team(team, "arithmetic")
 
 
 def test_the_dag_file_runs_its_branches_in_one_layer():
@@ -220,3 +240,24 @@ def test_the_transition_wording_reaches_the_shared_stream(tmp_path):
   assert assembly.rollout_settings(_file("train.py")).transition == context.TRANSITION
   with pytest.raises(ValueError, match=r"team: transition="):
     _file("train.py", **{"team.transition": "Now {speaker}."})
+
+
+def test_launch_refuses_a_shipped_teams_unknown_edge_before_loading_the_model(tmp_path):
+  """The model source does not exist: an error about it would mean it was read first."""
+  config_file = tmp_path / "shipped_dag.py"
+  config_file.write_text(
+      "from launch.configs import train\n\n"
+      "def get_config():\n"
+      "  config = train.get_config()\n"
+      "  config.team.roles, config.team.order, config.team.num_roles = {}, '', 2\n"
+      "  config.team.graph, config.team.edges = 'dag', 'reasoner>judge'\n"
+      "  return config\n")
+  workdir = tmp_path / "never_written"
+  out = subprocess.run([sys.executable, "-m", "launch.train", f"--config={config_file}",
+                        "--config.model.source=/nonexistent", f"--workdir={workdir}"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))
+  assert out.returncode == 2, out
+  assert out.stderr.strip() == ("error: team.edges='reasoner>judge': unknown role(s) "
+                                "['judge']; roles: ['reasoner', 'actor']"), out.stderr
+  assert not workdir.exists()
