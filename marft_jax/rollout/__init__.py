@@ -7,6 +7,6 @@
 """
 
 from marft_jax.rollout.episode import ActionSpan, Episode, TokenSequence, Turn
-from marft_jax.rollout.runner import (CONTEXT_MODES, RolloutConfig, RolloutResult, reply_budgets,
-                                     rollout)
+from marft_jax.rollout.runner import (CONTEXT_MODES, RolloutConfig, RolloutResult,
+                                     check_reply_budgets, reply_budgets, rollout)
 from marft_jax.rollout.transcripts import episode_record, write_transcripts

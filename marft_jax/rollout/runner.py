@@ -124,6 +124,20 @@ def reply_budgets(team: Sequence[AgentProfile],
   return tuple(p.sampling.max_new_tokens for p in _Agents(team, structure).profiles)
 
 
+def check_reply_budgets(team: Sequence[AgentProfile],
+                        structure: Union[AgentGraph, Orchestrator, None],
+                        max_context: int) -> None:
+  """Refuses an agent whose max_new_tokens leaves no position for a prompt within
+  `max_context`: every turn of it would end its episode as a context overflow, and a run
+  would train on nothing, iteration after iteration."""
+  for profile in _Agents(team, structure).profiles:
+    if profile.sampling.max_new_tokens >= max_context:
+      raise ValueError(f"agent {profile.role!r}: max_new_tokens="
+                       f"{profile.sampling.max_new_tokens} leaves no position for its prompt "
+                       f"within max_context={max_context}: each of its turns would end its "
+                       "episode as a context overflow")
+
+
 def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
             structure: Union[AgentGraph, Orchestrator, None], params: Any, model_config: ModelConfig,
             tokenizer, rng: jax.Array, *, lora: Optional[Adapters] = None,
@@ -161,6 +175,7 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
   if config.max_context > model_config.max_position_embeddings:
     raise ValueError(f"max_context={config.max_context} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}")
+  check_reply_budgets(team, structure, config.max_context)
   runner = _Runner(envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
                    policy_version, rows)
   return runner.run()

@@ -24,7 +24,7 @@ from marft_jax import lora as lora_lib
 from marft_jax.configs import from_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
-from marft_jax.rollout import RolloutConfig
+from marft_jax.rollout import RolloutConfig, check_reply_budgets
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
@@ -86,8 +86,12 @@ class Model:
 
 def build_team(config: TrainConfig):
   """(team profiles, schedule structure) from the config's team section (`teams.build_team`:
-  the declared roles, or the task's shipped team)."""
-  return teams.build_team(config.team, config.task.name)
+  the declared roles, or the task's shipped team), checked against `rollout.max_context` when
+  the config sets it (the model's positions are checked when the rollout knows them)."""
+  team, structure = teams.build_team(config.team, config.task.name)
+  if config.rollout.max_context:
+    check_reply_budgets(team, structure, config.rollout.max_context)
+  return team, structure
 
 
 def read_task_data(config: TrainConfig) -> None:

@@ -221,6 +221,16 @@ def test_env_order_is_seeded_and_failures_are_counted(model):
   with pytest.raises(ValueError, match="max_context=2048 exceeds the model's "
                                        "max_position_embeddings=1024"):
     _play(model, _team(), max_context=2048)
+  # A budget that fills max_context alone leaves no turn possible: refused before anything
+  # runs (it once played every episode to an overflow, and a run trained on nothing).
+  for limit, config in ((12, model["config"]), (None, model["config"].replace(
+      max_position_embeddings=12))):
+    with pytest.raises(ValueError, match=r"agent 'reasoner': max_new_tokens=12 leaves no "
+                                         r"position for its prompt within max_context=12"):
+      rollout_lib.rollout(envs.EnvBatch(lambda i: envs.EchoEnv(graded=["actor"]), E), _team(),
+                          None, model["fast"], config, model["tokenizer"], jax.random.key(5),
+                          lora=model["lora"],
+                          config=rollout_lib.RolloutConfig(max_context=limit))
 
   class Broken(envs.EchoEnv):
     def step(self, actions):

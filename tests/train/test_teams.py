@@ -261,3 +261,19 @@ def test_launch_refuses_a_shipped_teams_unknown_edge_before_loading_the_model(tm
   assert out.stderr.strip() == ("error: team.edges='reasoner>judge': unknown role(s) "
                                 "['judge']; roles: ['reasoner', 'actor']"), out.stderr
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides, agent", [
+    ({"team.max_new_tokens": 64}, "reasoner"),
+    ({"team.roles.actor.max_new_tokens": 64}, "actor"),
+    ({"team.graph": "orchestrator", "team.orchestrator_max_new_tokens": 64}, "orchestrator"),
+])
+def test_a_reply_budget_that_fills_max_context_is_refused_with_the_team(overrides, agent):
+  """`assembly.build_team` (which launch.train runs before the model loads) checks each
+  agent's budget against rollout.max_context: one that fills it would overflow every turn."""
+  from marft_jax.train import assembly  # noqa: PLC0415
+  config = _file("train.py", **{"rollout.max_context": 64, **overrides})
+  with pytest.raises(ValueError, match=rf"agent '{agent}': max_new_tokens=\d+ leaves no "
+                                       r"position for its prompt within max_context=64"):
+    assembly.build_team(config)
+  assembly.build_team(_file("train.py", **{"rollout.max_context": 65, **overrides}))
