@@ -25,6 +25,7 @@ from absl import flags
 
 from launch import cli
 from marft_jax import multihost, sharding
+from marft_jax.rollout.rewards import check_reward_fn
 from marft_jax.train import algorithms, assembly
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
@@ -63,6 +64,11 @@ def main(config: TrainConfig) -> None:
   cli.make_folder("--workdir", _WORKDIR.value)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None
+  if reward_fn is not None:
+    try:
+      check_reward_fn(reward_fn)
+    except ValueError as e:
+      cli.fail(f"config.reward.fn={config.reward.fn!r}: {e}")
   with cli.one_line_errors(OSError, ValueError):
     model = assembly.load(config)
   try:

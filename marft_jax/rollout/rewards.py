@@ -23,6 +23,7 @@ Per-role rewards are what `advantage.credit="per_step"` credits to each role's t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -130,6 +131,22 @@ def apply_judge(episodes: Sequence[Any], team, judge: Judge, rng: jax.Array) -> 
           "judge/score": float(np.mean(scores)), "judge/unparseable": unparseable / len(kept)}
 
 
+def check_reward_fn(fn: RewardFn) -> None:
+  """Refuses what cannot be called as `fn(episode, team)` with a ValueError, before a
+  rollout is spent on it."""
+  if not callable(fn):
+    raise ValueError(f"reward function {fn!r}: not callable")
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without one: its first call will tell
+    return
+  try:
+    signature.bind(None, None)
+  except TypeError as e:
+    raise ValueError(f"reward function {getattr(fn, '__qualname__', fn)}{signature}: it is "
+                     f"called as fn(episode, team) ({e})") from None
+
+
 def apply_reward_fn(episodes: Sequence[Any], team, fn: RewardFn) -> None:
   """Replaces each kept episode's rewards with `fn`'s (see the module docstring)."""
   for episode in episodes:
@@ -138,6 +155,10 @@ def apply_reward_fn(episodes: Sequence[Any], team, fn: RewardFn) -> None:
     rewards = fn(episode, team)
     if rewards is None:
       continue
+    if np.ndim(rewards) == 0:  # e.g. one float for a one-step episode
+      raise ValueError(f"reward function: returned {rewards!r} for env {episode.env_index}: "
+                       f"return one entry per env step ({len(episode.rewards)} here), each a "
+                       "float or a list of one float per role")
     if len(rewards) != len(episode.rewards):
       raise ValueError(f"reward function: {len(rewards)} env steps of rewards for an episode "
                        f"of {len(episode.rewards)} (env {episode.env_index})")

@@ -88,6 +88,9 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   # The checkpoint in workdir wins: a resumed run does not read `init_from` again.
   resuming = bool(saved_steps(workdir))
   assembly.check_training_files(config, resuming)  # a bad file fails before the load
+  assembly.build_team(config)  # so does a team that cannot play (a cycle, a budget)
+  if reward_fn is not None:
+    rewards_lib.check_reward_fn(reward_fn)
   os.makedirs(workdir, exist_ok=True)
   model = assembly.load(config) if model is None else model
   with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,

@@ -18,6 +18,7 @@ from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig, compute_advantages
 from marft_jax.train.batching import make_batch
+from marft_jax.train import config as config_lib
 from marft_jax.train.config import RewardSection
 from tests.train.echo_config import echo_config
 
@@ -107,6 +108,34 @@ def test_user_reward_function_per_role_and_team():
     rewards.apply_reward_fn([episode], team, lambda e, t: [[1, 2, 3]])
   with pytest.raises(ValueError, match="2 env steps of rewards for an episode of 1"):
     rewards.apply_reward_fn([episode], team, lambda e, t: [1, 2])
+  # One bare float (a one-step task's natural mistake): was "object of type 'float' has no
+  # len()", after a whole rollout.
+  with pytest.raises(ValueError, match=r"returned 1\.0 for env 0: return one entry per env "
+                                       r"step \(1 here\)"):
+    rewards.apply_reward_fn([episode], team, lambda e, t: 1.0)
+
+
+def _three_arguments(a, b, c):
+  return None
+
+
+@pytest.mark.parametrize("fn, message", [
+    (os.getcwd, r"getcwd\(\): it is called as fn\(episode, team\) \(too many positional"),
+    (_three_arguments, r"_three_arguments\(a, b, c\): it is called as fn\(episode, team\) "
+                       r"\(missing a required argument: 'c'\)"),
+    ("not a function", "not callable")])
+def test_a_reward_fn_that_cannot_take_episode_and_team_is_refused(fn, message):
+  with pytest.raises(ValueError, match=message):
+    rewards.check_reward_fn(fn)
+  for fine in (lambda e, t: None, lambda *args: None, lambda e, t, extra=0: None):
+    rewards.check_reward_fn(fine)
+
+
+def test_train_refuses_such_a_reward_fn_before_the_model_loads(tmp_path):
+  """The model source does not exist: an error about it would mean it was read first."""
+  config = echo_config(model=config_lib.ModelSection(source=str(tmp_path / "missing")))
+  with pytest.raises(ValueError, match="it is called as fn"):
+    loop.train(config, str(tmp_path / "run"), reward_fn=os.getcwd)
 
 
 def test_per_role_rewards_reach_per_step_credit(model):
@@ -151,6 +180,16 @@ def test_launch_refuses_a_reward_fn_it_cannot_import(tmp_path):
       capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert out.returncode == 2
   assert "config.reward.fn='tests.rollout.test_rewards:no_such_function'" in out.stderr
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}",
+       "--config.reward.fn=tests.rollout.test_rewards:_three_arguments",
+       f"--config.model.source={tmp_path / 'missing'}"],  # read after the reward fn's check
+      capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert out.returncode == 2
+  assert out.stderr.strip() == (
+      "error: config.reward.fn='tests.rollout.test_rewards:_three_arguments': reward function "
+      "_three_arguments(a, b, c): it is called as fn(episode, team) (missing a required "
+      "argument: 'c')"), out.stderr
 
 
 def test_the_judge_can_be_a_second_model_with_its_own_adapter(tmp_path):

@@ -277,3 +277,17 @@ def test_a_reply_budget_that_fills_max_context_is_refused_with_the_team(override
                                        r"position for its prompt within max_context=64"):
     assembly.build_team(config)
   assembly.build_team(_file("train.py", **{"rollout.max_context": 65, **overrides}))
+
+
+def test_train_checks_the_team_before_the_model_loads(tmp_path):
+  """`loop.train` (the library's entry point) refuses a team that cannot play before it
+  reads the model: the source does not exist, so an error about it would mean it was read."""
+  from marft_jax.train import loop  # noqa: PLC0415
+  from marft_jax.train.config import ModelSection  # noqa: PLC0415
+  from tests.train.echo_config import echo_config  # noqa: PLC0415
+  base = echo_config()
+  config = echo_config(model=ModelSection(source=str(tmp_path / "missing")),
+                       team=dataclasses.replace(base.team, graph="dag", edges="helper0>nobody"))
+  with pytest.raises(ValueError, match=r"team\.edges='helper0>nobody': unknown role\(s\) "
+                                       r"\['nobody'\]"):
+    loop.train(config, str(tmp_path / "run"))
