@@ -48,8 +48,9 @@ def main(config: TrainConfig) -> None:
   if not _UNTUNED.value and not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SystemExit(f"error: {workdir}: no checkpoints to evaluate (train first, or pass "
                      "--untuned)")  # before the model loads
-  with cli.one_line_errors(OSError, ValueError):  # the task's files before the model
+  with cli.one_line_errors(OSError, ValueError):  # the task's files and team before the model
     assembly.read_task_data(config)
+    assembly.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
     model = assembly.load(config)

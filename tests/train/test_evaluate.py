@@ -323,6 +323,16 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   missing = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run"],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert missing.returncode == 1 and "no checkpoints" in missing.stderr, missing.stderr
+  # A team that cannot play is one line before the model (whose source is missing) loads.
+  unplayable = subprocess.run(
+      [sys.executable, "-m", "launch.eval", f"--workdir={workdir}",
+       "--config=tests/train/echo_config.py", "--config.model.source=/nonexistent",
+       "--config.rollout.max_context=256", "--config.team.max_new_tokens=300"],
+      capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert unplayable.returncode == 2 and unplayable.stderr.strip() == (
+      "error: agent 'helper0': max_new_tokens=300 leaves no position for its prompt within "
+      "max_context=256: each of its turns would end its episode as a context overflow"), \
+      unplayable.stderr
 
 
 def test_launch_eval_names_a_damaged_checkpoint_in_one_line(run, tmp_path):
