@@ -46,6 +46,12 @@ def chat(config: GenerateConfig) -> str:
                 {"role": "user", "content": config.prompt}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    room = model_config.max_position_embeddings - len(prompt_ids)
+    if config.sampling.max_new_tokens > room:  # before anything compiles; printed once the
+      raise ValueError(                          # bar is closed (`one_line_errors`)
+          f"config.sampling.max_new_tokens={config.sampling.max_new_tokens}: the prompt "
+          f"takes {len(prompt_ids)} of the model's {model_config.max_position_embeddings} "
+          f"positions, leaving {max(room, 0)}")
     fast = model_config.replace(layout=layout.decoding())  # the sampler's fast layout
     params = layout.convert_params(params, model_config.layout, fast.layout)
     bar.update()

@@ -77,6 +77,17 @@ def test_tiny_model_run_prints_only_the_answer_and_the_bar(tiny_model):
     assert not segment.strip() or segment.startswith(("loading ", "generating ")), segment
 
 
+def test_a_reply_longer_than_the_model_allows_is_one_line_naming_the_key(tiny_model):
+  """Was the sampler's ValueError as a traceback, under the generation bar."""
+  out = _run(f"--config.model={tiny_model}", "--config.sampling.max_new_tokens=100000")
+  assert out.returncode == 2, out.stderr
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: config.sampling.max_new_tokens=100000: the prompt takes "), last
+  assert last.endswith(" of the model's 512 positions, leaving " + str(512 - int(
+      last.split("takes ")[1].split()[0]))), last
+  assert "Traceback" not in out.stderr
+
+
 def test_an_adapter_answers_as_the_library_does_with_it(tiny_model, tmp_path):
   """--config.adapter: an agent's PEFT folder (the launch folds it into the f32 weights).
   The reference is the library's sampler with the adapter routed, not merged, greedy; the
