@@ -5,7 +5,8 @@ r"""Train a team of agents with MARFT (the main job).
   python -m launch.train --workdir=runs/default --config.iterations=80   # extend a run
 
 The checkpoint already in --workdir always wins: the same command resumes where it stopped
-(SIGTERM or Ctrl-C save first). Metrics go to <workdir>/metrics.jsonl and TensorBoard
+(SIGTERM or Ctrl-C save first); a second launch into a workdir whose run is still going
+fails at once, naming that run's process. Metrics go to <workdir>/metrics.jsonl and TensorBoard
 (<workdir>/tensorboard), the learning curve to <workdir>/learning_curve.png, transcripts to
 <workdir>/transcripts/, PEFT exports of every agent's adapter to <workdir>/exports/.
 
@@ -26,7 +27,7 @@ from absl import flags
 from launch import cli
 from marft_jax import multihost, sharding
 from marft_jax.rollout.rewards import check_reward_fn
-from marft_jax.train import algorithms, assembly
+from marft_jax.train import algorithms, assembly, workdir_lock
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
 from marft_jax.train.config import TrainConfig, check_processes
@@ -61,7 +62,6 @@ def main(config: TrainConfig) -> None:
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
     assembly.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
     assembly.build_team(config)  # a shipped team's edges and menu are checked only here
-  cli.make_folder("--workdir", _WORKDIR.value)
   reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
       else None
   if reward_fn is not None:
@@ -69,11 +69,15 @@ def main(config: TrainConfig) -> None:
       check_reward_fn(reward_fn)
     except ValueError as e:
       cli.fail(f"config.reward.fn={config.reward.fn!r}: {e}")
-  with cli.one_line_errors(OSError, ValueError):
-    model = assembly.load(config)
+  cli.make_folder("--workdir", _WORKDIR.value)
   try:
-    metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
-  except (CheckpointMismatchError, UnreadableCheckpointError) as e:  # raised by the resume
+    # Before the model loads: a workdir another run is using fails at once (`train` locks too).
+    with workdir_lock.exclusive(_WORKDIR.value, multihost.is_primary(), multihost.any_process):
+      with cli.one_line_errors(OSError, ValueError):
+        model = assembly.load(config)
+      metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
+  except (CheckpointMismatchError, UnreadableCheckpointError,  # raised by the resume
+          workdir_lock.WorkdirInUseError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   if multihost.is_primary():
     heldout = metrics.get("heldout/accuracy")

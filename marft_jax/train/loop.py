@@ -55,6 +55,7 @@ from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
 from marft_jax.train import teams
+from marft_jax.train import workdir_lock
 from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
@@ -92,11 +93,12 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   if reward_fn is not None:
     rewards_lib.check_reward_fn(reward_fn)
   os.makedirs(workdir, exist_ok=True)
-  model = assembly.load(config) if model is None else model
-  with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
-                                           config.model.param_dtype):
-    return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
-                  reward_fn, resuming)
+  with workdir_lock.exclusive(workdir, multihost.is_primary(), multihost.any_process):
+    model = assembly.load(config) if model is None else model
+    with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
+                                             config.model.param_dtype):
+      return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
+                    reward_fn, resuming)
 
 
 def _place_model(model: Model, mesh) -> Model:
