@@ -110,6 +110,20 @@ def saved_steps(workdir: StrPath) -> list[int]:
   return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
+@contextlib.contextmanager
+def _without_log_line(prefix: str):
+  """Drops the log records (absl's logger, which Orbax logs to) that start with `prefix`
+  while the block runs: a notice about what the caller asked for, not news to a user."""
+  drop = logging.Filter()
+  drop.filter = lambda record: not record.getMessage().startswith(prefix)
+  logger = logging.getLogger("absl")
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
+
+
 class Checkpointer:
   """Saves and restores `(state, meta)` pairs by step in `workdir/checkpoints`.
 
@@ -162,8 +176,9 @@ class Checkpointer:
         ("meta", ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
       registry.add(item, save_args, handler)
       registry.add(item, restore_args, handler)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          handler_registry=registry)
+    with _without_log_line("Given directory is read only"):  # Orbax's, at every evaluation
+      self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                            handler_registry=registry)
     # The export folder is process 0's alone (the loop exports there); Orbax coordinates the
     # step folders, which every process writes its shards into.
     self._owns_exports = not read_only and jax.process_index() == 0

@@ -316,6 +316,11 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
   # only in what the evaluation does not play by (eval_problems 10 then 300, temperature 0.3
   # then 0.7 though played greedily), so it warns of nothing.
   assert "evaluated with settings other than" not in out.stderr, out.stderr
+  # Its stderr is the progress bars alone (Orbax once noted "Given directory is read only"
+  # at every evaluation).
+  lines = out.stderr.replace("\r", "\n").splitlines()
+  assert all(not line or line.startswith(("loading ", "evaluating")) for line in lines), \
+      out.stderr
   # the library on the same problems agrees
   expected = evaluate_lib.evaluate(config, model, policy, num_problems=6)
   assert {k: v for k, v in written.items() if k != "checkpoint_step"} == expected
