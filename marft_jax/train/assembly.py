@@ -24,6 +24,7 @@ from marft_jax import lora as lora_lib
 from marft_jax.configs import from_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
+from marft_jax.models.tokenizer import check_tokenizer_fits
 from marft_jax.rollout import RolloutConfig, check_reply_budgets
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
@@ -77,11 +78,22 @@ EVAL_SHOWS_IF_CHANGED = ("task", "team", "rollout.context_mode", "rollout.max_co
 
 @dataclasses.dataclass
 class Model:
-  """The frozen base: params (training layout), config, tokenizer."""
+  """The frozen base: params (in `config.layout`), config, tokenizer.
+
+  Checked when made, for a base put together by hand (`train(model=...)`): params of another
+  model or layout, or a tokenizer with ids the embedding has no row for, are a ValueError
+  naming them here, not a message about adapters or token ids in the first rollout."""
 
   params: Any
   config: Any
   tokenizer: Any
+
+  def __post_init__(self):
+    try:
+      layout_lib.check_params_layout(self.params, self.config.layout, self.config)
+    except ValueError as e:
+      raise ValueError(f"Model: {e}") from None
+    check_tokenizer_fits(self.tokenizer, self.config.vocab_size, "Model")
 
 
 def build_team(config: TrainConfig):
