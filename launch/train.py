@@ -31,7 +31,7 @@ from marft_jax.train import algorithms, assembly, workdir_lock
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
 from marft_jax.train.config import TrainConfig, check_processes
-from marft_jax.train.loop import train
+from marft_jax.train.loop import finished_run_metrics, train
 
 _CONFIG = cli.define_config_flag("train.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics, "
@@ -73,9 +73,11 @@ def main(config: TrainConfig) -> None:
   try:
     # Before the model loads: a workdir another run is using fails at once (`train` locks too).
     with workdir_lock.exclusive(_WORKDIR.value, multihost.is_primary(), multihost.any_process):
-      with cli.one_line_errors(OSError, ValueError):
-        model = assembly.load(config)
-      metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
+      metrics = finished_run_metrics(config, _WORKDIR.value)  # a finished run: no model
+      if metrics is None:
+        with cli.one_line_errors(OSError, ValueError):
+          model = assembly.load(config)
+        metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
   except (CheckpointMismatchError, UnreadableCheckpointError,  # raised by the resume
           workdir_lock.WorkdirInUseError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1

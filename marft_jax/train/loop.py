@@ -61,7 +61,7 @@ from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
 from marft_jax.train.config import TrainConfig, check_processes
-from marft_jax.train.metrics import MetricWriter, plot_learning_curves
+from marft_jax.train.metrics import MetricWriter, plot_learning_curves, read_metrics
 from marft_jax.train.update import TrainState, make_update, prepare
 
 def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
@@ -84,6 +84,9 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
   refused)."""
   config = algorithms.resolve(config)
+  finished = finished_run_metrics(config, workdir)
+  if finished is not None:
+    return finished
   mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   # The checkpoint in workdir wins: a resumed run does not read `init_from` again.
@@ -99,6 +102,28 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
                                              config.model.param_dtype):
       return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
                     reward_fn, resuming)
+
+
+def finished_run_metrics(config: TrainConfig, workdir: str) -> Optional[dict]:
+  """For a run in `workdir` whose latest checkpoint is at or past `config.iterations` (the
+  same command relaunched after it finished, or `iterations` lowered): a warning that
+  nothing is left to train, and its last iteration's metrics with the held-out scores that
+  followed, as `train` returned them (read from metrics.jsonl). None while there is more to
+  train. Nothing is loaded or compiled."""
+  steps = saved_steps(workdir)
+  if not steps or steps[-1] < config.iterations:
+    return None
+  last = steps[-1]
+  logging.warning("%s: its latest checkpoint is iteration %d and config.iterations=%d: "
+                  "nothing left to train (raise config.iterations to continue)", workdir,
+                  last, config.iterations)
+  path = os.path.join(workdir, "metrics.jsonl")
+  metrics = {}
+  for row in read_metrics(path) if os.path.exists(path) else []:
+    if row["step"] in (last - 1, last):  # the last iteration's, then its held-out scores
+      metrics.update(row)
+  metrics.pop("step", None)
+  return {k: float("nan") if v is None else v for k, v in metrics.items()}  # JSON's NaN
 
 
 def _place_model(model: Model, mesh) -> Model:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -204,15 +205,24 @@ def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
   config_file = tmp_path / "dag.py"
   config_file.write_text(_readme_team_block())
   model = tiny.save_tiny_model(tmp_path / "model")
-  out = subprocess.run(
-      [sys.executable, "-m", "launch.train", f"--config={config_file}",
-       f"--workdir={tmp_path / 'run'}", f"--config.model.source={model}",
-       "--config.iterations=1", "--config.rollout.num_envs=2", "--config.eval_every=0",
-       "--config.team.max_new_tokens=4", "--config.team.roles.judge.max_new_tokens=4",
-       "--config.rollout.max_context=512", "--config.team.roles.estimator.temperature=0.5"],
-      capture_output=True, text=True, cwd=ROOT, timeout=600,
+  command = [sys.executable, "-m", "launch.train", f"--config={config_file}",
+             f"--workdir={tmp_path / 'run'}", f"--config.model.source={model}",
+             "--config.iterations=1", "--config.rollout.num_envs=2", "--config.eval_every=0",
+             "--config.team.max_new_tokens=4", "--config.team.roles.judge.max_new_tokens=4",
+             "--config.rollout.max_context=512", "--config.team.roles.estimator.temperature=0.5"]
+  run = lambda *extra: subprocess.run(
+      command + list(extra), capture_output=True, text=True, cwd=ROOT, timeout=600,
       env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))  # one device, as on a user's CPU
+  out = run()
   assert out.returncode == 0, out.stderr[-3000:]
+  # The same command again: the run is finished, so it says so and prints the same summary,
+  # before reading the model (now gone: it printed "reward=nan" after loading it before).
+  shutil.rmtree(model)
+  again = run()
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert again.stdout == out.stdout and "reward=nan" not in out.stdout
+  assert "its latest checkpoint is iteration 1 and config.iterations=1: nothing left to " \
+      "train" in again.stderr
   with open(tmp_path / "run" / "transcripts" / "iteration_00000.jsonl") as f:
     episode = json.loads(f.readline())
   turns = episode["turns"]

@@ -122,7 +122,7 @@ def test_resume_is_exact(model, tmp_path):
   the same command: identical adapters, critic, optimizer states and metrics."""
   train_config = _echo_config("marft_a", num_envs=8, iterations=4, checkpoint_every=2)
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-  loop.train(train_config, straight, model=model, progress=False)
+  finished = loop.train(train_config, straight, model=model, progress=False)
 
   def crash(iteration, metrics):
     if iteration == 2:
@@ -153,6 +153,18 @@ def test_resume_is_exact(model, tmp_path):
   strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/") and
                          not k.endswith("tok_s") and not k.endswith("_s")} for r in rows]
   assert strip(_metrics(straight)) == strip(_metrics(resumed))  # no iteration twice
+
+  # The finished command relaunched, or with fewer iterations: nothing trains, nothing loads
+  # (no model is passed, and the config's is SmolLM2), the log is untouched, and the result
+  # is what the finished run returned (it was {} with NaN summaries, after loading the model).
+  rows = _metrics(straight)
+  for iterations in (4, 2):
+    again = loop.train(dataclasses.replace(train_config, iterations=iterations), straight,
+                       progress=False)
+    assert again.keys() == finished.keys()
+    np.testing.assert_allclose([again[k] for k in finished],
+                               [float(finished[k]) for k in finished], rtol=1e-6)
+  assert _metrics(straight) == rows
 
 
 def test_agent_by_agent_update_leaves_the_other_agent_and_the_base_bit_identical(model,
