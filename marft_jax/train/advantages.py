@@ -114,6 +114,8 @@ class AdvantageConfig:
     for key in ("reward_scale", "reward_bias"):
       if not math.isfinite(getattr(self, key)):
         raise ValueError(f"{key}={getattr(self, key)!r}: must be finite")
+    if self.reward_scale == 0:  # a negative one is a cost to minimise; 0 is no signal
+      raise ValueError("reward_scale=0.0: every shaped reward would be 0, nothing to learn from")
     if not (math.isfinite(self.kl_reward_coef) and self.kl_reward_coef >= 0):
       raise ValueError(f"kl_reward_coef={self.kl_reward_coef!r}: must be >= 0")
     if self.kl_reward_estimator not in ("k1", "k2", "k3"):

@@ -117,7 +117,13 @@ class LossConfig:
       raise ValueError(f"behaviour_correction={self.behaviour_correction!r}: use one of "
                        f"{BEHAVIOUR_CORRECTIONS}")
     check_range("dual_clip", self.dual_clip, 1.0, low_open=True)
-    check_range("imp_weight_cap", self.imp_weight_cap, 0.0, low_open=True)
+    # A token's weight is about 1 wherever sampler and learner agree: a cap below 1 would
+    # drop nearly every token.
+    check_range("imp_weight_cap", self.imp_weight_cap, 1.0)
+    check_range("value_clip", self.value_clip, 0.0)  # the ppo losses' own bounds, checked
+    check_range("huber_delta", self.huber_delta, 0.0, low_open=True)  # before any rollout
+    # KL(π_old ‖ π) ≥ 0: a limit ≤ 0 would stop every policy step after the first.
+    check_range("kl_limit", self.kl_limit, 0.0, low_open=True)
     for key in ("clip_eps", "value_coef", "entropy_coef", "kl_coef"):
       if not getattr(self, key) >= 0:
         raise ValueError(f"{key}={getattr(self, key)!r}: must be >= 0")

@@ -347,3 +347,15 @@ def test_kl_in_reward_through_the_trainer(level):
       np.testing.assert_allclose(got, want, atol=1e-4)
   off = compute_advantages(batch, episodes, dataclasses.replace(config, kl_reward_coef=0.0), 3)
   assert not np.allclose(off.turn_advantage, out.turn_advantage)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("reward_scale", 0.0, "reward_scale=0.0: every shaped reward would be 0"),
+    ("reward_scale", float("inf"), "reward_scale=inf: must be finite"),
+    ("reward_clip", -1.0, "reward_clip=-1.0: must be > 0"),
+    ("credit_discount", 2.0, r"credit_discount=2.0: must be in \[0, 1\]"),
+])
+def test_bad_values_are_refused_by_name(key, value, words):
+  with pytest.raises(ValueError, match=words):
+    AdvantageConfig(**{key: value})
+  AdvantageConfig(reward_scale=-1.0)  # a cost to minimise

@@ -124,9 +124,16 @@ def test_policy_loss_equals_numpy_with_and_without_the_behaviour_correction(
 
 
 def test_the_cap_drops_elements_rather_than_clipping_them(setup):
-  """A cap below every weight drops every element: the loss is 0 (AReaL masks them out)."""
-  total, _ = _loss(setup, False, behaviour_correction="on", imp_weight_cap=1e-6)
+  """A cap below every weight drops every element: the loss is 0 (AReaL masks them out).
+  The sampler's log-probs 10 nats below π_old: every weight is above e^8.5."""
+  m = setup["batch"].act_mask
+  far = setup["batch"].replace(act_behaviour_logp=np.where(
+      m, np.asarray(setup["extras"].old_logp) - 10.0, 0.0).astype(np.float32))
+  total, _ = _loss(dict(setup, batch=far), False, behaviour_correction="on",
+                   imp_weight_cap=5.0)
   assert total == 0.0
+  kept, _ = _loss(dict(setup, batch=far), False, behaviour_correction="on", imp_weight_cap=None)
+  assert kept != 0.0
 
 
 @pytest.mark.parametrize("level", ["token", "action"])
@@ -163,7 +170,11 @@ def test_the_kl_estimators_give_different_penalties(setup):
 @pytest.mark.parametrize("key, value, words", [
     ("behaviour_correction", "yes", "behaviour_correction='yes'"),
     ("imp_weight_cap", 0.0, "imp_weight_cap=0.0"),
+    ("imp_weight_cap", 0.5, "imp_weight_cap=0.5: must be >= 1"),  # drops on-policy tokens
     ("imp_weight_cap", float("nan"), "imp_weight_cap=nan"),
+    ("value_clip", -0.1, "value_clip=-0.1: must be >= 0"),
+    ("huber_delta", 0.0, "huber_delta=0.0: must be > 0"),
+    ("kl_limit", 0.0, "kl_limit=0.0: must be > 0"),
     ("dual_clip", 1.0, "dual_clip=1.0"),
     ("dual_clip", 0.5, "dual_clip=0.5"),
     ("kl_estimator", "k4", "kl_estimator='k4'"),
