@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import shutil
 from typing import Any, Mapping, Optional
 
 import jax
@@ -109,10 +110,47 @@ def build_team(config: TrainConfig):
 def read_task_data(config: TrainConfig) -> None:
   """Reads and checks the task's problem files, if it has any ("math_jsonl", "code"): a
   missing file or a malformed line is an error naming it (OSError, ValueError) before
-  anything slow starts. The problems stay cached for `build_envs`."""
+  anything slow starts. The problems stay cached for `build_envs`. The code task's sandbox
+  mode too (`check_sandbox`)."""
   from marft_jax.envs import splits
   if config.task.name in splits.KINDS:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
+  if config.task.name == "code":
+    check_sandbox(config.task.sandbox)
+
+
+# A code env step's tests share a budget of this many tests' wall-clock limits (a step runs
+# up to 10 tests per graded role, two at a time).
+BUDGET_TESTS = 12
+
+
+def build_sandbox(settings):
+  """The code task's `envs.sandbox.Sandbox` in `settings`' mode and limits (`task.sandbox`,
+  a `config.SandboxSection`); its environments share it."""
+  from marft_jax.envs import sandbox
+  limits = sandbox.Limits(wall_s=settings.wall_s, memory_mb=settings.memory_mb,
+                          processes=settings.processes, file_mb=settings.file_mb)
+  return sandbox.Sandbox(limits, mode=settings.mode)
+
+
+def check_sandbox(settings) -> None:
+  """With `task.sandbox.mode='bwrap'`: a ValueError naming the key where bubblewrap is not
+  installed, or cannot run a program here (a probe run, about 0.1 s), so that a run asking
+  for it fails before its model loads, not in its first rollout. Other modes choose what
+  works when the sandbox is first used."""
+  if settings.mode != "bwrap":
+    return
+  if shutil.which("bwrap") is None:
+    raise ValueError("task.sandbox.mode='bwrap': bubblewrap is not installed here (no bwrap "
+                     "on PATH: apt-get install bubblewrap), or set task.sandbox.mode='auto'")
+  box = build_sandbox(settings)
+  try:
+    box.plan  # probes: raises RuntimeError when no bwrap plan runs its test program
+  except RuntimeError as e:
+    raise ValueError(f"task.sandbox.mode='bwrap': bwrap cannot run programs here "
+                     f"({str(e).strip()[-300:]}); set task.sandbox.mode='auto'") from None
+  finally:
+    box.close()
 
 
 def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
@@ -195,11 +233,12 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
   elif task.name == "code":
-    from marft_jax.envs import code_env, sandbox, splits
+    from marft_jax.envs import code_env, splits
     problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
-    num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
+    num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)
     make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
-                                      test_timeout_s=5.0, shuffle=False)
+                                      test_timeout_s=task.sandbox.wall_s,
+                                      budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False)
   else:
     from marft_jax.envs import arithmetic, problems as problems_lib, splits
     from marft_jax.envs.math_env import MathEnv

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from marft_jax.architecture import precision
 from marft_jax.envs.graph import AgentGraph
+from marft_jax.envs.sandbox import MODES as SANDBOX_MODES
 from marft_jax.lora.config import LoraConfig
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.rollout.runner import CONTEXT_MODES
@@ -56,6 +57,27 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxSection:
+  """The sandbox that runs the code task's programs (`envs/sandbox`): how each run is
+  isolated, and what one test's run may use (`sandbox.Limits`). Read by task "code" only."""
+
+  # "auto": bwrap where it works, else "plain" (logged as a warning and reported as the
+  # metric code_sandbox_fallback); "bwrap": bwrap or nothing (refused before the model loads
+  # where bubblewrap is missing or cannot run); "plain": namespaces without bwrap.
+  mode: str = "auto"
+  wall_s: float = 5.0  # wall-clock seconds per test (a step's tests get 12 × this in all)
+  memory_mb: int = 1024  # address space of each of the program's processes (RLIMIT_AS), MiB
+  processes: int = 4  # processes or threads the program may add to itself (RLIMIT_NPROC)
+  file_mb: int = 16  # the largest file the program may write (RLIMIT_FSIZE), MiB
+
+  def __post_init__(self):
+    _one_of("mode", self.mode, SANDBOX_MODES)
+    check_positive("wall_s", self.wall_s)
+    for key in ("memory_mb", "processes", "file_mb"):
+      check_int(key, getattr(self, key), 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskSection:
   name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
   path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
@@ -66,6 +88,7 @@ class TaskSection:
   horizon: int = 1  # env steps per episode (math: retries after a judge line)
   eval_problems: int = 300  # held-out problems for launch/eval.py
   echo_high: int = 10  # "echo" (the toy task of tests): numbers shown are drawn from [0, echo_high)
+  sandbox: SandboxSection = SandboxSection()  # "code": how its programs run
 
   def __post_init__(self):
     _one_of("name", self.name, TASKS)
@@ -77,6 +100,12 @@ class TaskSection:
       if getattr(self, key) and self.name not in ("math_jsonl", "code"):
         raise ValueError(f"{key}={getattr(self, key)!r}: only the file tasks 'math_jsonl' and "
                          f"'code' read one, not name={self.name!r}")
+    if self.name != "code":  # a limit no program would run under: refused
+      for field in dataclasses.fields(SandboxSection):
+        value = getattr(self.sandbox, field.name)
+        if value != field.default:
+          raise ValueError(f"sandbox.{field.name}={value!r}: only the 'code' task runs "
+                           f"programs in a sandbox, not name={self.name!r}")
 
 
 ROLE_ADAPTERS = ("own", "shared", "base")

@@ -24,6 +24,8 @@ from marft_jax.envs.sandbox.job import Job, Limits, Result, Status
 
 log = logging.getLogger("marft_jax.envs.sandbox")
 
+MODES = ("auto", "bwrap", "plain")
+
 
 class Sandbox:
   """Runs programs under `limits`, at most `max_parallel` at a time.
@@ -39,8 +41,8 @@ class Sandbox:
 
   def __init__(self, limits: Limits = Limits(), *, mode: str = "auto", max_parallel: int = 2,
                python: Optional[str] = None, uid_base: int = 62000, guard: bool = True):
-    if mode not in ("auto", "bwrap", "plain"):
-      raise ValueError(f"Sandbox mode={mode!r}: must be 'auto', 'bwrap' or 'plain'")
+    if mode not in MODES:
+      raise ValueError(f"Sandbox mode={mode!r}: must be one of {MODES}")
     if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
       raise ValueError(f"Sandbox max_parallel={max_parallel!r}: must be a positive int")
     self.limits, self.mode, self.python, self.guard = limits, mode, python, guard
