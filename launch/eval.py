@@ -14,7 +14,10 @@ differ. So a run trained on the generated arithmetic is scored on a benchmark fi
       --config.task.test_path=test.jsonl
 
 `task.test_path` is scored whole (each problem once); without one the held-out part of
-`task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Every agent
+`task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Either
+way, whatever files are given, the problems the checkpoint trained on (its record,
+`train/trained_problems.py`) are left out, and how many were is printed as
+`training_problems_dropped` (with --untuned too, so both score the same problems). Every agent
 decodes greedily. Prints `name=value` lines (accuracy overall
 and per graded role, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
@@ -29,10 +32,12 @@ import os
 from absl import flags
 
 from launch import cli
+from marft_jax.envs import splits
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import assembly
 from marft_jax.train import evaluate as evaluate_lib
+from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig
 
@@ -50,6 +55,11 @@ def main(config: TrainConfig) -> None:
                      "--untuned)")  # before the model loads
   with cli.one_line_errors(OSError, ValueError):  # the task's files and team before the model
     assembly.read_task_data(config)
+    trained = trained_problems.of_checkpoint(workdir)
+    dropped = 0
+    if config.task.name in splits.KINDS:
+      dropped = trained_problems.heldout_problems(config.task.name, config.task.path,
+                                                  config.task.test_path, trained)[1]
     assembly.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
@@ -60,9 +70,10 @@ def main(config: TrainConfig) -> None:
   except (FileNotFoundError, CheckpointMismatchError, UnreadableCheckpointError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
-                               progress=True)
+                               progress=True, trained=trained)
   results = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
   results["checkpoint_step"] = step
+  results["training_problems_dropped"] = dropped
   name = "eval_untuned" if _UNTUNED.value else "eval"
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)

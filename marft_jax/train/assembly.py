@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import math
 import shutil
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from marft_jax.train import algorithms
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
 from marft_jax.train import teams
+from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
 from marft_jax.train.config import TrainConfig
 from marft_jax.train.update import TrainState
@@ -221,32 +222,34 @@ def _naming(key: str, value: str):
 
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
                owned: Optional[range] = None, num_envs: Optional[int] = None,
-               group_size: Optional[int] = None):
+               group_size: Optional[int] = None, trained: Collection[str] = ()):
   """An `EnvBatch` of the task's `split` ("train" or "test"; for problem files, the disjoint
   parts of `envs.splits.task_problems`, each problem once per epoch in a seeded order), with
   one grading worker or sandbox shared by its environments; `owned`: the environments this
   process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
-  rollout section (an evaluation plays one episode per task)."""
+  rollout section (an evaluation plays one episode per task); `trained`: fingerprints of
+  problems a checkpoint trained on, left out of a problem file's "test" split
+  (`trained_problems.heldout_problems`)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
   num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
   elif task.name == "code":
-    from marft_jax.envs import code_env, splits
-    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
+    from marft_jax.envs import code_env
+    problems = _file_problems(task, split, trained)
     num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)
     make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
                                       test_timeout_s=task.sandbox.wall_s,
                                       budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False)
   else:
-    from marft_jax.envs import arithmetic, problems as problems_lib, splits
+    from marft_jax.envs import arithmetic, problems as problems_lib
     from marft_jax.envs.math_env import MathEnv
     from marft_jax.envs.math_grading import Grader
     if task.name == "arithmetic":
       source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
     else:
-      part = splits.task_problems("math_jsonl", task.path, task.test_path)[split == "test"]
+      part = _file_problems(task, split, trained)
       source = problems_lib.ProblemSet(part, name=split, shuffle=False)
       num_tasks = len(source)
     shared = (Grader(),)
@@ -255,6 +258,13 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
                            group_size=group_size or config.rollout.group_size, owned=owned,
                            num_tasks=num_tasks, closing=shared)
+
+
+def _file_problems(task, split: str, trained: Collection[str]) -> tuple:
+  from marft_jax.envs import splits
+  if split == "test":
+    return trained_problems.heldout_problems(task.name, task.path, task.test_path, trained)[0]
+  return splits.task_problems(task.name, task.path, task.test_path)[0]
 
 
 def rollout_settings(config: TrainConfig) -> RolloutConfig:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import jax
 import numpy as np
@@ -57,10 +57,13 @@ def greedy_team(config: TrainConfig):
 
 def play(config: TrainConfig, model, policy: Optional[Any] = None,
          num_problems: Optional[int] = None, batch_size: int = 32,
-         progress: bool = False, rollout_weights: Optional[tuple] = None) -> list:
+         progress: bool = False, rollout_weights: Optional[tuple] = None,
+         trained: Collection[str] = ()) -> list:
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played greedily by the config's team with `policy` (None: adapters off).
-  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made)."""
+  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
+  `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
+  of a problem file's held-out set."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
@@ -69,7 +72,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   batch_size = min(batch_size, total)
   # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
   envs = assembly.build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
-                             num_envs=batch_size, group_size=1)
+                             num_envs=batch_size, group_size=1, trained=trained)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
   settings = assembly.rollout_settings(config)

@@ -55,6 +55,7 @@ from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
 from marft_jax.train import teams
+from marft_jax.train import trained_problems
 from marft_jax.train import workdir_lock
 from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.assembly import Model
@@ -401,6 +402,7 @@ def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
   config = run.config
   meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
           "policy_version": step}
+  meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"])  # launch.eval's
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part

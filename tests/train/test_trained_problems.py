@@ -1,0 +1,60 @@
+"""What a checkpoint records of the problems its run trained on (`train/trained_problems.py`),
+checked against the problems the trainer's own environments deal (`assembly.build_envs`,
+reset round by round as the rollout does), not against the record's replay of them."""
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from marft_jax.envs import splits
+from marft_jax.train import assembly
+from marft_jax.train import config as config_lib
+from marft_jax.train import trained_problems
+
+
+def _digest(text: str) -> str:
+  return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()[:16]
+
+
+def _dealt(config, rounds):
+  """{statement hash: problem id} of what the run's environments deal in `rounds` rollouts
+  (every environment one episode a round), and their data cursor after them."""
+  team, _ = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=config.seed)
+  dealt = {}
+  for _ in range(rounds):
+    for i in range(len(envs)):
+      envs.reset(i)
+      problem = envs.envs[i].problem
+      dealt[_digest(problem.question)] = problem.id
+  envs.close()
+  return dealt, envs.state_dict()
+
+
+@pytest.mark.parametrize("algorithm, level, rounds", [("marft_a", 1, 3), ("grpo", 3, 2)])
+def test_an_arithmetic_record_gives_exactly_the_problems_dealt(algorithm, level, rounds):
+  """GRPO's groups play one task per group; a level picks the generator's stream."""
+  config = config_lib.preset(algorithm, seed=5, task=config_lib.TaskSection(level=level),
+                             rollout=dataclasses.replace(config_lib.preset(algorithm).rollout,
+                                                         num_envs=8))
+  dealt, cursor = _dealt(config, rounds)
+  assert len(dealt) == rounds * 8 // config.rollout.group_size  # no repeats here
+  recorded = json.loads(json.dumps(trained_problems.record(config, cursor)))  # as saved
+  assert trained_problems.fingerprints(recorded) == dealt
+
+
+def test_a_split_file_records_its_training_part_whole(tmp_path):
+  path = tmp_path / "all.jsonl"
+  path.write_text("".join(json.dumps({"question": f"What is {n} + 1?", "answer": f"#### {n + 1}"})
+                          + "\n" for n in range(20)))
+  config = config_lib.preset("marft_a", task=config_lib.TaskSection(name="math_jsonl",
+                                                                    path=str(path)))
+  train, test = splits.task_problems("math_jsonl", str(path))
+  recorded = trained_problems.record(config, {"seed": 0, "episodes": [0] * 16})  # none drawn yet
+  assert recorded == {"task": "math_jsonl",
+                      "problems": [[p.id, _digest(p.question)] for p in train]}
+  assert len(train) == 18
+  trained = trained_problems.fingerprints(recorded)
+  assert trained_problems.heldout_problems("math_jsonl", str(path), "", trained) == (test, 0)
