@@ -402,7 +402,7 @@ def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
   config = run.config
   meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
           "policy_version": step}
-  meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"])  # launch.eval's
+  meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part

@@ -42,13 +42,18 @@ def fingerprint(problem: Any) -> str:
   return hashlib.sha256(splits.statement(problem).encode("utf-8")).hexdigest()[:16]
 
 
-def record(config, cursor: Mapping[str, Any]) -> dict:
+def record(config, cursor: Mapping[str, Any], envs=None) -> dict:
   """What a checkpoint of a `config` run records of its training problems (see the module
   docstring); `cursor`: the environments' data cursor saved beside it (`EnvBatch.state_dict`:
-  "seed", "episodes")."""
+  "seed", "episodes"). `envs`: the run's `EnvBatch`, whose environments hold a problem file's
+  training part as read when the run started (a file moved or deleted since does not fail
+  the save); None: the files are read now."""
   task = config.task
   if task.name in splits.KINDS:
-    train = splits.task_problems(task.name, task.path, task.test_path)[0]
+    if envs is not None:  # CodeEnv.problems, MathEnv.problems: the part, in file order
+      train = envs.envs[0].problems
+    else:
+      train = splits.task_problems(task.name, task.path, task.test_path)[0]
     return {"task": task.name, "problems": [[p.id, fingerprint(p)] for p in train]}
   if task.name == "arithmetic":
     return {"task": task.name, "stream": {

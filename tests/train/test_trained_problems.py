@@ -52,9 +52,15 @@ def test_a_split_file_records_its_training_part_whole(tmp_path):
   config = config_lib.preset("marft_a", task=config_lib.TaskSection(name="math_jsonl",
                                                                     path=str(path)))
   train, test = splits.task_problems("math_jsonl", str(path))
-  recorded = trained_problems.record(config, {"seed": 0, "episodes": [0] * 16})  # none drawn yet
+  cursor = {"seed": 0, "episodes": [0] * 16}  # none drawn yet
+  recorded = trained_problems.record(config, cursor)
   assert recorded == {"task": "math_jsonl",
                       "problems": [[p.id, _digest(p.question)] for p in train]}
   assert len(train) == 18
   trained = trained_problems.fingerprints(recorded)
   assert trained_problems.heldout_problems("math_jsonl", str(path), "", trained) == (test, 0)
+  team, _ = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=0)  # as the trainer's: the file read once
+  path.unlink()  # a checkpoint after the file is gone records the part it was read as
+  assert trained_problems.record(config, cursor, envs) == recorded
+  envs.close()
