@@ -4,7 +4,7 @@ evaluation of the run, whatever data the evaluation is given.
 A problem's fingerprint is a hash of its statement (`splits.statement`: the question or the
 prompt, whitespace collapsed; SHA-256, 16 hex digits), so the same problem in another file,
 under another id or wrapped differently, has the same fingerprint. Each checkpoint's meta holds
-`record(config, cursor)` under "training_problems":
+`record(config, cursor, envs)` under "training_problems":
 
 - file tasks ("math_jsonl", "code"): the id and fingerprint of every problem of the training
   part (`splits.task_problems`; the whole of `task.path` with a `task.test_path`, else all but
@@ -33,6 +33,7 @@ from typing import Any, Collection, Mapping
 from absl import logging
 
 from marft_jax.envs import splits
+from marft_jax.train.config import TrainConfig
 
 KEY = "training_problems"  # in a checkpoint's meta
 
@@ -42,7 +43,7 @@ def fingerprint(problem: Any) -> str:
   return hashlib.sha256(splits.statement(problem).encode("utf-8")).hexdigest()[:16]
 
 
-def record(config, cursor: Mapping[str, Any], envs=None) -> dict:
+def record(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> dict:
   """What a checkpoint of a `config` run records of its training problems (see the module
   docstring); `cursor`: the environments' data cursor saved beside it (`EnvBatch.state_dict`:
   "seed", "episodes"). `envs`: the run's `EnvBatch`, whose environments hold a problem file's
