@@ -16,9 +16,9 @@ differ. So a run trained on the generated arithmetic is scored on a benchmark fi
 `task.test_path` is scored whole (each problem once); without one the held-out part of
 `task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Either
 way, whatever files are given, the problems the checkpoint trained on (its record,
-`train/trained_problems.py`) are left out, and how many were is printed as
-`training_problems_dropped` (with --untuned too, so both score the same problems). Every agent
-decodes greedily. Prints `name=value` lines (accuracy overall
+`train/trained_problems.py`) are left out (generated arithmetic: replaced by the next of their
+seeds' streams), and how many were is printed as `training_problems_dropped` (with --untuned
+too, so both score the same problems). Every agent decodes greedily. Prints `name=value` lines (accuracy overall
 and per graded role, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
 <workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl).
@@ -72,6 +72,8 @@ def main(config: TrainConfig) -> None:
   episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
                                progress=True, trained=trained)
   results = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
+  if config.task.name == "arithmetic":  # generated: draws replaced, not problems dropped
+    dropped = trained_problems.replaced_draws(config, episodes, trained)
   results["checkpoint_step"] = step
   results["training_problems_dropped"] = dropped
   name = "eval_untuned" if _UNTUNED.value else "eval"

@@ -228,8 +228,8 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   one grading worker or sandbox shared by its environments; `owned`: the environments this
   process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
   rollout section (an evaluation plays one episode per task); `trained`: fingerprints of
-  problems a checkpoint trained on, left out of a problem file's "test" split
-  (`trained_problems.heldout_problems`)."""
+  problems a checkpoint trained on, left out of the "test" split (a problem file's:
+  `trained_problems.heldout_problems`; generated arithmetic: `trained_problems.Unseen`)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
   num_tasks, shared = None, ()
@@ -248,6 +248,8 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
     from marft_jax.envs.math_grading import Grader
     if task.name == "arithmetic":
       source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
+      if split == "test" and trained:
+        source = trained_problems.Unseen(source, trained)
     else:
       part = _file_problems(task, split, trained)
       source = problems_lib.ProblemSet(part, name=split, shuffle=False)

@@ -63,7 +63,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   played greedily by the config's team with `policy` (None: adapters off).
   `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
   `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
-  of a problem file's held-out set."""
+  of the held-out problems."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")

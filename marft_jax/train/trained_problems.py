@@ -19,16 +19,18 @@ under another id or wrapped differently, has the same fingerprint. Each checkpoi
 `launch.eval` reads the latest checkpoint's record (`of_checkpoint`), plays a problem file's
 held-out problems less those (`heldout_problems`) and reports how many it dropped. So a run
 trained on one file and scored on another, or given only a test file, is never scored on a
-problem it trained on. Generated arithmetic's test split is not filtered: it never holds a
-problem of any generated training stream (`envs/arithmetic.py`: disjoint hash buckets); a run
-trained on a file of generated test-split problems would meet them again (not checked).
+problem it trained on. Generated arithmetic's test split never holds a problem of a generated
+training stream (`envs/arithmetic.py`: disjoint hash buckets), but a file can: its seeds'
+problems a checkpoint trained on are replaced by the next ones of the same seeded streams
+(`Unseen`), and counted (`replaced_draws`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Mapping, Sequence
 
 from absl import logging
 
@@ -123,3 +125,32 @@ def heldout_problems(kind: str, path: str, test_path: str = "",
                      "checkpoint trained on")
   return kept, len(test) - len(kept)
 
+
+
+class Unseen:
+  """Generated arithmetic (`source`, an `arithmetic.ArithmeticProblems`) less the problems in
+  `trained`: seed s gives the first problem of seed s's stream (`generate_problems(k, level,
+  s, split)[-1]`, k = 1, 2, ...) that is not one of them, so `source`'s own problem unless a
+  checkpoint trained on it. A `problems.ProblemSource`."""
+
+  def __init__(self, source, trained: Collection[str]):
+    self.source, self.trained = source, trained
+
+  def problem_for_seed(self, seed: int):
+    from marft_jax.envs import arithmetic
+    level = self.source.levels[seed % len(self.source.levels)]
+    for k in itertools.count(1):
+      problem = arithmetic.generate_problems(k, level, seed, self.source.split)[-1]
+      if fingerprint(problem) not in self.trained:
+        return problem
+      if k == 1000:
+        raise ValueError(f"seed {seed}: its first 1000 held-out problems were all trained on")
+
+
+def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
+                   trained: Collection[str]) -> int:
+  """How many of `episodes` (an evaluation of generated arithmetic, `Episode.seed` their task
+  seeds) `Unseen` dealt another problem than their seed's first, a training problem."""
+  from marft_jax.envs import arithmetic
+  source = arithmetic.ArithmeticProblems(levels=(config.task.level,), split="test")
+  return sum(fingerprint(source.problem_for_seed(e.seed)) in trained for e in episodes)

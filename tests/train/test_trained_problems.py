@@ -64,3 +64,30 @@ def test_a_split_file_records_its_training_part_whole(tmp_path):
   path.unlink()  # a checkpoint after the file is gone records the part it was read as
   assert trained_problems.record(config, cursor, envs) == recorded
   envs.close()
+
+
+def test_generated_held_out_problems_a_checkpoint_trained_on_are_replaced():
+  """A file-trained run (its record: two problems of the generated test split) evaluated on
+  generated arithmetic: the environments that would deal those deal the next problem of the
+  same seed's stream (derived here with `generate_problems`); the others are unchanged."""
+  from types import SimpleNamespace
+  from marft_jax.envs import arithmetic
+  config = config_lib.preset("marft_a", task=config_lib.TaskSection(level=2))
+  team, _ = assembly.build_team(config)
+
+  def dealt(trained):
+    envs = assembly.build_envs(config, team, seed=7, split="test", num_envs=6, group_size=1,
+                               trained=trained)
+    tasks = [envs.reset(i) for i in range(6)]
+    envs.close()
+    return [(seed, observation.task) for seed, observation in tasks]
+
+  plain = dealt(())
+  trained = {_digest(plain[1][1]), _digest(plain[4][1])}
+  filtered = dealt(trained)
+  assert [seed for seed, _ in filtered] == [seed for seed, _ in plain]
+  for i, ((seed, task), (_, got)) in enumerate(zip(plain, filtered)):
+    want = arithmetic.generate_problems(2, 2, seed, "test")[1].question if i in (1, 4) else task
+    assert got == want, i
+  episodes = [SimpleNamespace(seed=seed) for seed, _ in plain]
+  assert trained_problems.replaced_draws(config, episodes, trained) == 2
