@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from marft_jax import envs, ppo
+from marft_jax.train import advantages as advantages_lib
 from marft_jax.train.advantages import AdvantageConfig, compute_advantages
 from tests.train.test_advantages import (TurnSpec, batch_with_values, per_agent_episode,
                                          turn_values)
@@ -233,7 +234,10 @@ def _check_ppo(level, count=None):
 
 @pytest.mark.parametrize("level", ["action", "token"])
 def test_ppo_matches_the_reference_on_every_small_dag(level):
-  assert len(_ppo_cases()) == 1 + 3 + 25 + 543 + 300  # every labelled DAG of 1–4 roles
+  cases = _ppo_cases()
+  assert len(cases) == 1 + 3 + 25 + 543 + 300  # every labelled DAG of 1–4 roles
+  assert {len(dones) for _, (_, _, dones) in cases} == {1, 2, 3}  # the horizons
+  assert any(any(dones[:-1]) for _, (_, _, dones) in cases)  # a done before the last step
   _check_ppo(level)
 
 
@@ -320,7 +324,7 @@ def test_the_rule_by_layers_is_caught(monkeypatch):
   """Mutant: successors by layers (the next layer's first turn) instead of by descendants.
   Both the ppo-level and the trainer-level comparisons fail on it."""
   monkeypatch.setattr(ppo.chains, "turn_successors", _layer_successors)
-  jax.clear_caches()
+  advantages_lib._vmapped_chains.clear_cache()  # traced with the real rule
   try:
     with pytest.raises(AssertionError):
       _check_ppo("action", count=100)  # the 3-role DAGs are among the first 29
@@ -328,4 +332,4 @@ def test_the_rule_by_layers_is_caught(monkeypatch):
       _check_trainer("action", [NAMED["fork_without_join"]], credits=("equal",))
   finally:
     monkeypatch.undo()
-    jax.clear_caches()
+    advantages_lib._vmapped_chains.clear_cache()

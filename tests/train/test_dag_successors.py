@@ -24,7 +24,7 @@ from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler, tiny
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
-from marft_jax.train import algorithms, assembly
+from marft_jax.train import advantages as advantages_lib, algorithms, assembly
 from marft_jax.train.advantages import AdvantageConfig, compute_advantages
 from marft_jax.train.batching import make_batch
 from marft_jax.train.config import TrainConfig
@@ -176,10 +176,10 @@ def test_the_rule_by_layers_is_caught(tokenizer, monkeypatch):
   fork without a join's unseen branch then hops to a turn whose prompt lacks its reply."""
   name, team, graph, _ = _sampled_dags()[0]
   monkeypatch.setattr(ppo.chains, "turn_successors", _layer_successors)
-  jax.clear_caches()
+  advantages_lib._vmapped_chains.clear_cache()  # traced with the real rule
   try:
     with pytest.raises(AssertionError):
       _check(team, graph, tokenizer, monkeypatch)
   finally:
     monkeypatch.undo()
-    jax.clear_caches()
+    advantages_lib._vmapped_chains.clear_cache()
