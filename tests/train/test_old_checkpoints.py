@@ -1,0 +1,191 @@
+"""Checkpoints written by earlier commits resume as they were trained.
+
+References: tests/fixtures/old_checkpoints (make.py there says how they were made). Each
+fixture is a one-iteration checkpoint written by an earlier commit's own trainer, with what
+that same code trained next (the digests of its step-2 state, its iteration-1 metrics). The
+history of the config's keys (which commit added which, and what the code did before) is
+`tests/fixtures/old_checkpoints/keys.json`, each commit's `TrainConfig()` read by that
+commit's code, independent of `config_history`.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from marft_jax.configs import from_config_dict, to_config_dict
+from marft_jax.models import loading
+from marft_jax.train import algorithms
+from marft_jax.train import assembly
+from marft_jax.train import config_history
+from marft_jax.train import loop
+from marft_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
+from marft_jax.train.config import TrainConfig
+from tests.fixtures.old_checkpoints import make
+
+FIXTURES = make.HERE
+# Hand-written from the history: what today's defaults for the keys each fixture's commit
+# lacked would change. An f32 run before model.matmul_precision ran at the platform default
+# ("auto" is exact f32); a bf16 run before loss.behaviour_correction trained without it
+# ("auto" turns it on for bf16; its precision "auto" is the platform default, as it was).
+REFUSED = {"before_correction_f32": {"model.matmul_precision"},
+           "before_correction_bf16": {"loss.behaviour_correction"},
+           "roles_before_precision_f32": {"model.matmul_precision"},
+           "roles_before_precision_bf16": set(),
+           "every_key_f32": set()}
+# One change of rounding without a key, found by bisecting these fixtures: df0626f
+# (2026-11-26 22:35) jits the advantage whitening, whose fused reductions round f32
+# advantages differently (about 1e-7 relative). An f32 checkpoint written before it continues
+# with that rounding: its critic, its rollouts and its rewards stay bit for bit, its policy
+# within 1e-5. (The bf16 fixtures' whitened advantages happen to round alike.)
+ROUNDING_CHANGED = {"before_correction_f32", "roles_before_precision_f32"}
+# Diagnostics computed another way since (not trained on): the largest sampler/learner gap is
+# the update's `behaviour/logp_gap_max` today, measured against the learner's pass of the
+# update rather than the one before it; in f32 both are ~1e-6, in bf16 they differ.
+REDEFINED = ("logp/sampler_learner_max_gap",)
+
+
+def _saved_config(workdir):
+  with Checkpointer(workdir, read_only=True) as checkpointer:
+    return checkpointer.read_meta(1)["config"]
+
+
+def _todays_command(saved: dict, iterations: int) -> TrainConfig:
+  """The same run launched with today's code: the keys the old config had, with its values;
+  the keys added since at today's defaults."""
+  tree = to_config_dict(TrainConfig()).to_dict()
+  for key, value in config_history.flatten(saved).items():
+    *sections, field = key.split(".")
+    node = tree
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  tree["iterations"] = iterations
+  return algorithms.resolve(from_config_dict(TrainConfig, tree))
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {dtype: assembly.Model(*loading.load_model(make.MODEL, param_dtype=dtype,
+                                                    compute_dtype=dtype))
+          for dtype in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("name", sorted(make.FIXTURES))
+def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
+    name, models, tmp_path):
+  with open(os.path.join(FIXTURES, name, "next.json")) as f:
+    expected = json.load(f)
+  workdir = str(tmp_path / "run")
+  shutil.copytree(os.path.join(FIXTURES, name, "workdir"), workdir)
+  saved = _saved_config(workdir)
+  config = _todays_command(saved, iterations=expected["step"])
+  model = models[config.model.param_dtype]
+
+  # Today's defaults for the keys added since: refused, naming each key that changes behaviour.
+  if REFUSED[name]:
+    with pytest.raises(CheckpointMismatchError) as refusal:
+      loop.train(config, workdir, model=model, progress=False)
+    named = {key for key in config_history.flatten(to_config_dict(config).to_dict())
+             if f"{key}: saved" in str(refusal.value)}
+    assert named == REFUSED[name], str(refusal.value)
+    # The user sets the saved values the refusal names.
+    changes = {key: config_history.flatten(
+        to_config_dict(assembly.read_saved_config(saved, "")).to_dict())[key]
+        for key in REFUSED[name]}
+    config = _with(config, changes)
+  loop.train(config, workdir, model=model, progress=False)
+
+  digests = make.state_digests(workdir, expected["step"])
+  metrics = make.metrics_row(workdir, expected["step"] - 1)
+  kept = [k for k in expected["metrics"] if k not in REDEFINED]
+  if name not in ROUNDING_CHANGED:
+    assert digests == expected["state"]
+    assert {k: metrics.get(k) for k in kept} == {k: expected["metrics"][k] for k in kept}
+    return
+  policy = lambda d: {k for k in d if k.startswith(("policy/", "policy_opt/"))}
+  assert digests.keys() == expected["state"].keys()
+  assert {k: v for k, v in digests.items() if k not in policy(digests)} == \
+      {k: v for k, v in expected["state"].items() if k not in policy(digests)}
+  arrays = make.policy_arrays(workdir, expected["step"])
+  with np.load(os.path.join(FIXTURES, name, "next_policy.npz")) as old:
+    assert arrays.keys() == set(old.files)
+    for key in old.files:
+      np.testing.assert_allclose(arrays[key], old[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  for key in kept:  # the rollout's and the critic's exactly; the policy's update's close
+    if key.startswith("env/") or key.startswith("agent/") or "value" in key or "critic" in key \
+        or key in ("reward", "accuracy", "generated_tokens", "prompt_tokens", "turns"):
+      assert metrics[key] == expected["metrics"][key], key
+    else:
+      np.testing.assert_allclose(metrics[key], expected["metrics"][key], rtol=1e-5, atol=1e-6,
+                                 err_msg=key)
+
+
+# --- the history of the keys (keys.json: each commit's own TrainConfig) -------------------------
+
+
+def _keys_history():
+  with open(os.path.join(FIXTURES, "keys.json")) as f:
+    return json.load(f)
+
+
+def _today_keys():
+  return set(config_history.flatten(to_config_dict(TrainConfig()).to_dict()))
+
+
+def test_every_key_added_since_the_first_format_says_what_it_meant_before():
+  """Generated from TrainConfig's leaves: a key today that the first checkpoint format lacked
+  has an `ADDED` entry naming the commit that added it (a key added later without one fails
+  here)."""
+  history = _keys_history()
+  first = set(history[make.FIRST_FORMAT]["keys"])
+  added_by = {}
+  for commit, era in history.items():
+    for key in era["keys"]:
+      added_by.setdefault(key, commit)
+  entries = {entry.key: entry for entry in config_history.ADDED}
+  for key in sorted(_today_keys() - first):
+    assert key in entries, f"{key}: added since the first checkpoint format, not in ADDED"
+    assert entries[key].commit == added_by.get(key, "after the scan"), key
+    assert history[entries[key].commit]["date"] == entries[key].date, key
+  assert set(entries) <= _today_keys()
+
+
+@pytest.mark.parametrize("commit", sorted(_keys_history()))
+def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
+  """A saved config holding exactly one era's keys (today's values for them) reads with each
+  key it lacks set by `ADDED`, never left to today's default, and loads."""
+  era = set(_keys_history()[commit]["keys"])
+  today = to_config_dict(assembly.as_recorded(algorithms.resolve(TrainConfig()))).to_dict()
+  saved = {}
+  for key, value in config_history.flatten(today).items():
+    if key in era:
+      *sections, field = key.split(".")
+      node = saved
+      for section in sections:
+        node = node.setdefault(section, {})
+      node[field] = value
+  filled = config_history.flatten(config_history.fill_missing(saved))
+  assert set(filled) == _today_keys()
+  entries = {entry.key: entry for entry in config_history.ADDED}
+  for key in _today_keys() - era:
+    before = entries[key].before
+    assert filled[key] == (before(config_history.flatten(saved)) if callable(before) else
+                           before), key
+  assert_loads = assembly.read_saved_config(saved, "era " + commit)
+  assert assert_loads.model.matmul_precision == ("default" if "model.matmul_precision" not in era
+                                                 else "auto")
+
+
+def _with(config: TrainConfig, changes: dict) -> TrainConfig:
+  tree = to_config_dict(config).to_dict()
+  for key, value in changes.items():
+    *sections, field = key.split(".")
+    node = tree
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return algorithms.resolve(from_config_dict(TrainConfig, tree))
