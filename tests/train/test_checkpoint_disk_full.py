@@ -9,27 +9,28 @@ the files as they were before the failed write.
 """
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
 import shutil
-import subprocess
 import sys
+import subprocess
 
-import jax
 import numpy as np
 import pytest
 
-from marft_jax.models import tiny, transformer
-from marft_jax.models.config import tiny_config
+from marft_jax.models import loading
 from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.checkpoint import Checkpointer, saved_steps
 from marft_jax.train.metrics import MetricWriter
 from marft_jax.train.write_failures import WorkdirWriteError
+from tests.fixtures.old_checkpoints import make
 from tests.fixtures.old_checkpoints.make import metrics_row, state_digests
-from tests.train.echo_config import echo_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Orbax's write failure as tensorstore words it (seen on a full tmpfs).
 TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing "a/0.0" in OCDBT database at local file '
@@ -79,34 +80,29 @@ def _fill(folder) -> str:
   return path
 
 
-@pytest.fixture(scope="module")
-def model():
-  tokenizer = tiny.tiny_tokenizer()
-  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
-                        tokenizer)
-
-
-def _strip(row):
-  return {k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_s"))}
-
-
-def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_is_bit_identical(model, tmp_path):
-  config = echo_config("marft_a", num_envs=4, iterations=2, checkpoint_every=1)
-  straight = str(tmp_path / "straight")
-  loop.train(config, straight, model=model, progress=False)
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_is_bit_identical(tmp_path):
+  """The run of tests/fixtures/old_checkpoints/every_key_f32, resumed from its step 1 on a
+  small file system that fills during the iteration; after space is freed, the same command
+  finishes with what the run's code trains without the failure (its next.json)."""
+  fixture = os.path.join(make.HERE, "every_key_f32")
+  with open(os.path.join(fixture, "next.json")) as f:
+    expected = json.load(f)
   with _small_file_system(str(tmp_path / "fs")) as fs:
     workdir = os.path.join(fs, "run")
+    shutil.copytree(os.path.join(fixture, "workdir"), workdir)
+    with Checkpointer(workdir, read_only=True) as checkpointer:
+      saved = checkpointer.read_meta(1)["config"]
+    config = dataclasses.replace(assembly.read_saved_config(saved, workdir), iterations=2)
+    model = assembly.Model(*loading.load_model(make.MODEL))
     filler = []
 
-    def fill_after_the_first_update(iteration, metrics):
-      if iteration == 1:
-        filler.append(_fill(fs))
+    def fill_after_the_update(iteration, metrics):
+      filler.append(_fill(fs))
 
     # The disk fills during iteration 1: its checkpoint (step 2) cannot be written.
     with pytest.raises(WorkdirWriteError) as failed:
       loop.train(config, workdir, model=model, progress=False,
-                 on_iteration=fill_after_the_first_update)
+                 on_iteration=fill_after_the_update)
     _assert_one_line(failed.value, workdir, "the checkpoint of step 2", resume_step=1)
     assert saved_steps(workdir) == [1]
     # Still full: resuming cannot cut the metrics log back to step 1 (the traceback of the
@@ -119,9 +115,9 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_is_bit_identical(mo
 
     os.remove(filler[0])  # space freed: the same command finishes
     loop.train(config, workdir, model=model, progress=False)
-    assert state_digests(workdir, 2) == state_digests(straight, 2)
-    for step in (0, 1):
-      assert _strip(metrics_row(workdir, step)) == _strip(metrics_row(straight, step))
+    assert state_digests(workdir, 2) == expected["state"]
+    row = metrics_row(workdir, 1)
+    assert {k: row.get(k) for k in expected["metrics"]} == expected["metrics"]
 
 
 # --- simulated: the same failures raised where the files are written ---------------------------
@@ -170,3 +166,24 @@ def test_a_failed_checkpoint_save_is_one_line_and_keeps_the_last_step(tmp_path, 
   with Checkpointer(workdir) as checkpointer:
     with pytest.raises(TypeError, match="not JSON-serialisable"):
       checkpointer.save(3, state, {"iteration": object()}, force=True)
+
+
+def test_the_launch_shows_a_full_disk_as_one_line(tmp_path):
+  """`python -m launch.train` into a workdir on a full file system: the first write of the
+  run (its lock file's process id, before the model loads) is one line and exit status 1."""
+  from tests.compile_flags import FAST_COMPILE
+  from tests.train.echo_config import echo_flags
+  with _small_file_system(str(tmp_path / "fs"), size="1m") as fs:
+    _fill(fs)
+    workdir = os.path.join(fs, "run")
+    flags = [f"--config.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+             for k, v in echo_flags("marft_a", num_envs=2, iterations=1).items()]
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.train", *flags, f"--config.model.source={make.MODEL}",
+         f"--workdir={workdir}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))
+  assert out.returncode == 1, out.stderr
+  lines = [line for line in out.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith(f"error: {workdir}: could not write .run.lock "
+                                                 "(this run's process id)"), out.stderr
+  assert "No space left on device" in lines[0] and "no checkpoint was written yet" in lines[0]
