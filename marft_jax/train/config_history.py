@@ -64,9 +64,10 @@ def _shipped_team_changed(saved: Mapping[str, Any]) -> Optional[str]:
   if task == "echo":
     return ("the echo task's wording and its team's prompts changed on 2026-11-26 (62ffd2f, "
             "'Repeat: 7'), after this checkpoint")
-  if task in ("arithmetic", "math_jsonl") and _lacks(saved, "mesh.data"):
-    return ("the math teams' prompts changed on 2026-11-25 (7c334e9), at or after this "
-            "checkpoint")
+  if (task in ("arithmetic", "math_jsonl") and saved.get("team.num_roles") in (1, 2, 3)
+      and _lacks(saved, "mesh.data")):
+    return ("the math teams' prompts of 1 to 3 roles changed on 2026-11-25 (7c334e9), at or "
+            "after this checkpoint")
   if task == "math_jsonl" and _lacks(saved, "model.matmul_precision"):
     return ("the math_jsonl team's prompts changed on 2026-11-26 (a3d4de7, word-problem "
             "roles), maybe after this checkpoint")

@@ -5,7 +5,8 @@ fixture is a one-iteration checkpoint written by an earlier commit's own trainer
 that same code trained next (the digests of its step-2 state, its iteration-1 metrics). The
 history of the config's keys (which commit added which, and what the code did before) is
 `tests/fixtures/old_checkpoints/keys.json`, each commit's `TrainConfig()` read by that
-commit's code, independent of `config_history`.
+commit's code, and the history of the shipped teams `teams.json` (a digest of each task's
+team, per commit that changed one), both independent of `config_history`.
 """
 
 import dataclasses
@@ -154,12 +155,9 @@ def test_every_key_added_since_the_first_format_says_what_it_meant_before():
   assert set(entries) <= _today_keys()
 
 
-@pytest.mark.parametrize("commit", sorted(_keys_history()))
-def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
-  """A saved config holding exactly one era's keys (today's values for them) reads with each
-  key it lacks set by `ADDED`, never left to today's default, and loads."""
-  era = set(_keys_history()[commit]["keys"])
-  today = to_config_dict(assembly.as_recorded(algorithms.resolve(TrainConfig()))).to_dict()
+def _era_config(era: set, config: TrainConfig) -> dict:
+  """`config` as recorded today, with only the keys of `era` (a saved config of that era)."""
+  today = to_config_dict(assembly.as_recorded(algorithms.resolve(config))).to_dict()
   saved = {}
   for key, value in config_history.flatten(today).items():
     if key in era:
@@ -168,6 +166,15 @@ def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
       for section in sections:
         node = node.setdefault(section, {})
       node[field] = value
+  return saved
+
+
+@pytest.mark.parametrize("commit", sorted(_keys_history()))
+def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
+  """A saved config holding exactly one era's keys (today's values for them) reads with each
+  key it lacks set by `ADDED`, never left to today's default, and loads."""
+  era = set(_keys_history()[commit]["keys"])
+  saved = _era_config(era, TrainConfig())
   filled = config_history.flatten(config_history.fill_missing(saved))
   assert set(filled) == _today_keys()
   entries = {entry.key: entry for entry in config_history.ADDED}
@@ -189,3 +196,40 @@ def _with(config: TrainConfig, changes: dict) -> TrainConfig:
       node = node[section]
     node[field] = value
   return algorithms.resolve(from_config_dict(TrainConfig, tree))
+
+
+def test_an_old_config_whose_team_or_data_changed_since_is_refused_naming_the_key():
+  """Generated from the history: for every era of the config's keys before the team was
+  written out (3821d0b) and every shipped team (task, roles), a config that lets the task's
+  shipped team play is refused naming team.roles exactly when a shipped team of that era
+  (teams.json, as each commit's code built it) is not today's; a file task before
+  task.test_path (3ba9c2c) trained on every problem, and is refused naming it."""
+  keys, teams = _keys_history(), json.loads(open(os.path.join(FIXTURES, "teams.json")).read())
+  eras = sorted(keys.items(), key=lambda item: item[1]["date"])
+  changes = sorted(teams.items(), key=lambda item: item[1]["date"])
+  today = changes[-1][1]["teams"]
+  checked = 0
+  for (commit, era), after in zip(eras, [e[1]["date"] for e in eras[1:]] + ["9999"]):
+    if "lora.dropout_rate" in era["keys"]:
+      continue  # the team is written out: compared key by key
+    start = max(i for i, (_, c) in enumerate(changes) if c["date"] <= era["date"])
+    in_era = [c["teams"] for _, c in changes[start:] if c["date"] < after]
+    for team in today:
+      task, roles = team.split("/")
+      config = TrainConfig(task=dataclasses.replace(TrainConfig().task, name=task),
+                           team=dataclasses.replace(TrainConfig().team, num_roles=int(roles)))
+      saved = _era_config(set(era["keys"]), config)
+      if "team" in saved and "roles" in saved["team"]:
+        saved["team"].update(roles={}, order="")  # as recorded before 3821d0b
+      expected = set()
+      if any(t[team] != today[team] for t in in_era):
+        expected.add("team.roles")
+      if task in ("math_jsonl", "code") and "task.test_path" not in era["keys"]:
+        expected.add("task.test_path")
+      refused = {key for key, _ in config_history.unreproducible(saved)}
+      assert refused == expected, (commit, team)
+      if expected:
+        with pytest.raises(CheckpointMismatchError, match=sorted(expected)[0].replace(".", r"\.")):
+          assembly.read_for_resume(saved, f"era {commit}")
+      checked += 1
+  assert checked > 100
