@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as _JUDGE_PROMPT
 
@@ -136,6 +136,60 @@ UNREPRODUCIBLE: tuple[tuple[str, Callable[[Mapping[str, Any]], Optional[str]]], 
     ("task.test_path", _held_out_split),
     ("team.top_p", _orchestrator_sampling),
 )
+
+
+# Changes of behaviour without a key after the last key above, dated: a checkpoint records the
+# newest it knew (meta["changes_known"], written since this list exists); one without the
+# record may predate every change here. (date, what, why)
+CHANGED: tuple[tuple[str, str, str], ...] = (
+    ("2026-11-28 08:26", "dag_credit",
+     "DAG credit follows what each turn's reply reaches (f308e3d): a turn hops to its first "
+     "descendant, no longer to the first turn of the next layer"),
+)
+CHANGES_KNOWN = CHANGED[-1][0]  # what this version records
+
+
+def layer_successors(order: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[int]:
+  """The turn each role's turn of one env step hopped to before `dag_credit` (its index in
+  execution order; len(order) for the next step): the first turn of the next Kahn layer."""
+  layers = _layers(order, edges)
+  turns = [role for layer in layers for role in layer]
+  starts = [sum(len(layer) for layer in layers[:i + 1]) for i in range(len(layers))]
+  return [starts[i] if i + 1 < len(layers) else len(turns)
+          for i, layer in enumerate(layers) for _ in layer]
+
+
+def reach_successors(order: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[int]:
+  """The same with `dag_credit`: the earliest later turn whose prompt holds the turn's reply
+  (a descendant), else the next step."""
+  turns = [role for layer in _layers(order, edges) for role in layer]
+  children = {role: {b for a, b in edges if a == role} for role in order}
+  below = {}
+  for role in reversed(turns):  # descendants, from the last layer up
+    below[role] = set(children[role]).union(*(below[c] for c in children[role]))
+  return [next((j for j in range(k + 1, len(turns)) if turns[j] in below[turns[k]]),
+               len(turns)) for k in range(len(turns))]
+
+
+def _layers(order: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[tuple[str, ...]]:
+  """The DAG's Kahn layers, its execution order (`envs.AgentGraph.layers`)."""
+  from marft_jax.envs.graph import AgentGraph
+  return list(AgentGraph(tuple(order), tuple(edges)).layers())
+
+
+def changed_since(known: Optional[str], graph: str, order: Sequence[str],
+                  edges: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+  """(key, why) for each change of `CHANGED` after `known` (a checkpoint's
+  meta["changes_known"]; None: written before the record) that alters this team's training."""
+  refused = []
+  for date, name, why in CHANGED:
+    if known is not None and known >= date:
+      continue
+    if name == "dag_credit" and graph == "dag" and \
+        layer_successors(order, edges) != reach_successors(order, edges):
+      refused.append(("team.edges", f"{why}; this checkpoint may predate it and its DAG's "
+                      "turns hop elsewhere now"))
+  return refused
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

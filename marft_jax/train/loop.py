@@ -51,6 +51,7 @@ from marft_jax.rollout import reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
+from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
@@ -278,9 +279,10 @@ def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: 
   if checkpointer.latest_step() is None:
     return state, 0
   where = f"{workdir}: step {checkpointer.latest_step()}"
+  known = checkpointer.read_meta(checkpointer.latest_step()).get("changes_known")
   state, meta = checkpointer.restore(
       state, config=assembly.resume_view(run.config_dict), may_differ=assembly.RESUME_MAY_DIFFER,
-      read_config=lambda saved: assembly.read_for_resume(saved, where))
+      read_config=lambda saved: assembly.read_for_resume(saved, where, known))
   start = int(meta["iteration"])
   run.envs.load_state_dict(meta["envs"])
   logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
@@ -402,7 +404,7 @@ def _per_row_adapters(batch, layout):
 def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
   config = run.config
   meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
-          "policy_version": step}
+          "policy_version": step, "changes_known": config_history.CHANGES_KNOWN}
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part

@@ -10,6 +10,7 @@ team, per commit that changed one), both independent of `config_history`.
 """
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -100,6 +101,9 @@ def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
     config = _with(config, changes)
   loop.train(config, workdir, model=model, progress=False)
 
+  with Checkpointer(workdir, read_only=True) as checkpointer:  # what today's records
+    assert checkpointer.read_meta(expected["step"])["changes_known"] == \
+        config_history.CHANGES_KNOWN
   digests = make.state_digests(workdir, expected["step"])
   metrics = make.metrics_row(workdir, expected["step"] - 1)
   kept = [k for k in expected["metrics"] if k not in REDEFINED]
@@ -233,3 +237,72 @@ def test_an_old_config_whose_team_or_data_changed_since_is_refused_naming_the_ke
           assembly.read_for_resume(saved, f"era {commit}")
       checked += 1
   assert checked > 100
+
+
+def _dags(max_roles: int):
+  """Every DAG on roles r0..r{n-1} (n <= max_roles) whose edges go forward in that order,
+  with at least one edge."""
+  for n in range(2, max_roles + 1):
+    roles = [f"r{i}" for i in range(n)]
+    pairs = list(itertools.combinations(roles, 2))
+    for chosen in itertools.product((False, True), repeat=len(pairs)):
+      edges = [p for p, on in zip(pairs, chosen) if on]
+      if edges:
+        yield roles, edges
+
+
+def test_a_dag_checkpoint_from_before_dag_credit_is_refused_where_its_successors_moved():
+  """Generated over every DAG of 2-4 roles: the successors `config_history` says each turn
+  had before and has since `dag_credit` equal ppo.turn_successors over the layers' relation
+  (ppo.layer_sees: the old rule) and over the graph's (envs.agent_sees); a checkpoint that
+  does not record the change is refused naming team.edges exactly where they differ, and one
+  that records it never."""
+  from marft_jax import envs, ppo
+  from marft_jax.envs.profiles import AgentProfile
+  moved = 0
+  for roles, edges in _dags(4):
+    graph = envs.AgentGraph(tuple(roles), tuple(edges))
+    layers = graph.layers()
+    turns = [r for layer in layers for r in layer]
+    n = len(turns)
+    step, valid = np.zeros(n, np.int32), np.ones(n, bool)
+    layer_k = np.asarray([i for i, layer in enumerate(layers) for _ in layer], np.int32)
+    team = [AgentProfile(role=r, system_prompt="", description="") for r in turns]
+    sees = np.asarray(envs.agent_sees(graph, team))
+    old = np.asarray(ppo.turn_successors(step, ppo.layer_sees(step, layer_k, valid), valid))
+    new = np.asarray(ppo.turn_successors(step, sees, valid))
+    assert config_history.layer_successors(roles, edges) == old.tolist(), edges
+    assert config_history.reach_successors(roles, edges) == new.tolist(), edges
+    refused = config_history.changed_since(None, "dag", roles, edges)
+    assert [key for key, _ in refused] == (["team.edges"] if (old != new).any() else [])
+    assert config_history.changed_since(config_history.CHANGES_KNOWN, "dag", roles, edges) == []
+    moved += bool((old != new).any())
+  assert moved > 10
+  assert config_history.changed_since(None, "chain", ["a", "b"], []) == []
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_the_resume_reads_the_checkpoints_record_of_changes(models, tmp_path, recorded):
+  """The every_key_f32 checkpoint's config made a 3-role DAG whose turns moved with
+  dag_credit (reasoner>verifier: the actor, no longer hopping to the verifier, ends the step):
+  without a record of the change the resume is refused naming team.edges; with it, the
+  config passes and the state (2 adapters, not 3) is what differs."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(os.path.join(FIXTURES, "every_key_f32", "workdir"), workdir)
+  path = os.path.join(workdir, "checkpoints", "1", "meta", "metadata")
+  with open(path) as f:
+    meta = json.load(f)
+  team = meta["config"]["team"]
+  team["roles"]["verifier"] = dict(team["roles"]["actor"], graded=False)
+  team.update(order="reasoner,actor,verifier", graph="dag", edges="reasoner>verifier", num_roles=3)
+  meta.pop("changes_known", None)
+  if recorded:
+    meta["changes_known"] = config_history.CHANGES_KNOWN
+  meta.pop("config_fingerprint")
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  config = dataclasses.replace(assembly.read_saved_config(meta["config"], ""), iterations=2)
+  with pytest.raises(CheckpointMismatchError) as refused:
+    loop.train(config, workdir, model=models["float32"], progress=False)
+  assert ("team.edges: DAG credit" in str(refused.value)) != recorded, str(refused.value)
+  assert ("another number of agents" in str(refused.value)) == recorded, str(refused.value)
