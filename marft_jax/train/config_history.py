@@ -82,8 +82,8 @@ def _held_out_split(saved: Mapping[str, Any]) -> Optional[str]:
 
 
 def _orchestrator_sampling(saved: Mapping[str, Any]) -> Optional[str]:
-  if (saved.get("team.graph") == "orchestrator" and _lacks(saved, "team.orchestrator_max_new_tokens")
-      and saved.get("team.top_p", 1.0) != 1.0):
+  if (saved.get("team.graph") == "orchestrator" and saved.get("team.top_p", 1.0) != 1.0
+      and _lacks(saved, "team.orchestrator_max_new_tokens")):
     return ("its orchestrator sampled at top_p=1 whatever team.top_p; since 2026-11-24 "
             "(19d683f) it samples at team.top_p")
   return None

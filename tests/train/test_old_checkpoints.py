@@ -306,3 +306,22 @@ def test_the_resume_reads_the_checkpoints_record_of_changes(models, tmp_path, re
     loop.train(config, workdir, model=models["float32"], progress=False)
   assert ("team.edges: DAG credit" in str(refused.value)) != recorded, str(refused.value)
   assert ("another number of agents" in str(refused.value)) == recorded, str(refused.value)
+
+
+@pytest.mark.parametrize("commit", sorted(_keys_history()))
+def test_an_orchestrator_below_top_p_1_from_before_19d683f_is_refused(commit):
+  """Until 19d683f (2026-11-24 15:28) the orchestrator sampled at top_p=1 (and 64 tokens)
+  whatever team.top_p: an orchestrated config of an earlier era with top_p below 1 is
+  refused naming team.top_p; one at top_p=1 reads with 64 routing tokens."""
+  era = _keys_history()[commit]
+  base = TrainConfig(task=dataclasses.replace(TrainConfig().task, name="code"),
+                     team=dataclasses.replace(TrainConfig().team, graph="orchestrator",
+                                              num_roles=2))
+  for top_p, early in ((0.9, era["date"] < "2026-11-24 15:28"), (1.0, False)):
+    saved = _era_config(set(era["keys"]) | {"task.test_path"}, base)
+    saved["team"]["top_p"] = top_p  # (today's resolve refuses top_p < 1 without correction)
+    refused = {key for key, _ in config_history.unreproducible(saved)} - {"team.roles"}
+    assert refused == ({"team.top_p"} if early else set()), (commit, top_p)
+  if "team.orchestrator_max_new_tokens" not in era["keys"]:
+    read = assembly.read_saved_config(saved, "")
+    assert read.team.orchestrator_max_new_tokens == 64
