@@ -119,10 +119,11 @@ class MetricWriter:
 
   def close(self) -> None:
     if self.enabled and self._tb is not None:
-      self._jsonl.close()
-      self._texts.close()
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      with writing(self.workdir, "its metrics (metrics.jsonl, texts.jsonl, tensorboard/)"):
+        self._jsonl.close()
+        self._texts.close()
+        tb.close()
 
   def __enter__(self) -> "MetricWriter":
     return self
