@@ -22,7 +22,10 @@ next); the fixtures in tests/fixtures/old_checkpoints are checkpoints of earlier
 that resume bit for bit, or are refused, by this reading.
 
 Adding a key that changes behaviour: give it a value that keeps the old behaviour, or add it
-here with the value that does.
+here with the value that does. Changing behaviour without a key: add it to `CHANGED` with
+the test of the configs it alters. Float rounding is not behaviour here: df0626f (the
+advantage whitening jitted) moves f32 advantages by about 1e-7, and a checkpoint from
+before it continues within that (tests/train/test_old_checkpoints.py).
 """
 
 from __future__ import annotations
