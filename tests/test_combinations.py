@@ -32,7 +32,7 @@ import pytest
 
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax.configs import from_config_dict
-from marft_jax.models import tiny, transformer
+from marft_jax.models import sampler, tiny, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import algorithms, assembly, loop
 from marft_jax.train.config import TrainConfig
@@ -169,6 +169,11 @@ def test_refused_before_the_model_loads_or_trains(row, tiny_model, tmp_path, mon
   monkeypatch.setattr(assembly, "load", load)
   # The learning-curve PNG (matplotlib, each checkpoint) is the same for every combination.
   monkeypatch.setattr(loop, "plot_learning_curves", lambda *args, **kwargs: None)
+  # A one-iteration run never reaches the next prompt bucket that the trainer's sampler
+  # compiles ahead (`sampler.generate(compile_ahead=)`: the program only, never run).
+  generate = sampler.generate
+  monkeypatch.setattr(sampler, "generate",
+                      lambda *args, **kwargs: generate(*args, **dict(kwargs, compile_ahead=False)))
   config_dict = _config_dict(row)
   try:
     config = algorithms.resolve(from_config_dict(TrainConfig, config_dict))
