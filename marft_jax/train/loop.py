@@ -257,7 +257,7 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
       old_values_fn=None if critic_values is None else critic_lib.batch_values_fn(
           critic_values, config.optimizer.minibatches),
       envs=envs, num_roles=len(team), mesh=mesh, layout=rows,
-      agent_layers=envs_lib.agent_layers(structure, team),
+      agent_sees=envs_lib.agent_sees(structure, team),
       reply_budgets=reply_budgets(team, structure),
       pad_id=model.tokenizer.eos_token_id if pad is None else pad,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
@@ -287,7 +287,7 @@ def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: 
 
 
 def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic_hidden,
-           old_values_fn, envs, num_roles, num_rows, mesh, layout, agent_layers,
+           old_values_fn, envs, num_roles, num_rows, mesh, layout, agent_sees,
            reply_budgets=None):
   """Batch → π_old and critic values → advantages → one jitted update. (new state, metrics)
 
@@ -319,7 +319,7 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
                   config.advantage)
   active = active_adapters(config, iteration)
   batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks,
-                             agent_layers=agent_layers, kl_reward=kl, active=active)
+                             agent_sees=agent_sees, kl_reward=kl, active=active)
   state, metrics = update(
       state, model.params, placed(batch), extras, jnp.asarray(active),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
