@@ -135,6 +135,14 @@ def build_team(config: TrainConfig):
   the declared roles, or the task's shipped team), checked against `rollout.max_context` when
   the config sets it (the model's positions are checked when the rollout knows them)."""
   team, structure = teams.build_team(config.team, config.task.name)
+  if config.rollout.context_mode == "shared_stream" and \
+      isinstance(structure, envs_lib.AgentGraph) and not structure.is_sequential():
+    # The rollout would refuse it too, but only after the model has loaded.
+    raise ValueError(f"rollout.context_mode='shared_stream' (algorithm={config.algorithm!r}) "
+                     f"with team.graph='dag' and team.edges={config.team.edges!r}: parallel "
+                     "branches each see only their ancestors, which one stream cannot show; "
+                     "use rollout.context_mode='per_agent' (an algorithm that allows it) or "
+                     "edges that order every role")
   if config.rollout.max_context:
     check_reply_budgets(team, structure, config.rollout.max_context)
   return team, structure

@@ -321,11 +321,11 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   groups = [envs.group(e.env_index) for e in kept]
   kl = kl_rewards(read(extras.old_logp), read(extras.ref_logp), batch.act_mask,
                   config.advantage)
+  active = active_adapters(config, iteration)
   batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks,
-                             agent_sees=agent_sees, kl_reward=kl)
+                             agent_sees=agent_sees, kl_reward=kl, active=active)
   state, metrics = update(
-      state, model.params, placed(batch), extras,
-      jnp.asarray(active_adapters(config, iteration)),
+      state, model.params, placed(batch), extras, jnp.asarray(active),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
   if kl is not None:  # this process's mean KL reward per trained token
