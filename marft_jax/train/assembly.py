@@ -65,7 +65,7 @@ def read_saved_config(saved: Mapping[str, Any], where: str) -> TrainConfig:
 
 
 def read_for_resume(saved: Mapping[str, Any], where: str,
-                    changes_known: Optional[str] = None) -> dict:
+                    changes_known: Optional[int] = None) -> dict:
   """A checkpoint's saved config as a resumed run compares it with its own (`resume_view` of
   `read_saved_config`). A behaviour of the run that wrote it that no value of today's keys
   reproduces (`config_history.unreproducible`, and the changes without a key after
@@ -74,8 +74,7 @@ def read_for_resume(saved: Mapping[str, Any], where: str,
   refused = config_history.unreproducible(saved)
   if not refused:
     config = read_saved_config(saved, where)
-    refused = config_history.changed_since(changes_known, config.team.graph,
-                                           config.team.role_order, config.team.edge_pairs)
+    refused = config_history.changed_since(changes_known, config)
   if refused:
     reasons = "; ".join(f"{key}: {why}" for key, why in refused)
     raise CheckpointMismatchError(

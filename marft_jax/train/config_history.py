@@ -141,15 +141,19 @@ UNREPRODUCIBLE: tuple[tuple[str, Callable[[Mapping[str, Any]], Optional[str]]], 
 )
 
 
-# Changes of behaviour without a key after the last key above, dated: a checkpoint records the
-# newest it knew (meta["changes_known"], written since this list exists); one without the
-# record may predate every change here. (date, what, why)
+# Changes of behaviour without a key after the last key above, in the order they reached
+# main: a checkpoint records how many it knew (meta["changes_known"], written since this list
+# exists); one without the record may predate every change here. (name, key named, why)
 CHANGED: tuple[tuple[str, str, str], ...] = (
-    ("2026-11-28 08:26", "dag_credit",
-     "DAG credit follows what each turn's reply reaches (f308e3d): a turn hops to its first "
-     "descendant, no longer to the first turn of the next layer"),
+    ("dag_credit", "team.edges",
+     "DAG credit follows what each turn's reply reaches (f308e3d, 2026-11-28): a turn hops "
+     "to its first descendant, no longer to the first turn of the next layer"),
+    ("untrained_roles", "team.roles",
+     "turns of a role not trained (a 'base' role; under the agent-by-agent schedule, the "
+     "adapters not trained that iteration) leave the advantage whitening and the policy "
+     "loss and metrics (25d1793, 2026-11-28)"),
 )
-CHANGES_KNOWN = CHANGED[-1][0]  # what this version records
+CHANGES_KNOWN = len(CHANGED)  # what this version records
 
 
 def layer_successors(order: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[int]:
@@ -180,19 +184,20 @@ def _layers(order: Sequence[str], edges: Sequence[tuple[str, str]]) -> list[tupl
   return list(AgentGraph(tuple(order), tuple(edges)).layers())
 
 
-def changed_since(known: Optional[str], graph: str, order: Sequence[str],
-                  edges: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-  """(key, why) for each change of `CHANGED` after `known` (a checkpoint's
-  meta["changes_known"]; None: written before the record) that alters this team's training."""
-  refused = []
-  for date, name, why in CHANGED:
-    if known is not None and known >= date:
-      continue
-    if name == "dag_credit" and graph == "dag" and \
-        layer_successors(order, edges) != reach_successors(order, edges):
-      refused.append(("team.edges", f"{why}; this checkpoint may predate it and its DAG's "
-                      "turns hop elsewhere now"))
-  return refused
+def changed_since(known: Optional[int], config) -> list[tuple[str, str]]:
+  """(key, why) for each change of `CHANGED` a checkpoint did not know (`known`: its
+  meta["changes_known"]; None: written before the record) that alters the training of
+  `config` (the `TrainConfig` its saved config reads as)."""
+  team = config.team
+  untrained = (not team.shared_adapter and
+               (any(r.adapter == "base" for r in team.roles) or
+                (config.optimizer.agent_iteration_interval > 0 and config.num_adapters > 1)))
+  alters = {"dag_credit": team.graph == "dag" and layer_successors(
+                team.role_order, team.edge_pairs) != reach_successors(team.role_order,
+                                                                      team.edge_pairs),
+            "untrained_roles": untrained}
+  return [(key, f"{why}; this checkpoint may predate it, and its run trains otherwise now")
+          for name, key, why in CHANGED[known or 0:] if alters[name]]
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

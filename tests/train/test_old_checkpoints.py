@@ -25,7 +25,7 @@ from marft_jax.train import assembly
 from marft_jax.train import config_history
 from marft_jax.train import loop
 from marft_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import RoleSection, TrainConfig
 from tests.fixtures.old_checkpoints import make
 
 FIXTURES = make.HERE
@@ -273,12 +273,45 @@ def test_a_dag_checkpoint_from_before_dag_credit_is_refused_where_its_successors
     new = np.asarray(ppo.turn_successors(step, sees, valid))
     assert config_history.layer_successors(roles, edges) == old.tolist(), edges
     assert config_history.reach_successors(roles, edges) == new.tolist(), edges
-    refused = config_history.changed_since(None, "dag", roles, edges)
+    config = _team_config(roles, ["own"] * len(roles), graph="dag",
+                          edges=",".join(f"{a}>{b}" for a, b in edges))
+    refused = config_history.changed_since(None, config)
     assert [key for key, _ in refused] == (["team.edges"] if (old != new).any() else [])
-    assert config_history.changed_since(config_history.CHANGES_KNOWN, "dag", roles, edges) == []
+    assert config_history.changed_since(config_history.CHANGES_KNOWN, config) == []
     moved += bool((old != new).any())
   assert moved > 10
-  assert config_history.changed_since(None, "chain", ["a", "b"], []) == []
+  assert config_history.changed_since(None, _team_config(["a", "b"], ["own", "own"])) == []
+
+
+def _team_config(roles, adapters, **team):
+  """A TrainConfig whose team declares `roles` (the last graded) with `adapters`."""
+  declared = tuple(RoleSection(r, graded=r == roles[-1], adapter=a)
+                   for r, a in zip(roles, adapters))
+  return TrainConfig(task=dataclasses.replace(TrainConfig().task, name="echo"),
+                     team=dataclasses.replace(TrainConfig().team, roles=declared,
+                                              order=",".join(roles), **team))
+
+
+@pytest.mark.parametrize("interval", [0, 2])
+@pytest.mark.parametrize("shared_adapter", [False, True])
+def test_a_checkpoint_from_before_untrained_roles_is_refused_where_a_role_trained_nothing(
+    interval, shared_adapter):
+  """Generated over the adapters three roles can have: a checkpoint without the record of
+  untrained_roles (25d1793) is refused naming team.roles exactly where some turn trains
+  nothing (a 'base' role; the agent-by-agent schedule over more than one adapter), counted
+  here from the roles, never with team.shared_adapter (every role on adapter 0)."""
+  for adapters in itertools.product(("own", "shared", "base"), repeat=3):
+    if all(a == "base" for a in adapters):
+      continue  # refused by the config: nothing would train
+    config = dataclasses.replace(
+        _team_config(["a", "b", "c"], adapters, shared_adapter=shared_adapter),
+        optimizer=dataclasses.replace(TrainConfig().optimizer,
+                                      agent_iteration_interval=interval))
+    trained = adapters.count("own") + ("shared" in adapters)
+    expected = not shared_adapter and ("base" in adapters or (interval > 0 and trained > 1))
+    refused = [key for key, _ in config_history.changed_since(None, config)]
+    assert refused == (["team.roles"] if expected else []), adapters
+    assert config_history.changed_since(config_history.CHANGES_KNOWN, config) == []
 
 
 @pytest.mark.parametrize("recorded", [False, True])
