@@ -83,6 +83,16 @@ TRICKS = {
                             ".start()\n    return a + b\n"),  # right, but free to tamper
     "read_memory": ("def add(a, b):\n    open('/proc/self/mem', 'rb')\n    return a + b\n"),
     "signal_handler": ("import signal\ndef add(a, b):\n    return a + b\n"),
+    "signal_made_anew": ("import _imp, importlib.machinery as m\n"
+                         "_imp.create_builtin(m.ModuleSpec('_signal', m.BuiltinImporter))\n"
+                         "def add(a, b):\n    return a + b\n"),
+    "ctypes_made_anew": ("import _imp, importlib.util, sys\n"
+                         "path = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
+                         "import os\nname = [f for f in os.listdir(path) "
+                         "if f.startswith('_ctypes.')][0]\n"
+                         "_imp.create_dynamic(importlib.util.spec_from_file_location("
+                         "'_ctypes', os.path.join(path, name)))\n"
+                         "def add(a, b):\n    return a + b\n"),
     "garbage_collector": "import gc\ngc.get_objects()\ndef add(a, b):\n    return a + b\n",
     "settrace": "import sys\nsys.settrace(lambda *a: None)\ndef add(a, b):\n    return a + b\n",
     # Reads every frame it can reach for a 32-hex-digit string (the nonce's form) and

@@ -16,7 +16,8 @@ What a program could try, and why it fails (tests/envs/test_code_asserts.py play
   can run, the audit hook refuses every way to another thread's frames or to memory: frame
   access in the main thread (`sys._getframe`, `tb_frame`, `gi_frame`, ...),
   `sys._current_frames`, `gc`, trace and profile hooks, new audit hooks, `ctypes`, `signal`
-  (a handler receives the main thread's frame), opening /proc, /sys or /dev files, symlinks.
+  (a handler receives the main thread's frame), opening /proc, /sys or /dev files, symlinks,
+  a second copy of a built-in module, extension modules from outside the standard library.
 - an object whose `__eq__` (or `__bool__`, `__sub__`, ...) always agrees: every value the
   program returns must be made of exact built-in types (int, float, str, list, dict, ...,
   no subclasses); anything else fails the test ("returned a <type>"), so the test's own
@@ -35,6 +36,7 @@ An audit hook is not a security boundary for hostile native code; the sandbox's 
 limits, uid and namespaces still bound what the program can do to the host.
 """
 
+import _imp
 import ast
 import builtins
 import json
@@ -173,6 +175,45 @@ def plain(value, depth=0, seen=None):
   return True
 
 
+LOADERS = '''
+def make(create_dynamic, namespace, hidden, dynload, normal_path, getcwd):
+  """_imp's module makers while a test runs (their globals are their own): every built-in
+  module was loaded before, so a new one is refused (`_imp.create_builtin` would make a
+  second `_signal` or `gc`, unlisted in sys.modules); an extension module must be the
+  standard library's (no numpy or cffi reading memory by address) and not a hidden one.
+  The spec is copied into a plain namespace first, so it cannot change between check and use."""
+
+  def create_builtin(spec):
+    raise ImportError("no new built-in module while a test runs")
+
+  def dynamic(spec, file=None):
+    name, origin = spec.name, spec.origin
+    if type(name) is not str or type(origin) is not str:
+      raise ImportError("an extension module needs a str name and origin")
+    if name.partition(".")[0] in hidden or not normal_path(origin, getcwd()).startswith(
+        dynload + "/"):
+      raise ImportError(f"extension module {name} ({origin}): not allowed while a test runs")
+    copy = namespace(name=name, origin=origin)
+    return create_dynamic(copy) if file is None else create_dynamic(copy, file)
+
+  return create_builtin, dynamic
+'''
+
+
+def guard_loaders(pristine):
+  """Loads every built-in module, then puts `LOADERS`' makers into `_imp` (see there)."""
+  import types  # pylint: disable=import-outside-toplevel
+  for name in sys.builtin_module_names:
+    if name not in HIDDEN:
+      __import__(name)
+  dynload = [normal_path(p, "/") for p in sys.path if p.endswith("lib-dynload")]
+  scope = {"__builtins__": dict(pristine)}
+  exec(LOADERS, scope)  # pylint: disable=exec-used
+  _imp.create_builtin, _imp.create_dynamic = scope["make"](
+      _imp.create_dynamic, types.SimpleNamespace, HIDDEN, dynload[0] if dynload else "/nowhere",
+      normal_path, os.getcwd)
+
+
 WORKER = '''
 def serve(code, scope, entry, inbox, outbox, trash):
   """Runs the program, then calls its function on each request, in this thread."""
@@ -236,6 +277,7 @@ def run(raw):
       pass
   del job, raw
   pristine = dict(vars(builtins))
+  guard_loaders(pristine)
   builtin_names = frozenset(pristine)
   exceptions = frozenset(v for v in pristine.values()
                          if type(v) is type and issubclass(v, BaseException))
