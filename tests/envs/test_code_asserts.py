@@ -197,6 +197,14 @@ def test_the_programs_prints_and_the_tests_go_to_stderr(sandbox):
   assert "hello" in result.stderr and "checked" in result.stderr
 
 
+def test_a_test_that_swallows_exceptions_still_fails_a_non_plain_value(sandbox):
+  test = ("def check(candidate):\n    try:\n        assert candidate(1) == 1\n"
+          "    except Exception:\n        pass\n")
+  program = YES + "def one(x):\n    return Yes()\n"
+  result = sandbox.run_many([Job(program, function="one", test=test)])[0]
+  assert result.test == "wrong" and "not a plain value" in result.detail, result
+
+
 def test_a_builtin_exception_reaches_the_test(sandbox):
   test = ("def check(candidate):\n    try:\n        candidate(-1)\n    except ValueError:\n"
           "        pass\n    else:\n        assert False\n    assert candidate(4) == 2\n")

@@ -56,12 +56,12 @@ ALWAYS_REFUSED = frozenset(["sys._current_frames", "gc.get_objects", "gc.get_ref
 # stdin), but the devices a program may read.
 CLOSED = ("/proc", "/sys", "/dev")
 OPEN_DEVICES = frozenset(["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"])
-FRAME_ATTRS = frozenset(["tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"])
+FRAME_ATTRS = frozenset(["tb_frame", "gi_frame", "cr_frame", "ag_frame"])
 PLAIN = (int, float, bool, str, bytes, complex, type(None), list, tuple, dict, set, frozenset)
 CONTAINERS = (list, tuple, set, frozenset)
 
 
-class Tampered(Exception):
+class Tampered(BaseException):  # not an Exception: a test's `except Exception` cannot hide it
   """The program changed what the test relies on, or returned a value not made of plain
   built-in types."""
 
@@ -291,6 +291,7 @@ def run(raw):
   classes = class_snapshot(modules)
   import queue  # pylint: disable=import-outside-toplevel  # C SimpleQueue: no code to patch
   inbox, outbox, trash, received, ours = queue.SimpleQueue(), queue.SimpleQueue(), [], [], []
+  tampering = []
   worker_scope = {"__builtins__": dict(pristine)}
   exec(WORKER, worker_scope)  # pylint: disable=exec-used  # its globals are its own
   scope = {"__name__": "solution", "__builtins__": builtins}
@@ -318,16 +319,20 @@ def run(raw):
 
   def candidate(*args, **kwargs):
     inbox.put((args, kwargs))
-    kind_, value_ = reply()
-    after_call()
+    try:
+      kind_, value_ = reply()
+      after_call()
+      if kind_ != "raised" and not plain(value_):
+        raise Tampered(f"the program returned a {_name(type(value_))}, not a plain value")
+    except Tampered as e:
+      tampering.append(str(e))  # fails the run even if the test swallows the exception
+      raise
     if kind_ == "raised":
       if type(value_) is type and value_ in exceptions:
         error = value_("raised by the program")
         ours.append(error)
         raise error
       raise CandidateRaised(f"the program raised {_name(value_)}")
-    if not plain(value_):
-      raise Tampered(f"the program returned a {_name(type(value_))}, not a plain value")
     return value_
 
   kind, value = reply()
@@ -350,6 +355,8 @@ def run(raw):
     what = changed(modules, classes, loaded, builtin_names)
     if what:
       raise Tampered(f"the program changed what the test uses: {what}")
+    if tampering:
+      raise Tampered(tampering[0])
   except AssertionError as e:
     report("wrong", f"an assert failed (test.py line {_innermost_line(e)})")
   except Tampered as e:
