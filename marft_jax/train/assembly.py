@@ -37,7 +37,7 @@ from marft_jax.train import optim
 from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
 from marft_jax.train.update import TrainState
 
 
@@ -152,12 +152,12 @@ def build_team(config: TrainConfig):
 def read_task_data(config: TrainConfig) -> None:
   """Reads and checks the task's problem files, if it has any ("math_jsonl", "code"): a
   missing file or a malformed line is an error naming it (OSError, ValueError) before
-  anything slow starts. The problems stay cached for `build_envs`. The code task's sandbox
+  anything slow starts. The problems stay cached for `build_envs`. The code tasks' sandbox
   mode too (`check_sandbox`)."""
   from marft_jax.envs import splits
   if config.task.name in splits.KINDS:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
-  if config.task.name == "code":
+  if config.task.name in SANDBOX_TASKS:
     check_sandbox(config.task.sandbox)
 
 
@@ -202,6 +202,10 @@ def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
   `reward.judge_model` and `reward.judge_adapter` (found and well formed: the folders'
   configs are read, their tensors are not). A bad one is an OSError or ValueError naming the
   config key and the file."""
+  if config.task.name == "humaneval":
+    raise ValueError("task.name='humaneval': a benchmark to evaluate on (launch.eval), never "
+                     "trained on; train on task.name='code' and evaluate with "
+                     "--config.task.name=humaneval")
   read_task_data(config)
   if not resuming:
     check_init_from(config)
@@ -276,7 +280,7 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
-  elif task.name == "code":
+  elif task.name in ("code", "humaneval"):
     from marft_jax.envs import code_env
     problems = _file_problems(task, split, trained)
     num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)

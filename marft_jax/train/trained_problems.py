@@ -149,8 +149,10 @@ class Unseen:
 
 def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
                    trained: Collection[str]) -> int:
-  """How many of `episodes` (an evaluation of generated arithmetic, `Episode.seed` their task
-  seeds) `Unseen` dealt another problem than their seed's first, a training problem."""
+  """How many of the tasks of `episodes` (an evaluation of generated arithmetic, one task per
+  `Episode.seed`, several samples of it alike) `Unseen` dealt another problem than their
+  seed's first, a training problem."""
   from marft_jax.envs import arithmetic
   source = arithmetic.ArithmeticProblems(levels=(config.task.level,), split="test")
-  return sum(fingerprint(source.problem_for_seed(e.seed)) in trained for e in episodes)
+  seeds = {e.seed for e in episodes}
+  return sum(fingerprint(source.problem_for_seed(seed)) in trained for seed in seeds)

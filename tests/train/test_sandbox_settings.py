@@ -21,7 +21,7 @@ from marft_jax.train.config import SandboxSection, TaskSection
 from tests.envs.test_sandbox import bwrap_works
 
 # A valid value other than the default, per key. Generated over the section's fields below, so
-# a key added later without an entry here fails `test_every_key_is_refused_off_the_code_task`.
+# a key added later without an entry here fails `test_every_key_is_refused_on_tasks_that_run_no_program`.
 CHANGED = {"mode": "plain", "wall_s": 2.0, "memory_mb": 512, "processes": 2, "file_mb": 4}
 # key: (the value a program exceeds, one it fits in, the program, its verdict when exceeded).
 # Each program prints 1, the expected output, when it runs to its end.
@@ -91,14 +91,16 @@ def test_bwrap_mode_without_bubblewrap_is_refused_before_the_model_loads(problem
   assembly.read_task_data(_config(problems, mode="auto"))  # "auto" takes what works
 
 
-@pytest.mark.parametrize("task", [t for t in config_lib.TASKS if t != "code"])
-def test_every_key_is_refused_off_the_code_task(task):
+@pytest.mark.parametrize("task", [t for t in config_lib.TASKS
+                                  if t not in config_lib.SANDBOX_TASKS])
+def test_every_key_is_refused_on_tasks_that_run_no_program(task):
   keys = [f.name for f in dataclasses.fields(SandboxSection)]
   assert sorted(CHANGED) == sorted(keys)
   for key in keys:
     changed = SandboxSection(**{key: CHANGED[key]})
-    with pytest.raises(ValueError, match=rf"^sandbox\.{key}={CHANGED[key]!r}: only the 'code' "
-                                         rf"task runs programs in a sandbox, not name='{task}'"):
+    with pytest.raises(ValueError, match=rf"^sandbox\.{key}={CHANGED[key]!r}: only the tasks "
+                                         rf"\('code', 'humaneval'\) run programs in a sandbox, "
+                                         rf"not name='{task}'"):
       TaskSection(name=task, sandbox=changed)
     TaskSection(name="code", sandbox=changed)  # read there
     # from a config file or flags, naming the whole key
