@@ -159,6 +159,11 @@ READ_ONLY_WHEN = (
     ("loss.kl_guard", lambda c: c.loss.kl_limit is not None, "a loss.kl_limit"),
     ("team.transition", lambda c: c.rollout.context_mode == "shared_stream",
      "rollout.context_mode='shared_stream' (its hand-overs)"),
+    ("team.max_new_tokens", lambda c: c.team.num_roles > 1,
+     "two roles or more (a team of one speaks with team.last_max_new_tokens)"),
+    ("team.shared_adapter", lambda c: c.team.num_roles > 1 or c.team.graph == "orchestrator"
+     or any(r.adapter == "base" for r in c.team.roles),
+     "two roles or more, an orchestrator or a 'base' role (one role has one adapter)"),
     ("optimizer.agent_iteration_interval",
      lambda c: c.num_adapters > 1 and not c.team.shared_adapter,
      "two adapters or more (and no team.shared_adapter)"),
@@ -174,6 +179,11 @@ def _check_read(config: TrainConfig) -> None:
     if value != _get(defaults, key) and not reads(config):
       raise ValueError(f"{key}={value!r} is read with {reader} only, not in this run "
                        f"(algorithm={config.algorithm!r}); leave {key} unset")
+  mode = config.critic.mode
+  if mode.startswith("per_agent") and config.team.num_roles == 1 and \
+      config.team.graph != "orchestrator":
+    raise ValueError(f"critic.mode={mode!r}: a team of one role is one agent, whose critic "
+                     f"is the 'shared' one (algorithm={config.algorithm!r}); use 'shared'")
 
 
 def _get(config, key: str):

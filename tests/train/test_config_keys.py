@@ -14,7 +14,8 @@ a value, a tuple grown, a free string back to its default or to "x") and each al
     named beside it shows what it does.
 
 A value the algorithm resolves to what its baseline already was (`critic.mode='shared'` for
-"auto") is no change. Anything else fails, naming the key, the value and the algorithm.
+"auto"; `algorithm='marft_a'` for single-agent PPO's team of one) is no change. Anything else
+fails, naming the key, the value and the algorithm.
 
 Cost: the refusals are checked for every key, value and algorithm (no model). The runs share
 one tiny model and their compiles; each stops at the first stage that differs (a rollout
@@ -67,8 +68,9 @@ def baseline(algorithm: str) -> config_lib.TrainConfig:
   Only keys the algorithm reads are set."""
   a = algorithms.get(algorithm)
   base = config_lib.TrainConfig(algorithm=algorithm)
-  team = dataclasses.replace(base.team, **teams.shipped("echo", a.num_roles or 2),
-                             max_new_tokens=3, last_max_new_tokens=3, temperature=0.7)
+  roles = a.num_roles or 2
+  team = dataclasses.replace(base.team, **teams.shipped("echo", roles), last_max_new_tokens=3,
+                             temperature=0.7, **({"max_new_tokens": 3} if roles > 1 else {}))
   sections = dict(
       task=config_lib.TaskSection(name="arithmetic", level=1, horizon=2), team=team,
       rollout=dataclasses.replace(base.rollout, num_envs=4),
@@ -367,7 +369,10 @@ def _changed_config(algorithm, key, value):
     resolved = algorithms.resolve(config)
   except ValueError as e:
     return "refused", str(e)
-  return ("no change", None) if resolved == _RESOLVED[algorithm] else ("run", config)
+  # The resolved config spells out all an algorithm decides: two that resolve alike run alike
+  # (MARFT-A on a team of one is single-agent PPO).
+  unchanged = dataclasses.replace(resolved, algorithm=algorithm) == _RESOLVED[algorithm]
+  return ("no change", None) if unchanged else ("run", config)
 
 
 def test_a_refused_change_names_its_key():
@@ -447,6 +452,9 @@ def test_the_no_effect_list_names_keys_and_the_tests_that_show_them():
     ("marft_a", "loss.kl_guard", "stop"),  # no kl_limit
     ("marft_a", "team.transition", "Next: {role}."),  # per-agent view: no hand-overs
     ("ppo", "optimizer.agent_iteration_interval", 1),  # one adapter
+    ("ppo", "team.shared_adapter", True),
+    ("ppo", "critic.mode", "per_agent_head"),  # one agent: one head either way
+    ("ppo", "team.max_new_tokens", 8),  # one role: the last, team.last_max_new_tokens
     ("marft_a", "reward.judge_weight", 0.5),  # no judge
     ("marft_a", "reward.judge_max_new_tokens", 8),
     ("marft_a", "reward.judge_prompt", "Grade it."),
