@@ -10,7 +10,7 @@
 from marft_jax.envs.base import Environment, Observation, Step
 from marft_jax.envs.batch import EnvBatch
 from marft_jax.envs.graph import (AgentGraph, Orchestrator, Schedule, acting_profiles,
-                                  agent_layers, orchestrator_profile, parse_route)
+                                  agent_sees, orchestrator_profile, parse_route)
 from marft_jax.envs.profiles import (AgentProfile, adapter_index, check_team, shared_adapter,
                                      with_sampling)
 from marft_jax.envs.toy import EchoEnv

@@ -5,6 +5,8 @@ Two kinds, both producing a `Schedule` per episode and env step:
 * `AgentGraph`: a static DAG over the team's roles, edge (a, b) meaning b sees a's reply.
   A sequential chain (`AgentGraph.chain`) is the default. Roles run in Kahn layers; the roles
   of one layer run in parallel (one batched sampler call) and each sees only its ancestors.
+  The trainer bootstraps each turn from the first later turn that sees it (`agent_sees`,
+  `ppo.turn_successors`), so its credit follows the same relation as the prompts.
 * `Orchestrator`: dynamic routing. An orchestrator agent (its own profile and adapter; its
   routing tokens are trained like any agent's) writes brief reasoning and then
   `<call>role</call>` to hand the turn to a role, or `<done/>` to end the env step; after each
@@ -192,11 +194,14 @@ def acting_profiles(team: Sequence[AgentProfile], structure) -> tuple[AgentProfi
   return tuple(team) + ((structure.profile,) if isinstance(structure, Orchestrator) else ())
 
 
-def agent_layers(structure, team: Sequence[AgentProfile]) -> Optional[tuple[int, ...]]:
-  """Each team agent's layer in a DAG (agents of one layer run in parallel), for the
-  trainer's advantages (`ppo.turn_successors`); None for a sequential schedule (a chain,
-  None, or an orchestrator), where every turn is its own layer."""
-  if not isinstance(structure, AgentGraph) or structure.is_sequential():
+def agent_sees(structure, team: Sequence[AgentProfile]
+               ) -> Optional[tuple[tuple[bool, ...], ...]]:
+  """Who sees whom within an env step, for the trainer's advantages (`ppo.turn_successors`):
+  `sees[a][b]` is True when team agent a's prompt holds agent b's reply of the same env step
+  (b runs earlier: one of a's ancestors in the DAG, the replies `Schedule.visible` shows a).
+  None for an orchestrator (or no structure), where every turn sees every earlier one."""
+  if not isinstance(structure, AgentGraph):
     return None
-  layer_of = {role: i for i, layer in enumerate(structure.layers()) for role in layer}
-  return tuple(layer_of[p.role] for p in team)
+  roles = [p.role for p in team]
+  ancestors = [structure.ancestors(role) for role in roles]
+  return tuple(tuple(b in ancestors[a] for b in roles) for a in range(len(roles)))

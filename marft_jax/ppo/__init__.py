@@ -4,8 +4,9 @@ Importable on its own: nothing here sees a model or a config object. Every funct
 unbatched arrays (one sequence or trajectory) or arrays of any shape, and works under
 `jax.jit`, `jax.vmap` and `jax.grad`.
 
-- chains: a multi-agent episode's turns (sequential, DAG layers, orchestrator calls) as one
-  backup: successors, hops, per-token expansion (what the trainer runs).
+- chains: a multi-agent episode's turns (sequential, DAG, orchestrator calls) as one
+  backup: successors (each turn's first descendant: the earliest later turn whose prompt
+  holds its reply), hops, per-token expansion (what the trainer runs).
 - credit: token frame → action frame, and where each turn's reward lands (`turn_credit`).
 - returns: `masked_gae`, `successor_gae`, `turn_chain_advantages` (the trainer's),
   `action_level_advantages` (MARFT-A), `token_level_advantages` (MARFT-T).
@@ -45,6 +46,8 @@ docs/references.md, with the papers behind the formulas.
 
 from marft_jax.ppo.chains import (
     expand_turns,
+    hops_to_sink,
+    layer_sees,
     turn_hops,
     turn_successors,
 )

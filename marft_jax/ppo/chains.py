@@ -1,30 +1,47 @@
 """Turn chains: the backup of a multi-agent episode whose turns may run in parallel.
 
-An episode is a list of agent turns in execution order. Each turn belongs to an env step
-and, within it, to a layer: turns of one layer ran in parallel, each seeing only what the
-earlier layers wrote (a DAG's Kahn layer, `envs.AgentGraph.layers`). A sequential chain and
-an orchestrator's calls have one turn a layer. The functions here turn those ids into the
-arrays of one backup, all pure, unbatched and with static shapes (vmap over episodes):
+An episode is a list of agent turns in execution order, each in an env step. Who sees whom
+is one relation, `sees_kk[j, k]`: turn j's prompt contains turn k's reply (k earlier in the
+same env step). In a DAG a role sees the replies of its ancestors (`envs.AgentGraph.ancestors`,
+what `envs.Schedule.visible` puts in its prompt); in a chain or an orchestrator's calls every
+earlier turn's; in a schedule of layers every earlier layer's (`layer_sees`). The functions
+here turn it into the arrays of one backup, all pure, unbatched and with static shapes (vmap
+over episodes):
 
-  turn_successors  the turn each turn's hop leads to: the first turn of the next layer (of
-                   this env step, else of the next), never a sibling of the same layer.
+  turn_successors  the turn each turn's hop leads to: its first descendant in execution
+                   order, the earliest later turn of its env step whose prompt contains its
+                   reply. A turn that no later turn of its env step sees (a sink of the step)
+                   hops to the next env step's first turn, or ends the episode.
+  layer_sees       the relation of a schedule of layers (each sees every earlier layer).
+  hops_to_sink     the hops from a turn along its successors to its step's sink (credit).
   turn_hops        the discount and trace decay of that hop: γ_agent, λ_agent inside an env
                    step; γ·(1 − done), λ out of it.
   expand_turns     one position per turn (action level) or per token (token level): inside
                    a reply hops discount by γ_token, λ_token and carry no reward; the reply's
                    last token carries the turn's reward (`credit.turn_credit`: equal /
-                   step_discount / per_step) and hop.
+                   step_discount / per_step, defined on the same successors) and hop.
 Then `returns.successor_gae` runs GAE along the successor pointers (`masked_gae` when
 each position's successor is the next one).
 
-Why successors and not a plain sequence: a branch of a DAG must bootstrap from a state that
-contains its reply. Laid out one after the other, branch b would hop to its sibling c, whose
-prompt never saw b's reply. With successors both hop to the join (the next layer's first
-turn), whose prompt saw every branch; and each branch is trained on its own tokens only.
+Why the first descendant. A turn's advantage bootstraps from the value of the state its hop
+leads to, so that state must contain the turn's reply: a state that never saw it (a sibling
+branch's prompt) values a future the reply had no part in, and the TD error would score the
+sibling instead. Among the states that contain the reply, the first descendant's is the
+earliest: the one-step successor that GAE's trace then extends. So a fork's predecessor (a,
+with edges a>b, a>c, b run first) hops to b, the earliest state holding a's reply; c's prompt
+holds it too but comes later. A branch hops to the join that sees it, or, when nothing later
+in the step sees it (edges a>b, a>c, b>d: c), to the next env step: that is the first state
+whose prompt may hold its effect (through the environment's next observation). Every turn's
+path inside its env step runs from descendant to descendant and ends at exactly one sink,
+which is where "equal" credit puts the team reward (`credit.turn_credit`): each turn's return
+collects it once. The sequential cases are unchanged by the rule: in a chain or an
+orchestrator's calls each turn hops to the next one, and in a diamond (a>b, a>c, b>d, c>d)
+a to b and both branches to the join d. Each branch is trained on its own tokens only.
 
 Index conventions: `_k` arrays have one entry per turn (padding turns last, `valid_k` 0),
-`_t` arrays one per position. A successor index equal to the array's length means "none":
-the episode ends there (bootstrap value 0 unless `v_bootstrap` says otherwise).
+`_kk` arrays one per pair of turns, `_t` arrays one per position. A successor index equal to
+the array's length means "none": the episode ends there (bootstrap value 0 unless
+`v_bootstrap` says otherwise).
 """
 
 from __future__ import annotations
@@ -37,40 +54,96 @@ from marft_jax.validation import (check_forward_pointers, check_range, check_ran
                                   check_same_shape, check_unit_interval, is_traced)
 
 
-def turn_successors(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax.Array:
+def turn_successors(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Array) -> jax.Array:
   """[n] int32: the index of the turn each turn hops to, n where none.
 
-  Turns of one (env step, layer) are a group; a turn's successor is the first turn of the
-  next group in execution order. Valid turns come first and a group's turns are contiguous.
+      next_k[k] = min { j > k : step_j = step_k, sees_kk[j, k] }   (its first descendant)
+                  else min { j > k : step_j ≠ step_k }              (a sink: the next step)
+                  else n                                            (the episode ends)
+
+  over the valid turns j. Only the entries of `sees_kk` with k < j in one env step are read.
 
   Args:
-    step_k: [n] env step of each turn.
-    layer_k: [n] layer of each turn within its env step.
+    step_k: [n] env step of each turn, non-decreasing over the valid turns (execution order).
+    sees_kk: [n, n] non-zero where turn j's prompt contains turn k's reply (`layer_sees` for
+      a schedule of layers).
     valid_k: [n] non-zero on real turns (a prefix).
   Raises:
-    ValueError: concrete valid_k that is not a prefix, or a group whose turns are not
-      contiguous (traced ones are not checked: successors would then skip or repeat groups).
+    ValueError: sees_kk not [n, n]; a concrete valid_k that is not a prefix, or concrete env
+      steps that go back (traced ones are not checked: a turn could then hop past a step).
+  """
+  check_rank(1, step_k=step_k, valid_k=valid_k)
+  check_rank(2, sees_kk=sees_kk)
+  check_same_shape(step_k=step_k, valid_k=valid_k)
+  n = step_k.shape[0]
+  if tuple(np.shape(sees_kk)) != (n, n):
+    raise ValueError(f"sees_kk: shape {tuple(np.shape(sees_kk))} is not (n, n) for the n={n} "
+                     f"turns of step_k")
+  if not is_traced(step_k, valid_k):
+    _check_turn_order(np.asarray(step_k), np.asarray(valid_k) != 0)
+  return _successors(jnp.asarray(step_k), jnp.asarray(sees_kk) != 0, jnp.asarray(valid_k) != 0)
+
+
+# The bodies below are jitted so that eager callers compile each once per shape instead of
+# every array op on its own; inside an outer jit they inline.
+@jax.jit
+def _successors(step, sees, valid):
+  n = step.shape[0]
+  j = jnp.arange(n)[:, None]  # the later turn
+  later = (j > jnp.arange(n)[None, :]) & valid[:, None]
+  same_step = step[:, None] == step[None, :]
+  descendant = later & same_step & sees
+  first = lambda candidates: jnp.min(jnp.where(candidates, j, n), axis=0)
+  successor = jnp.where(jnp.any(descendant, axis=0), first(descendant),
+                        first(later & ~same_step))
+  return jnp.where(valid, successor, n).astype(jnp.int32)
+
+
+def layer_sees(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax.Array:
+  """[n, n] bool `sees_kk` of a schedule of layers: each turn sees every turn of the earlier
+  layers of its env step, none of its own layer's.
+
+  Turns of one (env step, layer) are a group, run in parallel; groups run one after the
+  other, a group's turns contiguous. A sequential chain or an orchestrator's calls have one
+  turn a group (`turn_successors`: the next turn); a DAG whose layers each see all earlier
+  layers (a diamond) has its Kahn layers as groups (the next layer's first turn). For any
+  other DAG pass its own relation to `turn_successors`: a layer does not see every earlier
+  layer there.
+
+  Args:
+    step_k, layer_k: [n] env step and layer of each turn.
+    valid_k: [n] non-zero on real turns (a prefix).
+  Raises:
+    ValueError: a concrete valid_k that is not a prefix, env steps that go back, or a group
+      whose turns are not contiguous.
   """
   check_rank(1, step_k=step_k, layer_k=layer_k, valid_k=valid_k)
   check_same_shape(step_k=step_k, layer_k=layer_k, valid_k=valid_k)
   if not is_traced(step_k, layer_k, valid_k):
-    _check_turn_order(np.asarray(step_k), np.asarray(layer_k), np.asarray(valid_k) != 0)
-  n = step_k.shape[0]
-  valid = jnp.asarray(valid_k) != 0
-  index = jnp.arange(n)
-  changed = (step_k != jnp.roll(step_k, 1)) | (layer_k != jnp.roll(layer_k, 1))
-  starts = valid & ((index == 0) | changed)
-  start_index = jnp.where(starts, index, n)
-  later = jnp.concatenate([start_index[1:], jnp.full((1,), n, start_index.dtype)])
-  successor = jax.lax.cummin(later, reverse=True)
-  return jnp.where(valid, successor, n).astype(jnp.int32)
+    _check_turn_order(np.asarray(step_k), np.asarray(valid_k) != 0, np.asarray(layer_k))
+  return _layer_sees(jnp.asarray(step_k), jnp.asarray(layer_k), jnp.asarray(valid_k) != 0)
 
 
-def _check_turn_order(step, layer, valid) -> None:
+@jax.jit
+def _layer_sees(step, layer, valid):
+  index = jnp.arange(step.shape[0])
+  # Groups are contiguous: an earlier turn of another layer of the step is an earlier group's.
+  return ((step[:, None] == step[None, :]) & (layer[:, None] != layer[None, :])
+          & (index[:, None] > index[None, :]) & valid[:, None] & valid[None, :])
+
+
+def _check_turn_order(step, valid, layer=None) -> None:
   if np.any(valid[1:] & ~valid[:-1]):
     i = int(np.argmax(valid[1:] & ~valid[:-1])) + 1
     raise ValueError(f"valid_k[{i}]: a real turn after a padding one (real turns come first)")
-  groups = list(zip(step[valid].tolist(), layer[valid].tolist()))
+  steps = step[valid]
+  if np.any(steps[1:] < steps[:-1]):
+    i = int(np.argmax(steps[1:] < steps[:-1])) + 1
+    raise ValueError(f"step_k: turn {i} (step {steps[i]}) after a turn of step {steps[i - 1]} "
+                     f"(turns come in execution order)")
+  if layer is None:
+    return
+  groups = list(zip(steps.tolist(), layer[valid].tolist()))
   seen = set()
   for i, group in enumerate(groups):
     if group in seen and group != groups[i - 1]:
@@ -78,6 +151,38 @@ def _check_turn_order(step, layer, valid) -> None:
                        f"apart from the earlier turns of its group (a group's turns are "
                        f"contiguous)")
     seen.add(group)
+
+
+def hops_to_sink(step_k: jax.Array, next_k: jax.Array) -> jax.Array:
+  """[n] int32: the hops from each turn along next_k to the last turn of its path inside
+  its env step (its sink: 0 there, and at a turn whose successor is in another step or
+  none).
+
+  Args:
+    step_k: [n] env step of each turn.
+    next_k: [n] successor of each turn, in (k, n] (n: none).
+  Raises:
+    ValueError: a concrete next_k[k] outside (k, n].
+  """
+  check_rank(1, step_k=step_k, next_k=next_k)
+  check_same_shape(step_k=step_k, next_k=next_k)
+  n = step_k.shape[0]
+  check_forward_pointers("next_k", next_k, n)
+  return _hops_to_sink(jnp.asarray(step_k), jnp.asarray(next_k))
+
+
+@jax.jit
+def _hops_to_sink(step, next_k):
+  n = step.shape[0]
+  index = jnp.arange(n)
+  inside = (next_k < n) & (step[jnp.clip(next_k, 0, n - 1)] == step)
+  # Pointer doubling: after i rounds, `ahead` is 2^i hops on (a sink points to itself) and
+  # `hops` counts the hops taken; a path has fewer than n hops.
+  ahead = jnp.where(inside, next_k, index)
+  hops = inside.astype(jnp.int32)
+  for _ in range(max(n - 1, 1).bit_length()):
+    hops, ahead = hops + hops[ahead], ahead[ahead]
+  return hops
 
 
 def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: float,

@@ -11,9 +11,11 @@ rewards, discounts and trace decays:
 - `token_level_advantages` (MARFT-T; the original's token-level backup, docs/references.md):
   one backup over the flattened (env step, agent, token) positions, with separate
   discounts for the three kinds of hop.
-- `turn_chain_advantages` (what the trainer runs): the turns of one episode, sequential or
-  in parallel layers, at one position a turn or one a token; `successor_gae` is the
-  backup along its successor pointers (`chains`).
+- `turn_chain_advantages` (what the trainer runs): the turns of one episode, sequential,
+  in a DAG or routed, at one position a turn or one a token; `successor_gae` is the backup
+  along its successor pointers: each turn hops to its first descendant in execution order,
+  the earliest later turn of its env step whose prompt contains its reply, and a turn that
+  none sees to the next env step (`chains`, which says why).
 
 Index convention: an array suffixed `_t` has one entry per position t of the scan; the
 reward, discount and λ at t belong to the hop from position t to the next one, as in rlax.
@@ -179,8 +181,9 @@ def _agent_hops(done_t: jax.Array, num_agents: int, gamma, lambda_, gamma_agent,
   """
   T, N = done_t.shape[0], num_agents
   step_k = jnp.repeat(jnp.arange(T), N)
-  layer_k = jnp.tile(jnp.arange(N), T)
-  next_k = chains.turn_successors(step_k, layer_k, jnp.ones((T * N,), bool))
+  valid_k = jnp.ones((T * N,), bool)
+  sees_kk = chains.layer_sees(step_k, jnp.tile(jnp.arange(N), T), valid_k)
+  next_k = chains.turn_successors(step_k, sees_kk, valid_k)
   discount, lambdas = chains.turn_hops(step_k, next_k, jnp.repeat(done_t, N), gamma, lambda_,
                                        gamma_agent, lambda_agent)
   return discount.reshape(T, N).astype(dtype), lambdas.reshape(T, N).astype(dtype)
@@ -235,10 +238,11 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
   T, N = r_t.shape
   ones = jnp.ones((T * N,), jnp.int32)
   r = at_least_float32(r_t).reshape(-1)
+  step_k = jnp.repeat(jnp.arange(T), N)
   adv, ret = turn_chain_advantages(
-      jnp.repeat(jnp.arange(T), N), jnp.tile(jnp.arange(N), T), ones, ones, jnp.zeros_like(r),
-      r, jnp.repeat(jnp.asarray(done_t), N), jnp.asarray(v_t).reshape(-1), credit="per_step",
-      gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent,
+      step_k, chains.layer_sees(step_k, jnp.tile(jnp.arange(N), T), ones), ones, ones,
+      jnp.zeros_like(r), r, jnp.repeat(jnp.asarray(done_t), N), jnp.asarray(v_t).reshape(-1),
+      credit="per_step", gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent,
       v_bootstrap=v_bootstrap)
   return adv.reshape(T, N), ret.reshape(T, N)
 
@@ -317,7 +321,7 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
   return adv, jnp.where(valid, v_t + adv, jnp.zeros_like(adv))
 
 
-def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array,
+def turn_chain_advantages(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Array,
                           length_k: jax.Array, team_reward_k: jax.Array,
                           own_reward_k: jax.Array, done_k: jax.Array, v_t: jax.Array, *,
                           credit: str, gamma: float, lambda_: float,
@@ -326,22 +330,26 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
                           credit_discount: float = 1.0,
                           kl_reward_t: jax.Array | None = None,
                           v_bootstrap: jax.Array | float = 0.0) -> tuple[jax.Array, jax.Array]:
-  """Advantages of one episode's turns, sequential or in parallel layers (what the trainer
+  """Advantages of one episode's turns, sequential, in a DAG or routed (what the trainer
   runs for MARFT-A, MARFT-T, single-agent and shared-stream PPO, and GRPO's returns).
 
-  In order: `chains.turn_successors` (the next layer's first turn), `chains.turn_hops`
-  (γ_agent inside a step, γ·(1 − done) out of it), `credit.turn_credit`, the per-position
-  layout (`chains.expand_turns`: one position a turn at the action level, one per token at
-  the token level: `length_k`), then `successor_gae`. Positions lie turn after turn: turn
-  k's at [s_k, s_k + length_k[k]).
+  In order: `chains.turn_successors` (each turn's first descendant in execution order: the
+  earliest later turn of its env step whose prompt contains its reply; a sink of the step
+  hops to the next step's first turn), `chains.turn_hops` (γ_agent inside a step,
+  γ·(1 − done) out of it), `credit.turn_credit` (on those successors: "equal" puts R on
+  every sink), the per-position layout (`chains.expand_turns`: one position a turn at the
+  action level, one per token at the token level: `length_k`), then `successor_gae`.
+  Positions lie turn after turn: turn k's at [s_k, s_k + length_k[k]).
 
-  With one turn a layer, regular N agents a step and every length 1 this is
-  `action_level_advantages`; with token lengths, `token_level_advantages` (both tested
-  against the original MARFT's vectors).
+  With a chain's relation (`chains.layer_sees` with one turn a layer), regular N agents a
+  step and every length 1 this is `action_level_advantages`; with token lengths,
+  `token_level_advantages` (both tested against the original MARFT's vectors).
 
   Args:
-    step_k, layer_k, valid_k, length_k: [n] each turn's env step, layer, realness (a prefix)
-      and number of positions (≥ 1 on real turns).
+    step_k, valid_k, length_k: [n] each turn's env step (non-decreasing), realness (a
+      prefix) and number of positions (≥ 1 on real turns).
+    sees_kk: [n, n] non-zero where turn j's prompt contains turn k's reply (k < j, same env
+      step; `chains.layer_sees` for layers: a chain is one turn a layer).
     team_reward_k, own_reward_k: [n] the team's and the turn's own role's reward of its env
       step (`credit.turn_credit`).
     done_k: [n] the episode ended after the turn's env step.
@@ -357,10 +365,10 @@ def turn_chain_advantages(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Ar
     (advantages [W], returns [W]): 0 past the last position.
   """
   width = v_t.shape[0]
-  next_k = chains.turn_successors(step_k, layer_k, valid_k)
+  next_k = chains.turn_successors(step_k, sees_kk, valid_k)
   discount_k, lambda_k = chains.turn_hops(step_k, next_k, done_k, gamma, lambda_, gamma_agent,
                                           lambda_agent)
-  r_k = ppo_credit.turn_credit(team_reward_k, own_reward_k, step_k, layer_k, valid_k, credit,
+  r_k = ppo_credit.turn_credit(team_reward_k, own_reward_k, step_k, next_k, valid_k, credit,
                                credit_discount)
   r_t, discount_t, lambda_t, next_t, mask_t, _ = chains.expand_turns(
       r_k, discount_k, lambda_k, next_k, length_k, width, gamma_token, lambda_token)

@@ -1,7 +1,8 @@
 """Advantages and value targets of a `TrainBatch`, per algorithm, with `marft_jax.ppo`.
 
 The host lays every episode's trained turns out in execution order (`build_chains`: which
-env step, which layer, how many positions, which rewards, which values); the maths is
+env step, which earlier turns' replies each prompt holds, how many positions, which rewards,
+which values); the maths is
 `ppo.turn_chain_advantages`, vmapped over the episodes (padded to bucketed widths):
 
   action level (MARFT-A, single-agent PPO): one position per agent turn, valued at the state
@@ -12,15 +13,22 @@ env step, which layer, how many positions, which rewards, which values); the mat
     normalised within its group (the G rollouts of one task) and its agent
     (`ppo.agent_group_normalize`): each role is compared with the same role on the same task.
 
-A turn's hop leads to the first turn of the next layer: in a chain or an orchestrator's calls
-the next turn; in a DAG the next layer's first turn (the join, whose prompt saw every branch),
-never a sibling of the same layer, whose prompt never saw this branch's reply. The hop
-discounts by γ_agent inside an env step and by γ·(1 − done) into the next one. Each branch
-is trained on its own row: exactly the tokens it saw and wrote.
+A turn's hop leads to its first descendant in execution order: the earliest later turn of
+its env step whose prompt contains its reply (`ppo.turn_successors`; who sees whom comes from
+the graph, `envs.agent_sees`: in a DAG a role's prompt holds its ancestors' replies). In a
+chain or an orchestrator's calls that is the next turn. In a DAG a fork's predecessor hops to
+its first child, a branch to the first turn that sees it (the join), never to a sibling,
+whose prompt never saw the branch's reply: the state a turn bootstraps from must contain the
+turn's reply, and the earliest such state is its one-step successor (`ppo.chains` says more).
+A turn that no later turn of its step sees (a sink: the step's last turn in a chain or a
+diamond; each of the ends of a DAG with several) hops to the next env step's first turn, or
+ends the episode. The hop discounts by γ_agent inside an env step and by γ·(1 − done) into
+the next one. Each branch is trained on its own row: exactly the tokens it saw and wrote.
 
 Rewards come from the environment per env step and agent, and are credited to turns
-(`credit`, `ppo.turn_credit`): "equal" puts the team reward on the env step's last layer (the
-critic and GAE share it out), "step_discount" gives layer ℓ of L the reward · γ_c^(L−1−ℓ),
+(`credit`, `ppo.turn_credit`, on the same successors): "equal" puts the team reward on every
+sink of the env step (each turn's path collects it once; the critic and GAE share it out),
+"step_discount" gives a turn h hops from its sink along its path the reward · γ_c^h,
 "per_step" gives each turn its own role's reward. An episode ends when the environment or the
 horizon ends it; the horizon counts as terminal (bootstrap 0).
 
@@ -47,7 +55,7 @@ import numpy as np
 from marft_jax import multihost, ppo
 from marft_jax.ppo.kl import KL_ESTIMATORS
 from marft_jax.rollout.episode import Episode
-from marft_jax.train.batching import TrainBatch, bucket_length
+from marft_jax.train.batching import TrainBatch, bucket_length, trained_masks
 
 CREDITS = ppo.CREDITS
 LEVELS = ("auto", "action", "token", "grpo")
@@ -153,7 +161,9 @@ class Chains:
   """Every episode's turns as the padded [E, n] and [E, W] arrays of
   `ppo.turn_chain_advantages`, and where each position lives in the batch."""
 
-  turn: dict  # [E, n] arrays: step, layer, valid, length, team_reward, own_reward, done
+  # [E, n] arrays: step, valid, length, team_reward, own_reward, done; and [E, n, n] sees:
+  # sees[e, j, k], turn j's prompt holds turn k's reply (k < j, one env step)
+  turn: dict
   team_turn: np.ndarray  # [E, n] bool: a team agent's turn (not an orchestrator's)
   values: np.ndarray  # [E, W] the critic's values at the positions
   places: list  # per episode: (row, column, k) of each position, in order
@@ -161,14 +171,15 @@ class Chains:
 
 
 def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: bool,
-                 num_team: int, agent_layers: Optional[Sequence[int]],
+                 num_team: int, agent_sees: Optional[Sequence[Sequence[bool]]],
                  kl_reward: Optional[np.ndarray] = None) -> Chains:
   """Host-side layout: each episode's turns and positions, in execution order.
 
-  A turn's layer is its agent's layer in a DAG (`agent_layers`, from `AgentGraph.layers`);
-  with None (a chain, an orchestrator) every turn is its own layer. Action level: one
-  position a turn, at `turn_value_pos` (the state before its first token); token level: one
-  per token. Values come from `batch.act_old_value`.
+  Turn j sees an earlier turn k of its env step when its agent sees k's (`agent_sees[a][b]`,
+  `envs.agent_sees`: a DAG's ancestors); with None (an orchestrator, no graph), or for an
+  agent outside the table, every earlier turn of the step. Action level: one position a
+  turn, at `turn_value_pos` (the state before its first token); token level: one per token.
+  Values come from `batch.act_old_value`.
   """
   values = np.asarray(batch.act_old_value, np.float32)
   n = bucket_length(max([len(t) for t in turns] + [1]), 8)
@@ -177,8 +188,11 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
   width = bucket_length(max([sum(x) for x in lengths] + [1]), 16)
   E = len(episodes)
   arrays = {name: np.zeros((E, n), dtype) for name, dtype in (
-      ("step", np.int32), ("layer", np.int32), ("valid", bool), ("length", np.int32),
+      ("step", np.int32), ("valid", bool), ("length", np.int32),
       ("team_reward", np.float32), ("own_reward", np.float32), ("done", bool))}
+  arrays["sees"] = np.zeros((E, n, n), bool)
+  sees = lambda a, b: (agent_sees is None or max(a, b) >= len(agent_sees)
+                       or bool(agent_sees[a][b]))
   chain_values, places = np.zeros((E, width), np.float32), []
   team_turn = np.zeros((E, n), bool)
   extra = np.zeros((E, width), np.float32)  # per-position KL rewards
@@ -186,12 +200,10 @@ def build_chains(batch: TrainBatch, episodes: Sequence[Episode], turns, token: b
   for e, (episode, tt) in enumerate(zip(episodes, turns)):
     own_places, position = [], 0
     for i, (row, k, step, agent) in enumerate(tt):
-      if agent_layers is not None and agent < len(agent_layers):
-        layer = agent_layers[agent]
-      else:  # sequential: the turn's index within its env step
-        layer = sum(1 for t in tt[:i] if t[2] == step)
+      for j, (_, _, earlier_step, earlier) in enumerate(tt[:i]):
+        arrays["sees"][e, i, j] = earlier_step == step and sees(agent, earlier)
       step_rewards = episode.rewards[step] if step < len(episode.rewards) else [0.0]
-      for name, value in (("step", step), ("layer", layer), ("valid", True),
+      for name, value in (("step", step), ("valid", True),
                           ("length", lengths[e][i]),
                           ("team_reward", float(np.mean(step_rewards))),
                           ("own_reward", float(step_rewards[agent]) if agent < num_team
@@ -216,8 +228,9 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        config: AdvantageConfig, num_team: int,
                        groups: Optional[Sequence[int]] = None,
                        blocks: Optional[Blocks] = None,
-                       agent_layers: Optional[Sequence[int]] = None,
-                       kl_reward: Optional[np.ndarray] = None) -> TrainBatch:
+                       agent_sees: Optional[Sequence[Sequence[bool]]] = None,
+                       kl_reward: Optional[np.ndarray] = None,
+                       active: Optional[np.ndarray] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -228,17 +241,23 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     blocks: a multi-process job's layout: `batch` is then this process's block of the rows
       and `episodes` its episodes (possibly none), and the whitening is the whole batch's
       (`_normalize`). None: the batch is the whole batch.
-    agent_layers: a DAG's layer of each team agent (parallel agents share one); None: each
-      turn is its own layer (a chain, an orchestrator).
+    agent_sees: who sees whom within an env step, [A][A]: agent a's prompt holds agent b's
+      earlier reply (`envs.agent_sees`: a DAG's ancestors); None: every earlier turn of the
+      step (a chain, an orchestrator).
     kl_reward: optional [B, T] per-decision rewards added before the backup (KL-in-reward,
       `kl_rewards`); a turn's position gets its decisions' sum at the action level.
+    active: [A] bool, the adapters trained this iteration (agent-by-agent schedule); None:
+      every adapter. The whitening's mean and deviation are over the turns that train
+      (`batching.trained_masks`: not a `base` role's, not a frozen adapter's), which alone
+      get whitened advantages (0 elsewhere): an untrained role must not shift the trained
+      ones'. Every turn keeps its return, and its value serves its predecessor's bootstrap.
   """
   if config.level not in ("action", "token", "grpo"):
     raise ValueError(f"advantage.level={config.level!r}: resolve the config's algorithm "
                      "first (marft_jax.train.algorithms.resolve)")
   turns = _turns(episodes, batch)
   grpo, token = config.level == "grpo", config.level == "token"
-  chains = build_chains(batch, episodes, turns, token, num_team, agent_layers, kl_reward)
+  chains = build_chains(batch, episodes, turns, token, num_team, agent_sees, kl_reward)
   shape = lambda r: np.asarray(ppo.shape_rewards(r, config.reward_scale, config.reward_bias,
                                                  config.reward_clip))
   chains.turn["team_reward"] = shape(chains.turn["team_reward"])
@@ -263,8 +282,9 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     act_adv = _spread(batch, turn_adv)
   if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
     rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
-    act_adv = _normalize(act_adv, np.asarray(batch.act_mask), rows, blocks)
-    turn_adv = _normalize(turn_adv, np.asarray(batch.turn_valid), rows, blocks)
+    act_on, turn_on = trained_masks(batch, active)
+    act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks)
+    turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks)
   return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
                        turn_return=turn_ret, turn_old_value=turn_val)
 
@@ -280,16 +300,16 @@ def _chain_advantages(chains: Chains, config: AdvantageConfig, grpo: bool):
               lambda_agent=1.0 if grpo else config.lambda_agent,
               lambda_token=1.0 if grpo else config.lambda_token)
   t = chains.turn
-  adv, ret = _vmapped_chains(t["step"], t["layer"], t["valid"], t["length"],
+  adv, ret = _vmapped_chains(t["step"], t["sees"], t["valid"], t["length"],
                              t["team_reward"], t["own_reward"], t["done"], chains.values,
                              chains.kl_reward, tuple(sorted(hops.items())))
   return np.asarray(adv), np.asarray(ret)
 
 
 @functools.partial(jax.jit, static_argnums=(9,))
-def _vmapped_chains(step, layer, valid, length, team, own, done, values, kl, hops):
+def _vmapped_chains(step, sees, valid, length, team, own, done, values, kl, hops):
   run = lambda *xs: ppo.turn_chain_advantages(*xs[:-1], kl_reward_t=xs[-1], **dict(hops))
-  return jax.vmap(run)(step, layer, valid, length, team, own, done, values, kl)
+  return jax.vmap(run)(step, sees, valid, length, team, own, done, values, kl)
 
 
 def kl_rewards(old_logp: np.ndarray, ref_logp: np.ndarray, act_mask: np.ndarray,

@@ -29,6 +29,8 @@ def _m(*shape):
 
 DONE = np.array([0, 0, 0, 1])
 STEPS, LAYERS = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+SEES = np.tril(np.ones((T, T), bool), -1)  # each turn sees every earlier one
+NEXT = np.array([1, 2, 3, 4])  # their successors: the next turn
 LOGITS = np.arange(T * V, dtype=np.float32).reshape(T, V) / 10.0
 
 # name of the bad argument -> [(call taking the bad value, bad values)]
@@ -68,11 +70,11 @@ CALLS = {
          [1.5, NAN]),
     ],
     "gamma_c": [
-        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount", x),
+        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, NEXT, _m(T), "step_discount", x),
          [1.5, -0.1, NAN]),
     ],
     "credit": [
-        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), x), ["team", None]),
+        (lambda x: ppo.turn_credit(_r(T), _r(T), STEPS, NEXT, _m(T), x), ["team", None]),
     ],
     "epsilon": [
         (lambda x: ppo.clipped_surrogate(_r(T) + 1, _r(T), x), [-0.1, NAN]),
@@ -157,7 +159,7 @@ def test_edge_values_are_accepted():
     ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, 0.0, g, g, g, g)
     ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, 0.0, g, g, g, g, g,
                                g)
-    ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount", g)
+    ppo.turn_credit(_r(T), _r(T), STEPS, NEXT, _m(T), "step_discount", g)
   ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), 0.0, INF, 1.0 + 1e-6)
   ppo.decoupled_ppo_loss(_r(T), _r(T), _r(T), _r(T), _m(T), 0.2, imp_weight_cap=INF)
   ppo.clipped_value_loss(_r(T), _r(T), _r(T), _m(T), 0.0)
@@ -220,7 +222,7 @@ TRACED = {
     "delta": (lambda d: ppo.huber_loss(_r(T), d), np.float32(0.0)),
     "temperature": (lambda t: ppo.logprobs_and_entropy(LOGITS, np.arange(T), t)[0],
                     np.float32(0.0)),
-    "gamma_c": (lambda g: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T), "step_discount",
+    "gamma_c": (lambda g: ppo.turn_credit(_r(T), _r(T), STEPS, NEXT, _m(T), "step_discount",
                                           g), np.float32(1.5)),
     "group_ids": (lambda g: ppo.agent_group_normalize(_r(T), _m(T), g, np.zeros(T, int), 2, 1),
                   np.array([0, 1, 2, 0])),
@@ -294,11 +296,15 @@ SHAPE_CASES = [
     (lambda: ppo.agent_group_normalize(_r(T), _m(T), np.zeros(T, np.int32),
                                        np.zeros(T - 1, np.int32), 1, 1),
      "agent_ids: shape (3,) differs from x's (4,)"),
-    (lambda: ppo.turn_successors(STEPS, LAYERS[:3], _m(T)),
+    (lambda: ppo.turn_successors(STEPS, SEES[:3], _m(T)),
+     "sees_kk: shape (3, 4) is not (n, n) for the n=4 turns of step_k"),
+    (lambda: ppo.turn_successors(STEPS, SEES[0], _m(T)),
+     "sees_kk: shape (4,) has rank 1, expected 2"),
+    (lambda: ppo.layer_sees(STEPS, LAYERS[:3], _m(T)),
      "layer_k: shape (3,) differs from step_k's (4,)"),
-    (lambda: ppo.turn_credit(_r(T), _r(T), STEPS, LAYERS, _m(T, 1), "equal"),
+    (lambda: ppo.turn_credit(_r(T), _r(T), STEPS, NEXT, _m(T, 1), "equal"),
      "valid_k: shape (4, 1) has rank 2, expected 1"),
-    (lambda: ppo.turn_credit(_r(T), _r(T - 1), STEPS, LAYERS, _m(T), "per_step"),
+    (lambda: ppo.turn_credit(_r(T), _r(T - 1), STEPS, NEXT, _m(T), "per_step"),
      "own_reward_k: shape (3,) differs from team_reward_k's (4,)"),
     (lambda: ppo.token_to_action_frame(_r(T, 2), 0.0), "x_t: shape (4, 2) has rank 2, expected 1"),
 ]
@@ -328,10 +334,15 @@ ORDER_CASES = [
      "length_k: the turns fill 11 positions, more than width=8"),
     (lambda: ppo.turn_hops(STEPS, np.array([1, 0, 3, 4]), DONE, 0.9, 0.9),
      "next_k[1]=0: must be in (1, 4]"),
-    (lambda: ppo.turn_successors(STEPS, LAYERS, np.array([1, 0, 1, 0])),
+    (lambda: ppo.turn_successors(STEPS, SEES, np.array([1, 0, 1, 0])),
      "valid_k[2]: a real turn after a padding one"),
-    (lambda: ppo.turn_successors(np.array([0, 0, 0, 1]), np.array([0, 1, 0, 0]), _m(T)),
+    (lambda: ppo.turn_successors(np.array([0, 1, 0, 1]), SEES, _m(T)),
+     "step_k: turn 2 (step 0) after a turn of step 1 (turns come in execution order)"),
+    (lambda: ppo.layer_sees(np.array([0, 0, 0, 1]), np.array([0, 1, 0, 0]), _m(T)),
      "step_k, layer_k: turn 2 (step 0, layer 0) is apart from the earlier turns of its group"),
+    (lambda: ppo.turn_credit(_r(T), _r(T), STEPS, np.array([1, 0, 3, 4]), _m(T), "equal"),
+     "next_k[1]=0: must be in (1, 4]"),
+    (lambda: ppo.hops_to_sink(STEPS, np.array([1, 2, 5, 4])), "next_k[2]=5: must be in (2, 4]"),
 ]
 
 

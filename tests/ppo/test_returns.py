@@ -218,8 +218,9 @@ def test_token_level_form_equals_the_trainers_turn_chain(seed):
   adv, _ = ppo.token_level_advantages(r, v, mask, done, 0.0, gamma_token=0.97,
                                       lambda_token=0.9, **hops)
   W = int(lengths.sum())
+  step = np.repeat(np.arange(T), N)
   chain_adv, _ = ppo.turn_chain_advantages(
-      np.repeat(np.arange(T), N), np.tile(np.arange(N), T), np.ones(T * N, int),
+      step, ppo.layer_sees(step, np.tile(np.arange(N), T), np.ones(T * N)), np.ones(T * N, int),
       lengths.reshape(-1), np.zeros(T * N, np.float32), r.reshape(-1), np.repeat(done, N),
       v[mask], credit="per_step", gamma_token=0.97, lambda_token=0.9, **hops)
   np.testing.assert_allclose(np.asarray(chain_adv)[:W], np.asarray(adv)[mask], atol=1e-5)

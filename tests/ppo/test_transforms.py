@@ -40,16 +40,18 @@ def _successors(rng):
 
 
 def _turns(rng):
-  """T turns: env steps of layers of parallel turns, padding last. Returns step_k, layer_k,
-  valid_k, next_k (`turn_successors`) and length_k (1–3 positions a real turn, 0 padding)."""
+  """T turns: env steps of layers of parallel turns, padding last. Returns step_k, sees_kk
+  (`layer_sees`), valid_k, next_k (`turn_successors`), length_k (1–3 positions a real turn,
+  0 padding) and layer_k."""
   step, layer = np.zeros(T, np.int32), np.zeros(T, np.int32)
   for k, (new_step, new_layer) in enumerate(rng.random((T, 2)) < [0.3, 0.5]):
     if k:
       step[k] = step[k - 1] + new_step
       layer[k] = 0 if new_step else layer[k - 1] + new_layer
   valid = np.arange(T) < rng.integers(1, T + 1)
-  next_k = np.asarray(ppo.turn_successors(step, layer, valid))
-  return step, layer, valid, next_k, np.where(valid, rng.integers(1, 4, T), 0)
+  sees = np.asarray(ppo.layer_sees(step, layer, valid))
+  next_k = np.asarray(ppo.turn_successors(step, sees, valid))
+  return step, sees, valid, next_k, np.where(valid, rng.integers(1, 4, T), 0), layer
 
 
 def _pick(xs, *indices):
@@ -79,15 +81,17 @@ EXAMPLES = {
         lambda r: _pick(_turns(r), 0, 1, 2, 4) + (_f(r, T), _f(r, T), r.random(T) < 0.3,
                                                   _f(r, 3 * T))),
     "turn_successors": (ppo.turn_successors, lambda r: _turns(r)[:3]),
+    "layer_sees": (ppo.layer_sees, lambda r: _pick(_turns(r), 0, 5, 2)),
+    "hops_to_sink": (ppo.hops_to_sink, lambda r: _pick(_turns(r), 0, 3)),
     "turn_hops": (functools.partial(ppo.turn_hops, gamma=0.9, lambda_=0.8, gamma_agent=0.95),
                   lambda r: _pick(_turns(r), 0, 3) + (r.random(T) < 0.3,)),
     "expand_turns": (functools.partial(ppo.expand_turns, width=3 * T, gamma_token=0.9),
                      lambda r: (_f(r, T), r.random(T).astype(np.float32),
-                                r.random(T).astype(np.float32), *_turns(r)[3:])),
+                                r.random(T).astype(np.float32), *_turns(r)[3:5])),
     "token_to_action_frame": (lambda x: ppo.token_to_action_frame(x, -1),
                               lambda r: (_step_ids(r),)),
     "turn_credit": (functools.partial(ppo.turn_credit, credit="step_discount", gamma_c=0.5),
-                    lambda r: (_f(r, T), _f(r, T), *_turns(r)[:3])),
+                    lambda r: (_f(r, T), _f(r, T), *_pick(_turns(r), 0, 3, 2))),
     "logprobs_and_entropy": (ppo.logprobs_and_entropy, lambda r: (
         _f(r, T, V), r.integers(0, V, T), r.uniform(0.5, 2.0, T).astype(np.float32))),
     "action_log_prob": (ppo.action_log_prob, lambda r: (_logp(r, T), _mask(r, T))),

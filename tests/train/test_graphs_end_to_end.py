@@ -1,5 +1,6 @@
-"""Every graph end to end: chain, DAG (two parallel branches and a join) and orchestrator, with
-horizon 1 and 2, one rollout plus one update of the trainer on the tiny model.
+"""Every graph end to end: chain, DAG (a fork: two parallel branches after the planner and no
+join, so each branch ends its env step) and orchestrator, with horizon 1 and 2, one rollout
+plus one update of the trainer on the tiny model.
 
 A scripted sampler stands in for `sampler.generate`: it reads who is speaking from the prompt
 and writes that role's scripted reply, so the orchestrator really calls its specialists,
@@ -7,8 +8,9 @@ repeatedly and out of menu order, and then writes an unparseable route (which en
 step, as `envs.graph` documents). The environment rewards each role 1 for a reply containing
 "good". Checked: what each turn saw (its prompt), what each agent is trained on (its row's
 trained tokens are its reply), where each reward lands (the value targets are the Monte Carlo
-returns along the successors, with γ = λ = 1 and per_step credit), and which adapter each
-token was sampled with.
+returns along the successors read off the transcript, with γ = λ = 1 and per_step credit: a
+turn hops to the earliest later turn of its env step whose prompt holds its reply, else to
+the next env step), and which adapter each token was sampled with.
 """
 
 import dataclasses
@@ -26,7 +28,8 @@ from marft_jax.train.config import OptimizerSection, RoleSection, RolloutSection
 from tests.train.echo_config import echo_config
 
 ROLES = ("planner", "coder", "tester")  # tester graded
-REPLIES = {"planner": "good plan", "coder": "good code", "tester": "bad test"}
+# Every role rewarded: a branch that hopped to its sibling would collect the sibling's reward.
+REPLIES = {"planner": "good plan", "coder": "good code", "tester": "good test"}
 # The orchestrator's routes, in order: out of menu order, one role twice, then no route.
 ROUTES = ("<call>tester</call>", "<call>planner</call>", "<call>tester</call>", "hmm")
 
@@ -104,13 +107,17 @@ def _team(graph):
 
 
 def _mc_returns(turns):
-  """Per turn (step, layer, own reward), in order: the Monte Carlo return along the
-  successors (the first turn of the next (step, layer) group), γ = λ = 1."""
+  """Per turn (step, its reply as others see it, its prompt, own reward), in order: the Monte
+  Carlo return along the successors, γ = λ = 1. A turn's successor is the earliest later
+  turn of its step whose prompt holds its reply, else the next step's first turn."""
   out = [0.0] * len(turns)
   for i in reversed(range(len(turns))):
-    group = turns[i][:2]
-    later = [j for j in range(i + 1, len(turns)) if turns[j][:2] != group]
-    out[i] = turns[i][2] + (out[later[0]] if later else 0.0)
+    step, said, _, reward = turns[i]
+    later = range(i + 1, len(turns))
+    seen_by = [j for j in later if turns[j][0] == step and said in turns[j][2]]
+    next_step = [j for j in later if turns[j][0] != step]
+    successor = (seen_by or next_step or [None])[0]
+    out[i] = reward + (0.0 if successor is None else out[successor])
   return out
 
 
@@ -189,15 +196,13 @@ def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
   # --- where each reward lands: value targets are the Monte Carlo returns ---------------
   row = 0
   for episode in episodes:
-    layer_in_step, turns = {}, []
+    turns = []
     for t in episode.turns:
-      if graph == "dag":
-        layer = {"planner": 0, "coder": 1, "tester": 1}[names[t.agent]]
-      else:
-        layer = layer_in_step.get(t.env_step, 0)
-        layer_in_step[t.env_step] = layer + 1
       own = episode.rewards[t.env_step][t.agent] if t.agent < len(team) else 0.0
-      turns.append((t.env_step, layer, own))
+      # This step's part of the prompt: after the earlier steps' replies and feedback.
+      this_step = t.prompt.rsplit("Feedback:", 1)[-1] if t.env_step else t.prompt
+      turns.append((t.env_step, f"{names[t.agent].title()}: {t.reply.strip()}", this_step,
+                    own))
     want = _mc_returns(turns)
     got = [float(batch.turn_return[row + i, 0]) for i in range(len(turns))]
     np.testing.assert_allclose(got, want, atol=1e-5)

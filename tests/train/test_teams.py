@@ -117,7 +117,8 @@ def test_the_dag_file_runs_its_branches_in_one_layer():
   config = _file("dag_3agents.py")
   profiles, graph = teams.build_team(config.team, "arithmetic")
   assert graph.layers() == (("calculator", "estimator"), ("judge",))
-  assert envs.agent_layers(graph, profiles) == (0, 0, 1)
+  # The trainer's who-sees-whom: the judge both branches, a branch nothing of the step.
+  assert envs.agent_sees(graph, profiles) == ((False,) * 3, (False,) * 3, (True, True, False))
   assert graph.ancestors("judge") == {"calculator", "estimator"}
   assert not graph.ancestors("estimator")
   assert [p.sampling.temperature for p in profiles] == [0.3, 0.7, 0.3]
