@@ -16,8 +16,11 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
   base = config_lib.TrainConfig(algorithm=algorithm)
   sections = dict(
       task=config_lib.TaskSection(name="echo", echo_high=1),
-      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,
-                               temperature=0.7),  # exploration the echo tests were tuned with
+      # Temperature: the exploration the echo tests were tuned with. A team of one speaks
+      # with last_max_new_tokens (max_new_tokens is refused there).
+      team=dataclasses.replace(base.team, last_max_new_tokens=3, temperature=0.7,
+                               **({} if algorithms.get(algorithm).num_roles == 1 else
+                                  {"max_new_tokens": 3})),
       rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
       lora=LoraConfig(rank=8, alpha=16.0),
       optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
