@@ -163,6 +163,10 @@ def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
   `reward.judge_model` and `reward.judge_adapter` (found and well formed: the folders'
   configs are read, their tensors are not). A bad one is an OSError or ValueError naming the
   config key and the file."""
+  if config.task.name == "humaneval":
+    raise ValueError("task.name='humaneval': a benchmark to evaluate on (launch.eval), never "
+                     "trained on; train on task.name='code' and evaluate with "
+                     "--config.task.name=humaneval")
   read_task_data(config)
   if not resuming:
     check_init_from(config)
@@ -235,9 +239,9 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
-  elif task.name == "code":
+  elif task.name in ("code", "humaneval"):
     from marft_jax.envs import code_env, sandbox, splits
-    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
+    problems = splits.task_problems(task.name, task.path, task.test_path)[split == "test"]
     num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
     make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
                                       test_timeout_s=5.0, shuffle=False)

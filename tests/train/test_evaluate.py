@@ -298,10 +298,15 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   test_file = tmp_path / "test.jsonl"
   test_file.write_text("".join(json.dumps({"question": f"What is {g} + 0?", "answer": f"#### {g}"})
                                + "\n" for g in golds))
-  _, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
-                            f"--config.task.test_path={test_file}")
-  assert written["episodes"] == 4 and written["checkpoint_step"] == 3  # the file, once
+  out, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
+                              f"--config.task.test_path={test_file}",
+                              "--samples_per_problem=3", "--temperature=0.05", "--pass_at=1,3")
+  assert written["episodes"] == 12 and written["checkpoint_step"] == 3  # the file, 3 times
+  assert written["problems"] == 4 and written["decoding"] == "n=3 T=0.05"
+  # The scripted replies hold at T = 0.05 (logit gap 10 / 0.05): every sample alike.
   assert written["accuracy"] == written["accuracy/actor"] == golds.count(0) / 4  # adapters on
+  assert written["pass@1/actor"] == written["pass@3/actor"] == golds.count(0) / 4
+  assert f"pass@3/actor={golds.count(0) / 4:.4g}" in out.stdout.splitlines()
 
 
 def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
@@ -325,11 +330,19 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
       out.stderr
   # the library on the same problems agrees
   expected = evaluate_lib.evaluate(config, model, policy, num_problems=6)
-  assert {k: v for k, v in written.items() if k != "checkpoint_step"} == expected
+  assert {k: written[k] for k in expected} == expected
+  assert written["decoding"] == "greedy" and written["pass@1/repeater"] == zeros / 6
 
   missing = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run"],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert missing.returncode == 1 and "no checkpoints" in missing.stderr, missing.stderr
+  greedy_samples = subprocess.run(
+      [sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run", "--untuned",
+       "--samples_per_problem=4", "--pass_at=2,5"], capture_output=True, text=True, cwd=ROOT,
+      timeout=120)
+  assert greedy_samples.returncode == 1 and greedy_samples.stderr.strip() == (
+      "error: --pass_at=2,5: each k must be between 1 and --samples_per_problem=4"), \
+      greedy_samples.stderr
   # A team that cannot play is one line before the model (whose source is missing) loads.
   unplayable = subprocess.run(
       [sys.executable, "-m", "launch.eval", f"--workdir={workdir}",
