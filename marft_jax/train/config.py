@@ -38,6 +38,10 @@ def _one_of(key, value, allowed):
     raise ValueError(f"{key}={value!r}: use one of {allowed}")
 
 
+def _default(section, key):
+  return next(f.default for f in dataclasses.fields(section) if f.name == key)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
   source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
@@ -240,9 +244,14 @@ class TeamSection:
     if self.edges and self.graph != "dag":
       raise ValueError(f"edges={self.edges!r} are read with graph='dag' only, not "
                        f"graph={self.graph!r}")
-    if self.menu and self.graph != "orchestrator":
-      raise ValueError(f"menu={self.menu!r} is read with graph='orchestrator' only, not "
-                       f"graph={self.graph!r}")
+    for key in ("menu", "orchestrator_max_calls", "orchestrator_max_new_tokens"):
+      if getattr(self, key) != _default(self, key) and self.graph != "orchestrator":
+        raise ValueError(f"{key}={getattr(self, key)!r} is read with graph='orchestrator' "
+                         f"only, not graph={self.graph!r}")
+    shared = [r.name for r in self.roles if r.adapter == "shared"]
+    if len(shared) == 1 and not self.shared_adapter:  # it would be an adapter of its own
+      raise ValueError(f"roles.{shared[0]}.adapter='shared': no other role shares it (set "
+                       "'shared' on two roles or more, or 'own')")
     if self.roles:  # a shipped team's are checked when it is built (`teams.build_team`)
       self.check_graph(order)
 
@@ -344,16 +353,17 @@ class RewardSection:
   judge_max_new_tokens: int = 16
   judge_weight: float = 1.0  # last env step: r = (1 − w) · r_env + w · score
   # "package.module:function", your reward on a whole episode, fn(episode, team) -> per env
-  # step a float or one float per role (launch scripts import it; `train(reward_fn=)` in code)
+  # step a float or one float per role (`train(reward_fn=)` in code takes precedence)
   fn: str = ""
 
   def __post_init__(self):
     check_bool("judge", self.judge)
     check_int("judge_max_new_tokens", self.judge_max_new_tokens, 1)
     check_range("judge_weight", self.judge_weight, 0.0, 1.0)
-    if not self.judge:
-      for key in ("judge_model", "judge_adapter"):
-        if getattr(self, key):
+    if not self.judge:  # the judge's keys, set without a judge: refused, not recorded
+      for key in ("judge_model", "judge_adapter", "judge_prompt", "judge_max_new_tokens",
+                  "judge_weight"):
+        if getattr(self, key) != _default(self, key):
           raise ValueError(f"{key}={getattr(self, key)!r} is read with judge=True only")
     if self.fn and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
       raise ValueError(f"fn={self.fn!r}: use 'package.module:function'")
@@ -411,6 +421,7 @@ class TrainConfig:
       check_int(key, getattr(self, key), 1)
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
+    _check_task_keys(self.task)
 
   @property
   def init_from_folders(self) -> list[str]:
@@ -429,6 +440,19 @@ class TrainConfig:
                        "(marft_jax.train.algorithms.resolve)")
     from marft_jax.train import teams  # teams imports this module
     return teams.num_adapters(self.team, self.task.name)
+
+
+# The task keys only some tasks read: (key, the tasks that read it).
+_TASK_KEYS = (("level", ("arithmetic",)), ("echo_high", ("echo",)),
+              ("horizon", ("arithmetic", "math_jsonl")))  # echo, code: one env step
+
+
+def _check_task_keys(task: TaskSection) -> None:
+  """Refuses a task key set for a task that does not read it, rather than recording it."""
+  for key, tasks in _TASK_KEYS:
+    if getattr(task, key) != _default(task, key) and task.name not in tasks:
+      raise ValueError(f"task.{key}={getattr(task, key)!r} is read by the task(s) {tasks} "
+                       f"only, not task.name={task.name!r}")
 
 
 def preset(algorithm: str, **changes) -> TrainConfig:

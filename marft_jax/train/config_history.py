@@ -94,8 +94,9 @@ def _orchestrator_sampling(saved: Mapping[str, Any]) -> Optional[str]:
 
 ADDED: tuple[Added, ...] = (
     Added("task.echo_high", 10, "72fe3f6", "2026-11-24 15:11", "the echo task drew from [0, 10)"),
-    Added("team.orchestrator_max_new_tokens", 64, "19d683f", "2026-11-24 15:28",
-          "the orchestrator's routing turns had 64 tokens"),
+    Added("team.orchestrator_max_new_tokens",  # read (and so refused otherwise) by one only
+          lambda saved: 64 if saved.get("team.graph") == "orchestrator" else 32,
+          "19d683f", "2026-11-24 15:28", "the orchestrator's routing turns had 64 tokens"),
     Added("mesh.data", 1, "511a526", "2026-11-25 08:22", "one device"),
     Added("mesh.fsdp", 1, "511a526", "2026-11-25 08:22", "one device"),
     Added("mesh.tensor", 1, "511a526", "2026-11-25 08:22", "one device"),

@@ -83,7 +83,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
           reward_fn: Optional[rewards_lib.RewardFn] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one); default: `config.model.source`. `reward_fn(episode, team)`: your reward on each
-  whole episode (`rollout.rewards`; the launch script imports `config.reward.fn`). The config
+  whole episode (`rollout.rewards`); default: the function `config.reward.fn` names. The config
   is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
   refused)."""
   config = algorithms.resolve(config)
@@ -98,6 +98,8 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   assembly.build_team(config)  # so does a team that cannot play (a cycle, a budget)
   if reward_fn is not None:
     rewards_lib.check_reward_fn(reward_fn)
+  elif config.reward.fn:  # the config's own, as the launch script reads it
+    reward_fn = rewards_lib.load_reward_fn(config.reward.fn)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.exclusive(workdir, multihost.is_primary(), multihost.any_process):
     model = assembly.load(config) if model is None else model

@@ -81,8 +81,10 @@ def _config(source="smollm2", **task):
   base = config_lib.preset("marft_a")
   return dataclasses.replace(
       base, model=config_lib.ModelSection(source=source),
-      task=config_lib.TaskSection(**{"name": "echo", "echo_high": 2, "eval_problems": 10,
-                                     **task}),
+      task=config_lib.TaskSection(**{"name": "echo", "eval_problems": 10, **task,
+                                     # read by the echo task only (refused by the others)
+                                     **({"echo_high": 2} if task.get("name", "echo") == "echo"
+                                        else {})}),
       team=dataclasses.replace(base.team, max_new_tokens=4, last_max_new_tokens=4),
       rollout=dataclasses.replace(base.rollout, max_context=256))
 
