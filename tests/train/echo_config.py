@@ -31,6 +31,22 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
   return algorithms.resolve(dataclasses.replace(base, **sections))
 
 
+def varied_reward(episode, team):
+  """A `reward.fn` for trainer tests: the environment's reward plus, per turn, its reply's
+  length / 4 and half its role's index (an orchestrator's reply: its length / 8 to every
+  role), so rewards differ between episodes, roles and steps. A tiny model's answers are
+  rarely right, and which few are depends on the host's float rounding: the environment's
+  rewards alone may be 0 in every episode, so no advantage and no update."""
+  rewards = [list(map(float, r)) for r in episode.rewards]
+  for turn in episode.turns:
+    if turn.agent < len(team):
+      rewards[turn.env_step][turn.agent] += len(turn.reply) / 4 + 0.5 * turn.agent
+    else:  # an orchestrator's routing turn: the team's reward, as if it had hurried or dawdled
+      step = rewards[turn.env_step]
+      step[:] = [r + len(turn.reply) / 8 for r in step]
+  return rewards
+
+
 def get_config():
   return to_config_dict(echo_config())
 

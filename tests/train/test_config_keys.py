@@ -44,20 +44,9 @@ from marft_jax.models.config import tiny_config
 from marft_jax.train import algorithms, assembly, loop, teams
 from marft_jax.train import config as config_lib
 from marft_jax.lora.config import LoraConfig
+from tests.train import echo_config
 
 ALGORITHMS = tuple(algorithms.ALGORITHMS)
-
-
-def varied_reward(episode, team):
-  """The baseline's `reward.fn`: the environment's reward plus, per turn, its reply's length
-  / 4 and half its role's index, so rewards differ between episodes, roles and steps (the
-  tiny model's arithmetic is never right: the environment's rewards alone would be 0, and
-  most advantage keys would then change nothing)."""
-  rewards = [list(map(float, r)) for r in episode.rewards]
-  for turn in episode.turns:
-    if turn.agent < len(team):
-      rewards[turn.env_step][turn.agent] += len(turn.reply) / 4 + 0.5 * turn.agent
-  return rewards
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +65,7 @@ def baseline(algorithm: str) -> config_lib.TrainConfig:
       rollout=dataclasses.replace(base.rollout, num_envs=4),
       lora=LoraConfig(rank=4, alpha=8.0, targets="q_proj|v_proj"),  # a smaller update to compile
       optimizer=config_lib.OptimizerSection(lr=5e-2, epochs=2, minibatches=2),
-      reward=config_lib.RewardSection(fn=f"{__name__}:varied_reward"),
+      reward=config_lib.RewardSection(fn=f"{echo_config.__name__}:varied_reward"),
       iterations=1, checkpoint_every=1000)
   if a.critic:
     sections["critic"] = dataclasses.replace(base.critic, hidden=(16,), lr=3e-3)

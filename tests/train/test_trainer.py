@@ -28,6 +28,9 @@ from marft_jax.train import trained_problems
 from marft_jax.train.advantages import AdvantageConfig
 from tests.train.echo_config import echo_config, echo_flags, from_default_file
 
+# Rewards every reply, so each form has advantages to learn from whatever its tiny model says.
+VARIED = "tests.train.echo_config:varied_reward"
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -245,7 +248,8 @@ def test_every_algorithm_and_critic_trains_the_policy_that_sampled(model, tmp_pa
                                                                    changes):
   """Two iterations of each form: finite losses, adapters that move, and the learner's
   log-probs of the sampled tokens equal to the sampler's under the updated adapters."""
-  train_config = _echo_config(algorithm, **{"num_envs": 8, "iterations": 2, **changes})
+  train_config = _echo_config(algorithm, **{"num_envs": 8, "iterations": 2, **changes,
+                                             "reward": config_lib.RewardSection(fn=VARIED)})
   state, template = _final_state(train_config, model, _trained(train_config, model, tmp_path))
   rows = _metrics(tmp_path)
   assert len(rows) == 2
