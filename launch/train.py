@@ -32,6 +32,7 @@ from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheck
                                        saved_steps)
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.loop import finished_run_metrics, train
+from marft_jax.train.write_failures import WorkdirWriteError
 
 _CONFIG = cli.define_config_flag("train.py")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "where checkpoints, metrics, "
@@ -79,7 +80,7 @@ def main(config: TrainConfig) -> None:
           model = assembly.load(config)
         metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
   except (CheckpointMismatchError, UnreadableCheckpointError,  # raised by the resume
-          workdir_lock.WorkdirInUseError) as e:
+          workdir_lock.WorkdirInUseError, WorkdirWriteError) as e:  # (a full disk)
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   if multihost.is_primary():
     heldout = metrics.get("heldout/accuracy")

@@ -95,7 +95,7 @@ _SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
 # busy to the end (two runs: 832 and 840 s, 908 and 909 s). A renamed file must be renamed
 # here too (test_suite_order.py checks that each exists).
 _SLOW_FILES_FIRST = (
-    "tests/train/test_trainer.py", "tests/models/test_layouts.py",
+    "tests/train/test_trainer.py", "tests/test_combinations.py", "tests/models/test_layouts.py",
     "tests/train/test_multihost.py", "tests/test_bench.py", "tests/train/test_evaluate.py",
     "tests/train/test_graphs_end_to_end.py", "tests/train/test_process_split.py",
     "tests/train/test_update_behaviour.py", "tests/rollout/test_rollout.py",

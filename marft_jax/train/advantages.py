@@ -55,7 +55,7 @@ import numpy as np
 from marft_jax import multihost, ppo
 from marft_jax.ppo.kl import KL_ESTIMATORS
 from marft_jax.rollout.episode import Episode
-from marft_jax.train.batching import TrainBatch, bucket_length
+from marft_jax.train.batching import TrainBatch, bucket_length, trained_masks
 
 CREDITS = ppo.CREDITS
 LEVELS = ("auto", "action", "token", "grpo")
@@ -229,7 +229,8 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                        groups: Optional[Sequence[int]] = None,
                        blocks: Optional[Blocks] = None,
                        agent_sees: Optional[Sequence[Sequence[bool]]] = None,
-                       kl_reward: Optional[np.ndarray] = None) -> TrainBatch:
+                       kl_reward: Optional[np.ndarray] = None,
+                       active: Optional[np.ndarray] = None) -> TrainBatch:
   """The batch with advantages and returns filled in, from `batch.act_old_value` (the
   critic's values at rollout time, per decision; zeros for GRPO).
 
@@ -245,6 +246,11 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
       step (a chain, an orchestrator).
     kl_reward: optional [B, T] per-decision rewards added before the backup (KL-in-reward,
       `kl_rewards`); a turn's position gets its decisions' sum at the action level.
+    active: [A] bool, the adapters trained this iteration (agent-by-agent schedule); None:
+      every adapter. The whitening's mean and deviation are over the turns that train
+      (`batching.trained_masks`: not a `base` role's, not a frozen adapter's), which alone
+      get whitened advantages (0 elsewhere): an untrained role must not shift the trained
+      ones'. Every turn keeps its return, and its value serves its predecessor's bootstrap.
   """
   if config.level not in ("action", "token", "grpo"):
     raise ValueError(f"advantage.level={config.level!r}: resolve the config's algorithm "
@@ -276,8 +282,9 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
     act_adv = _spread(batch, turn_adv)
   if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
     rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
-    act_adv = _normalize(act_adv, np.asarray(batch.act_mask), rows, blocks)
-    turn_adv = _normalize(turn_adv, np.asarray(batch.turn_valid), rows, blocks)
+    act_on, turn_on = trained_masks(batch, active)
+    act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks)
+    turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks)
   return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
                        turn_return=turn_ret, turn_old_value=turn_val)
 

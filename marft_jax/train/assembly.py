@@ -11,6 +11,7 @@ adapters' shape and the team that runs them), so a trained team can be scored on
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from typing import Any, Mapping, Optional
@@ -21,13 +22,15 @@ import optax
 
 from marft_jax import envs as envs_lib
 from marft_jax import lora as lora_lib
-from marft_jax.configs import from_config_dict
+from marft_jax.architecture import precision
+from marft_jax.configs import from_config_dict, to_config_dict
 from marft_jax.models import layout as layout_lib
 from marft_jax.models import loading
 from marft_jax.models.tokenizer import check_tokenizer_fits
 from marft_jax.rollout import RolloutConfig, check_reply_budgets
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
+from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
 from marft_jax.train import teams
@@ -51,13 +54,43 @@ def as_recorded(config: TrainConfig) -> TrainConfig:
 
 def read_saved_config(saved: Mapping[str, Any], where: str) -> TrainConfig:
   """A checkpoint's saved config (meta["config"]) as this version of the library reads it:
-  keys added since it was written take their defaults (which keep the behaviour they
-  replaced), then `as_recorded`, so that it compares equal to the same run's config today.
+  keys added since it was written take the values that reproduce the code that wrote it
+  (`config_history.fill_missing`: e.g. loss.behaviour_correction "off", not "auto"), then
+  `as_recorded`, so that it compares equal to the config that trains today as it did.
   `where` (e.g. "runs/x: step 8") prefixes a `CheckpointMismatchError`."""
   try:
-    return as_recorded(from_config_dict(TrainConfig, saved))
+    return as_recorded(from_config_dict(TrainConfig, config_history.fill_missing(saved)))
   except ValueError as e:
     raise CheckpointMismatchError(f"{where}: its saved config does not load: {e}") from None
+
+
+def read_for_resume(saved: Mapping[str, Any], where: str,
+                    changes_known: Optional[int] = None) -> dict:
+  """A checkpoint's saved config as a resumed run compares it with its own (`resume_view` of
+  `read_saved_config`). A behaviour of the run that wrote it that no value of today's keys
+  reproduces (`config_history.unreproducible`, and the changes without a key after
+  `changes_known`, its meta's record: `config_history.changed_since`) is a
+  `CheckpointMismatchError` naming the key."""
+  refused = config_history.unreproducible(saved)
+  if not refused:
+    config = read_saved_config(saved, where)
+    refused = config_history.changed_since(changes_known, config)
+  if refused:
+    reasons = "; ".join(f"{key}: {why}" for key, why in refused)
+    raise CheckpointMismatchError(
+        f"{where} was written by an earlier version that this one cannot continue as it "
+        f"trained ({reasons}). Resume it with that version, or start again in a fresh workdir")
+  return resume_view(to_config_dict(read_saved_config(saved, where)).to_dict())
+
+
+def resume_view(config: Mapping[str, Any]) -> dict:
+  """A recorded config with its settings that mean the same behaviour written one way:
+  `model.matmul_precision` "auto" as the precision it resolves to for the model's dtype."""
+  config = copy.deepcopy(dict(config))
+  model = config["model"] = dict(config["model"])
+  model["matmul_precision"] = precision.resolve(model["matmul_precision"],
+                                                model["param_dtype"])
+  return config
 
 
 # Keys a resumed run may change (extend the run, re-shard it, evaluate more or less often);
@@ -101,6 +134,14 @@ def build_team(config: TrainConfig):
   the declared roles, or the task's shipped team), checked against `rollout.max_context` when
   the config sets it (the model's positions are checked when the rollout knows them)."""
   team, structure = teams.build_team(config.team, config.task.name)
+  if config.rollout.context_mode == "shared_stream" and \
+      isinstance(structure, envs_lib.AgentGraph) and not structure.is_sequential():
+    # The rollout would refuse it too, but only after the model has loaded.
+    raise ValueError(f"rollout.context_mode='shared_stream' (algorithm={config.algorithm!r}) "
+                     f"with team.graph='dag' and team.edges={config.team.edges!r}: parallel "
+                     "branches each see only their ancestors, which one stream cannot show; "
+                     "use rollout.context_mode='per_agent' (an algorithm that allows it) or "
+                     "edges that order every role")
   if config.rollout.max_context:
     check_reply_budgets(team, structure, config.rollout.max_context)
   return team, structure

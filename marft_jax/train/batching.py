@@ -148,6 +148,43 @@ def per_row_adapters(batch: TrainBatch) -> TrainBatch:
   return batch.replace(adapter_ids=first.astype(np.int32))
 
 
+def decision_adapters(batch: TrainBatch):
+  """[B, T] int32: the adapter that sampled decision t's token (`adapter_ids` of token t+1),
+  -1 where t is no trained decision or its token came from the frozen base (a `base` role's
+  reply). NumPy in, NumPy out; traced in, traced out."""
+  xp = _array_module(batch.adapter_ids, batch.act_mask)
+  ids = batch.adapter_ids
+  if ids.ndim == 1:  # per-row ids (`per_row_adapters`)
+    act = xp.broadcast_to(ids[:, None], batch.act_mask.shape)
+  else:
+    act = xp.concatenate([ids[:, 1:], ids[:, :1]], axis=1)
+  return xp.where(batch.act_mask, act, -1)
+
+
+def trained_masks(batch: TrainBatch, active=None):
+  """([B, T] bool decisions, [B, K] bool turns) that train a policy: sampled with an adapter
+  (not a `base` role's) that `active` ([A] bool, the adapters the agent-by-agent schedule
+  trains now; None: every adapter) lets move. Only these enter the advantage whitening, the
+  policy losses and the policy metrics; the critic still learns every turn, and its values
+  at the others still serve their predecessors' bootstraps. A turn trains if its decisions
+  do (`act_turn`; one reply is sampled with one adapter)."""
+  xp = _array_module(batch.adapter_ids, batch.act_mask)
+  act = decision_adapters(batch)
+  trained = act >= 0
+  if active is not None:
+    active = xp.asarray(active, bool)
+    trained = trained & active[xp.clip(act, 0, active.shape[0] - 1)]
+  K = batch.turn_valid.shape[1]
+  in_turn = xp.asarray(batch.act_turn)[:, None, :] == xp.arange(K)[None, :, None]  # [B, K, T]
+  turns = xp.any(trained[:, None, :] & in_turn, axis=2)
+  return trained, turns & xp.asarray(batch.turn_valid, bool)
+
+
+def _array_module(*arrays):
+  """jax.numpy if any of `arrays` is a JAX array (or traced), else NumPy."""
+  return jnp if any(isinstance(a, jax.Array) for a in arrays) else np
+
+
 def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
                max_turns: int = 0, reply_budgets: Optional[Sequence[int]] = None
                ) -> TrainBatch:

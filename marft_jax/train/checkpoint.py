@@ -46,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from marft_jax.lora import Adapters, save_peft_adapters
+from marft_jax.train.write_failures import writing
 
 StrPath = Union[str, "os.PathLike[str]"]
 _EXPORT = re.compile(r"^step_(\d+)$")
@@ -234,10 +235,13 @@ class Checkpointer:
       raise NonFiniteStateError(f"{self.directory}: not saving step {step}: the state leaf "
                                 f"{bad} holds a NaN or inf (the previous checkpoint is kept)")
     meta = self._meta_to_save(step, meta)
-    saved = self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
-    if wait or not self.async_save:
-      self.wait()
+    # A full disk: one line naming the step, the space left and the step to resume from (the
+    # unfinished step folder is never read, and the next Checkpointer deletes it).
+    with writing(self.workdir, f"the checkpoint of step {step} (checkpoints/{step})"):
+      saved = self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+      if wait or not self.async_save:
+        self.wait()
     return saved
 
   def wait(self) -> None:
@@ -413,22 +417,23 @@ class Checkpointer:
     if bad is not None:
       raise NonFiniteStateError(f"{self.exports_dir}: not exporting step {step}: the adapter "
                                 f"leaf {bad} holds a NaN or inf")
-    os.makedirs(self.exports_dir, exist_ok=True)
     final = os.path.join(self.exports_dir, f"step_{step}")
     token = uuid.uuid4().hex[:8]
     temp = os.path.join(self.exports_dir, f".step_{step}.tmp-{token}")
     old = os.path.join(self.exports_dir, f".step_{step}.old-{token}")
-    os.mkdir(temp)
-    try:
-      save_peft_adapters(temp, adapters, names, base_model_name_or_path)
-      if os.path.exists(final):
-        os.replace(final, old)
-      os.replace(temp, final)
-    except BaseException:
-      if os.path.exists(old) and not os.path.exists(final):
-        os.replace(old, final)
-      shutil.rmtree(temp, ignore_errors=True)
-      raise
+    with writing(self.workdir, f"the PEFT export of step {step} (exports/step_{step})"):
+      os.makedirs(self.exports_dir, exist_ok=True)
+      os.mkdir(temp)
+      try:
+        save_peft_adapters(temp, adapters, names, base_model_name_or_path)
+        if os.path.exists(final):
+          os.replace(final, old)
+        os.replace(temp, final)
+      except BaseException:
+        if os.path.exists(old) and not os.path.exists(final):
+          os.replace(old, final)
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     self._prune_exports()
     return final

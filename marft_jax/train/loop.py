@@ -51,6 +51,7 @@ from marft_jax.rollout import reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
+from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
@@ -63,6 +64,7 @@ from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves, read_metrics
 from marft_jax.train.update import TrainState, make_update, prepare
+from marft_jax.train.write_failures import writing
 
 def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
   """[A] bool: the adapters the agent-by-agent schedule trains at `iteration`."""
@@ -189,8 +191,9 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
                               jax.random.fold_in(key, 2))
       t1 = time.perf_counter()
       if multihost.is_primary():  # every process's episodes, in env order
-        write_transcripts(os.path.join(workdir, "transcripts",
-                                       f"iteration_{iteration:05d}.jsonl"), result.all_episodes)
+        name = os.path.join("transcripts", f"iteration_{iteration:05d}.jsonl")
+        with writing(workdir, name):
+          write_transcripts(os.path.join(workdir, name), result.all_episodes)
       kept = [e for e in result.episodes if e.dropped is None]  # this process's
       update_metrics = {}
       if all(e.dropped is not None for e in result.all_episodes):
@@ -276,9 +279,10 @@ def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: 
   if checkpointer.latest_step() is None:
     return state, 0
   where = f"{workdir}: step {checkpointer.latest_step()}"
-  read = lambda saved: to_config_dict(assembly.read_saved_config(saved, where)).to_dict()
-  state, meta = checkpointer.restore(state, config=run.config_dict,
-                                     may_differ=assembly.RESUME_MAY_DIFFER, read_config=read)
+  known = checkpointer.read_meta(checkpointer.latest_step()).get("changes_known")
+  state, meta = checkpointer.restore(
+      state, config=assembly.resume_view(run.config_dict), may_differ=assembly.RESUME_MAY_DIFFER,
+      read_config=lambda saved: assembly.read_for_resume(saved, where, known))
   start = int(meta["iteration"])
   run.envs.load_state_dict(meta["envs"])
   logging.warning("Resuming %s from its checkpoint after iteration %d of %d",
@@ -317,11 +321,11 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   groups = [envs.group(e.env_index) for e in kept]
   kl = kl_rewards(read(extras.old_logp), read(extras.ref_logp), batch.act_mask,
                   config.advantage)
+  active = active_adapters(config, iteration)
   batch = compute_advantages(batch, kept, config.advantage, num_roles, groups, blocks=blocks,
-                             agent_sees=agent_sees, kl_reward=kl)
+                             agent_sees=agent_sees, kl_reward=kl, active=active)
   state, metrics = update(
-      state, model.params, placed(batch), extras,
-      jnp.asarray(active_adapters(config, iteration)),
+      state, model.params, placed(batch), extras, jnp.asarray(active),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
   if kl is not None:  # this process's mean KL reward per trained token
@@ -353,7 +357,7 @@ def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: d
   if not multihost.is_primary():
     return
   text = json.dumps(config_dict, indent=2, sort_keys=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
+  with writing(workdir, "config.json"), open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(text + "\n")
   writer.write_text(step, "config", text)
 
@@ -408,7 +412,7 @@ def _per_row_adapters(batch, layout):
 def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
   config = run.config
   meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
-          "policy_version": step}
+          "policy_version": step, "changes_known": config_history.CHANGES_KNOWN}
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part
@@ -416,10 +420,11 @@ def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
     return
   checkpointer.export_peft(step, adapters, names, config.model.source)
   writer.flush()
-  plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
-                       os.path.join(workdir, "learning_curve.png"),
-                       keys=("reward", "accuracy", "heldout/accuracy", "policy_loss",
-                             "value_loss"), unsmoothed=("heldout/accuracy",))
+  with writing(workdir, "learning_curve.png"):
+    plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
+                         os.path.join(workdir, "learning_curve.png"),
+                         keys=("reward", "accuracy", "heldout/accuracy", "policy_loss",
+                               "value_loss"), unsmoothed=("heldout/accuracy",))
 
 
 def _env_cursor(envs) -> dict:

@@ -21,6 +21,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from marft_jax.train.write_failures import writing
+
 StrPath = Union[str, "os.PathLike[str]"]
 METRICS_FILE = "metrics.jsonl"
 TEXTS_FILE = "texts.jsonl"
@@ -45,16 +47,19 @@ class MetricWriter:
     self._tb = self._jsonl = self._texts = None
     if not enabled:
       return
-    os.makedirs(self.workdir, exist_ok=True)
-    if resume_step is not None:
-      self.truncate_after(resume_step)
-    SummaryWriter = _summary_writer_class()  # here: disabled writers never need it
-    # Event files are named by the second they open in and opened with "wb": the suffix keeps
-    # a writer opened in the same second (a quick restart) from truncating the previous file.
-    self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"), purge_step=resume_step,
-                             filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:6]}")
-    self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
-    self._texts = open(self.texts_path, "a", encoding="utf-8")
+    with writing(self.workdir, "its metrics (metrics.jsonl, texts.jsonl, tensorboard/)"):
+      os.makedirs(self.workdir, exist_ok=True)
+      if resume_step is not None:
+        self.truncate_after(resume_step)
+      SummaryWriter = _summary_writer_class()  # here: disabled writers never need it
+      # Event files are named by the second they open in and opened with "wb": the suffix
+      # keeps a writer opened in the same second (a quick restart) from truncating the
+      # previous file.
+      self._tb = SummaryWriter(os.path.join(self.workdir, "tensorboard"),
+                               purge_step=resume_step,
+                               filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:6]}")
+      self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+      self._texts = open(self.texts_path, "a", encoding="utf-8")
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     """Writes `scalars` (numbers: Python, NumPy or 0-d JAX) for `step`, then flushes.
@@ -72,18 +77,20 @@ class MetricWriter:
       self._tb.add_scalar(key, value, global_step=step)
     record = {"step": int(step)}
     record.update({k: v if math.isfinite(v) else None for k, v in values.items()})
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
-    self._tb.flush()
+    with writing(self.workdir, f"the metrics of step {step} (metrics.jsonl, tensorboard/)"):
+      self._jsonl.write(json.dumps(record) + "\n")
+      self._jsonl.flush()
+      self._tb.flush()
 
   def write_text(self, step: int, tag: str, text: str) -> None:
     """Writes a text (a transcript, a sample table in Markdown) under `tag` for `step`."""
     if not self.enabled:
       return
-    self._tb.add_text(tag, text, global_step=step)
-    self._texts.write(json.dumps({"step": int(step), "tag": tag, "text": text}) + "\n")
-    self._texts.flush()
-    self._tb.flush()
+    with writing(self.workdir, f"the text {tag!r} of step {step} (texts.jsonl, tensorboard/)"):
+      self._tb.add_text(tag, text, global_step=step)
+      self._texts.write(json.dumps({"step": int(step), "tag": tag, "text": text}) + "\n")
+      self._texts.flush()
+      self._tb.flush()
 
   def truncate_after(self, step: int) -> None:
     """Drops the JSONL lines with a step >= `step` (and a torn last line), atomically."""
@@ -96,23 +103,27 @@ class MetricWriter:
     for path in (self.metrics_path, self.texts_path):
       if os.path.exists(path):
         kept = [json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", -1) < step]
-        _write_atomically(path, lambda f, kept=kept: f.writelines(kept), mode="w")
+        with writing(self.workdir, f"{os.path.basename(path)}, cut back to the steps before "
+                     f"{step}"):
+          _write_atomically(path, lambda f, kept=kept: f.writelines(kept), mode="w")
     if reopen:
       self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
       self._texts = open(self.texts_path, "a", encoding="utf-8")
 
   def flush(self) -> None:
     if self.enabled:
-      self._jsonl.flush()
-      self._texts.flush()
-      self._tb.flush()
+      with writing(self.workdir, "its metrics (metrics.jsonl, texts.jsonl, tensorboard/)"):
+        self._jsonl.flush()
+        self._texts.flush()
+        self._tb.flush()
 
   def close(self) -> None:
     if self.enabled and self._tb is not None:
-      self._jsonl.close()
-      self._texts.close()
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      with writing(self.workdir, "its metrics (metrics.jsonl, texts.jsonl, tensorboard/)"):
+        self._jsonl.close()
+        self._texts.close()
+        tb.close()
 
   def __enter__(self) -> "MetricWriter":
     return self

@@ -41,6 +41,11 @@ Top-p / top-k: the sampler records the log-prob under the truncated, renormalise
 with truncation is refused (`check_untruncated_sampling`) rather than corrected: the learner
 does not apply the truncation.
 
+Untrained turns weigh nothing: a `base` role's (the frozen model speaks) and, under the
+agent-by-agent schedule, those of the adapters not trained this iteration are left out of the
+policy loss, the entropy and KL terms and every policy metric (`batching.trained_masks`); the
+critic still learns their values, which their predecessors bootstrap from.
+
 Each agent's gradient is clipped on its own; agents that are frozen (agent-by-agent
 schedule, critic warm-up) or had no token in the minibatch keep their weights and optimizer
 moments exactly (`optim.apply_masked`). A minibatch whose loss or gradients are not finite
@@ -67,7 +72,8 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.ppo.kl import KL_ESTIMATORS
 from marft_jax.ppo.policy_loss import importance_weights
 from marft_jax.train import optim
-from marft_jax.train.batching import TrainBatch, over_row_chunks
+from marft_jax.train.batching import (TrainBatch, decision_adapters, over_row_chunks,
+                                      trained_masks)
 from marft_jax.validation import check_range
 
 POLICY_LEVELS = ("action", "token")
@@ -264,8 +270,9 @@ def _at_policy_level(x: jax.Array, batch: TrainBatch, config: LossConfig) -> jax
   return x
 
 
-def _policy_mask(batch: TrainBatch, config: LossConfig) -> jax.Array:
-  return batch.turn_valid if config.policy_level == "action" else batch.act_mask
+def _policy_mask(trained: tuple, config: LossConfig) -> jax.Array:
+  """The elements that carry a ratio and train: `trained`'s turns or decisions."""
+  return trained[1] if config.policy_level == "action" else trained[0]
 
 
 def _max_dev(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
@@ -274,16 +281,18 @@ def _max_dev(log_ratio: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.max(jnp.abs(jnp.expm1(log_ratio)))
 
 
-def behaviour_metrics(batch: TrainBatch, old_logp: jax.Array, config: LossConfig) -> dict:
+def behaviour_metrics(batch: TrainBatch, old_logp: jax.Array, config: LossConfig,
+                      trained: Optional[tuple] = None) -> dict:
   """How far the sampler's log-probs are from the learner's π_old, over the whole batch.
 
-  logp_gap_max / _mean: |π_old − π_behav| in log space over the trained tokens (per token);
-  weight_mean / _max / _dropped: the weights w = π_old/π_behav at the policy level (per turn
-  at the action level) over the valid elements, and the fraction above `imp_weight_cap`
-  (reported whether or not the correction is on)."""
+  logp_gap_max / _mean: |π_old − π_behav| in log space over every sampled token (a `base`
+  role's too: the same forward scores it); weight_mean / _max / _dropped: the weights
+  w = π_old/π_behav at the policy level (per turn at the action level) over the elements
+  that train (`trained`, `batching.trained_masks`; None: every adapter's), and the fraction
+  above `imp_weight_cap` (reported whether or not the correction is on)."""
   m = batch.act_mask
   gap = jnp.where(m, jnp.abs(old_logp - batch.act_behaviour_logp), 0.0)
-  valid = _policy_mask(batch, config)
+  valid = _policy_mask(trained_masks(batch) if trained is None else trained, config)
   weight, keep = importance_weights(
       _at_policy_level(old_logp, batch, config),
       _at_policy_level(batch.act_behaviour_logp, batch, config), valid, config.imp_weight_cap)
@@ -309,18 +318,23 @@ LOSS_METRICS = ("policy_loss", "value_loss", "approx_kl", "clip_fraction", "entr
 
 def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
            model_config: ModelConfig, config: LossConfig, critic_values: Optional[Callable],
-           dropout_key: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
+           dropout_key: Optional[jax.Array] = None, trained: Optional[tuple] = None
+           ) -> tuple[jax.Array, dict]:
   """The minibatch loss (to minimise) and its diagnostics. `dropout_key`: LoRA dropout on
-  the learner's forward (`policy.dropout_rate`; π_old and the sampler run without it)."""
+  the learner's forward (`policy.dropout_rate`; π_old and the sampler run without it).
+  `trained`: ([B, T], [B, K]) bool, the decisions and turns whose adapter trains
+  (`batching.trained_masks`; None: every adapter's). The policy loss, the entropy bonus, the
+  KL penalty and their diagnostics cover these alone; the value loss covers every turn."""
   if dropout_key is not None and policy.dropout_rate > 0:
     policy = policy.with_dropout(dropout_key)
   logp, entropy = token_logp_and_entropy(params, policy, batch, model_config, with_entropy=True)
   if config.entropy_coef == 0:  # reported, not trained: no gradient through it
     entropy = jax.lax.stop_gradient(entropy)
-  m = batch.act_mask
+  trained = trained_masks(batch) if trained is None else trained
+  m = trained[0]
   new, old = _at_policy_level(logp, batch, config), _at_policy_level(extras.old_logp, batch,
                                                                      config)
-  valid = _policy_mask(batch, config)
+  valid = _policy_mask(trained, config)
   adv = batch.turn_advantage if config.policy_level == "action" else batch.act_advantage
   behav = _at_policy_level(batch.act_behaviour_logp, batch, config)
   if _correcting(config):
@@ -345,7 +359,8 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
                                batch.turn_valid, config)
     else:
       values = critic_values(critic, params, batch, extras)  # [B, T] per decision
-      value_loss = _value_loss(values, batch.act_old_value, batch.act_return, m, config)
+      value_loss = _value_loss(values, batch.act_old_value, batch.act_return, batch.act_mask,
+                               config)
     total = total + config.value_coef * value_loss
   aux = {"policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
          "clip_fraction": clipped, "entropy": ppo.masked_mean(entropy, m),
@@ -394,7 +409,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   Args (of the returned function):
     state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches;
       rows without a real token are padding).
-    extras: `prepare(...)`'s output. active: [A] bool, adapters the schedule lets train.
+    extras: `prepare(...)`'s output. active: [A] bool, adapters the schedule lets train
+      (the others' turns weigh nothing in the policy loss and metrics).
     train_policy: [] bool, False during critic-only warm-up. rng: shuffles the minibatches
     (and draws the LoRA dropout masks when `state.policy.dropout_rate` > 0).
   Returns:
@@ -419,12 +435,16 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                         critic_values=critic_values), argnums=(0, 1), has_aux=True)
 
   def update(state, params, batch, extras, active, train_policy, rng):
+    # Decisions and turns of adapters this iteration trains: a `base` role's and a frozen
+    # adapter's weigh nothing in the policy loss and metrics.
+    trained = trained_masks(batch, active)
+
     def gradients(policy, critic, indices, dropout_key):
       """A minibatch with real rows: (loss, `losses`' diagnostics, the policy's and the
       critic's gradients, [A] which adapters have tokens in it)."""
-      mb, ex = jax.tree.map(lambda x: x[indices], (batch, extras))
+      mb, ex, tr = jax.tree.map(lambda x: x[indices], (batch, extras, trained))
       (loss, aux), (g_policy, g_critic) = grad_fn(policy, critic, params, mb, ex,
-                                                  dropout_key=dropout_key)
+                                                  dropout_key=dropout_key, trained=tr)
       aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
       return (jnp.asarray(loss, jnp.float32), aux, g_policy, g_critic,
               _adapters_present(mb, num_adapters))
@@ -477,7 +497,7 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
     out = {k: jnp.sum(v) / jnp.maximum(steps, 1) for k, v in metrics.items()}
     for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
       out[key] = metrics[key][0]  # slot 0 holds real rows whenever any row is real
-    out.update(behaviour_metrics(batch, extras.old_logp, config))
+    out.update(behaviour_metrics(batch, extras.old_logp, config, trained))
     out["nonfinite"] = jnp.sum(metrics["nonfinite"])
     out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
     out["minibatches_trained"] = steps.astype(jnp.float32)
@@ -514,11 +534,8 @@ def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatch
 
 def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
   """[A] bool: adapters that sampled at least one of the minibatch's trained tokens."""
-  if batch.adapter_ids.ndim == 1:  # per-row ids (`batching.per_row_adapters`)
-    act_adapter = jnp.broadcast_to(batch.adapter_ids[:, None], batch.act_mask.shape)
-  else:
-    act_adapter = jnp.concatenate([batch.adapter_ids[:, 1:], batch.adapter_ids[:, :1]], axis=1)
-  ids = jnp.where(batch.act_mask & (act_adapter >= 0), act_adapter, num_adapters)
+  act_adapter = decision_adapters(batch)
+  ids = jnp.where(act_adapter >= 0, act_adapter, num_adapters)
   counts = jnp.zeros((num_adapters + 1,), jnp.int32).at[ids.reshape(-1)].add(1)
   return counts[:num_adapters] > 0
 

@@ -23,6 +23,8 @@ import contextlib
 import os
 from typing import Callable, Iterator
 
+from marft_jax.train.write_failures import writing
+
 try:
   import fcntl
 except ImportError:  # Windows
@@ -65,8 +67,9 @@ def exclusive(workdir: str, primary: bool = True,
       holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
       raise WorkdirInUseError(f"{workdir}: in use by another training run (process id "
                               f"{holder}); wait for it to end, or train into another workdir")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with writing(workdir, f"{LOCK_FILE} (this run's process id)"):  # a full disk: one line
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held.add(key)
     try:
       yield

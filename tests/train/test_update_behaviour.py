@@ -19,7 +19,7 @@ from marft_jax.models import layout as layout_lib
 from marft_jax.models import sampler, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train.batching import TrainBatch, act_positions, padding_fields
-from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+from marft_jax.train.update import LossConfig, TrainState, losses, make_update, prepare
 from tests.train.nonzero_adapters import nonzero_adapters
 
 ROWS, PROMPT, REPLY, TEMPERATURE = 8, 6, 12, 0.7
@@ -116,6 +116,29 @@ def test_bfloat16_gap_is_reported_and_the_corrected_first_ratio_is_bounded(level
   assert on["first_ratio_max_dev"] <= FIRST_RATIO_BOUND, on
   assert on["first_ratio_max_dev"] < 0.1 * on["behaviour/first_ratio_max_dev"], on
   assert on["policy_loss"] != off["policy_loss"]
+  _assert_corrected_objective(level, extras, w)
+
+
+def _assert_corrected_objective(level, extras, w):
+  """What the correction changes: the objective. Before any step ρ = π_θ/π_prox is 1 up to
+  the bound, so decoupled PPO's loss is −(1/Σm) Σ m·1[w ≤ cap]·w·A (NumPy, from the
+  sampler's and `prepare`'s log-probs), where the uncorrected loss is −(1/Σm) Σ m·A: the
+  sampler's bf16 gap moves the advantages' weights, by far more than the bound allows."""
+  config, params, policy, batch = sampled("bfloat16")
+  loss = LossConfig(policy_level=level, behaviour_correction="on")
+  _, aux = losses(policy, None, params, batch, extras, model_config=config, config=loss,
+                  critic_values=None)
+  m = np.asarray(batch.act_mask)
+  adv = np.asarray(batch.act_advantage)[m] if level == "token" else \
+      np.asarray(batch.turn_advantage)[:, 0]  # one turn a row
+  kept = np.where(w <= loss.imp_weight_cap, w, 0.0)
+  corrected, uncorrected = -np.mean(kept * adv), -np.mean(adv)
+  # |loss − corrected| ≤ max|ρ − 1| · mean(1[w ≤ cap]·w·|A|) while every ρ is inside the clip
+  dev = float(aux["first_ratio_max_dev"])
+  assert dev < loss.clip_eps
+  tolerance = dev * np.mean(kept * np.abs(adv)) + 1e-6
+  np.testing.assert_allclose(float(aux["policy_loss"]), corrected, rtol=0, atol=tolerance)
+  assert abs(corrected - uncorrected) > 100 * tolerance, (corrected, uncorrected, tolerance)
 
 
 def test_float32_sampler_and_learner_agree():
