@@ -132,6 +132,9 @@ ADDED: tuple[Added, ...] = (
           "matmuls ran at the platform's default precision (TF32 for f32 on NVIDIA)"),
     Added("lora.dropout_rate", 0.0, "3821d0b", "2026-11-26 16:45", "no LoRA dropout"),
     Added("lora.use_rslora", False, "3821d0b", "2026-11-26 16:45", "scale alpha / rank"),
+    Added("loss.old_logp", "recompute", "32f9e21", "2026-11-28 09:00",
+          "π_old was the learner's forward before the update (\"auto\" reads it from the "
+          "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
 )
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
 UNREPRODUCIBLE: tuple[tuple[str, Callable[[Mapping[str, Any]], Optional[str]]], ...] = (
