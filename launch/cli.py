@@ -144,18 +144,6 @@ def enable_compilation_cache(folder: str) -> None:
   jax.config.update("jax_compilation_cache_dir", folder)
 
 
-def import_function(key: str, path: str) -> Callable:
-  """The function `path` ("package.module:function") names; one line naming `key` if not."""
-  module_name, _, name = path.partition(":")
-  try:
-    function = getattr(importlib.import_module(module_name), name)
-  except (ImportError, AttributeError) as e:
-    fail(f"{key}={path!r}: {_last_line(e)}")
-  if not callable(function):
-    fail(f"{key}={path!r} is not a function")
-  return function
-
-
 def make_folder(flag: str, folder: str) -> None:
   """Makes the folder a flag names (if missing) before anything slow, or one line naming the
   flag and why it cannot."""

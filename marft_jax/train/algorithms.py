@@ -17,11 +17,14 @@ is refused for training (the learner does not apply the sampler's truncation).
 
 `resolve(config)` fills each "auto" from the algorithm, and refuses, naming both keys, a value
 set explicitly that contradicts it (a token-level loss under MARFT-A, a critic under GRPO,
-rollout.group_size=1 under GRPO, team.num_roles=3 under single-agent PPO, ...). The launch
-scripts resolve before any model loads; `train` resolves again (a no-op on a resolved config);
-checkpoints and `config.json` in the run folder hold the resolved config, the algorithm that
-actually ran. So a config file that names no algorithm-owned key runs as any algorithm:
-`--config.algorithm=marft_t` on the default file trains MARFT-T.
+rollout.group_size=1 under GRPO, team.num_roles=3 under single-agent PPO, ...), and a key set
+where the run would not read it (`READ_ONLY_WHEN`: a critic's keys without a critic, the
+token-level discounts at the action level, `loss.action_logprob` at the token level, ...).
+GRPO's λ is 1 (Monte Carlo returns): another λ is refused, and the resolved config records 1.
+The launch scripts resolve before any model loads; `train` resolves again (a no-op on a
+resolved config); checkpoints and `config.json` in the run folder hold the resolved config,
+the algorithm that actually ran. So a config file that names no algorithm-owned key runs as
+any algorithm: `--config.algorithm=marft_t` on the default file trains MARFT-T.
 
 Adding an algorithm: one `Algorithm` entry below (and, if its advantages or loss are new, the
 function behind them in `ppo` and the branch that calls it in `advantages.py` or
@@ -34,6 +37,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from marft_jax.train import update
+from marft_jax.train.advantages import AdvantageConfig
 
 if TYPE_CHECKING:  # config.py imports this module for the algorithms' names
   from marft_jax.train.config import TrainConfig
@@ -110,6 +114,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
       level=pick("advantage.level", config.advantage.level, "auto", a.advantage_level,
                  "its advantages"),
       normalize=_normalize(a, config.advantage.normalize))
+  advantage = _grpo_lambdas(a, advantage)
   loss = dataclasses.replace(config.loss, policy_level=pick(
       "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
       "its policy loss"))
@@ -122,7 +127,85 @@ def resolve(config: TrainConfig) -> TrainConfig:
   resolved = dataclasses.replace(config, advantage=advantage, loss=loss, critic=critic,
                                  rollout=rollout, team=team)
   _check_init_from(resolved)
+  _check_read(resolved)
   return resolved
+
+
+def _has_critic(c) -> bool:
+  return c.critic.mode != "none"
+
+
+# Keys a run reads only in some configurations (of the resolved config): a value other than
+# the default where the run would not read it is refused, naming the key, rather than
+# recorded in config.json and the checkpoints as if it had been used.
+# (key, whether the run reads it, what reads it)
+READ_ONLY_WHEN = (
+    *((key, _has_critic, "a critic (the algorithm has none, or critic.mode='none')")
+      for key in ("critic.lr", "critic.hidden", "critic.lora_rank", "critic.warmup_iterations",
+                  "loss.value_coef", "loss.value_clip", "loss.huber_delta",
+                  "loss.critic_max_grad_norm")),
+    *((key, lambda c: c.advantage.level == "token",
+       "the token-level backup between the tokens of a reply (advantage.level='token')")
+      for key in ("advantage.gamma_token", "advantage.lambda_token")),
+    *((key, lambda c: c.team.num_roles > 1 or c.team.graph == "orchestrator",
+       "two turns or more in an env step (two roles, or an orchestrator)")
+      for key in ("advantage.gamma_agent", "advantage.lambda_agent", "advantage.credit")),
+    ("loss.action_logprob", lambda c: c.loss.policy_level == "action",
+     "one ratio per turn (loss.policy_level='action')"),
+    ("advantage.credit_discount", lambda c: c.advantage.credit == "step_discount",
+     "advantage.credit='step_discount'"),
+    ("advantage.kl_reward_estimator", lambda c: c.advantage.kl_reward_coef > 0,
+     "advantage.kl_reward_coef > 0"),
+    ("loss.kl_estimator", lambda c: c.loss.kl_coef > 0, "loss.kl_coef > 0"),
+    ("loss.kl_guard", lambda c: c.loss.kl_limit is not None, "a loss.kl_limit"),
+    ("team.transition", lambda c: c.rollout.context_mode == "shared_stream",
+     "rollout.context_mode='shared_stream' (its hand-overs)"),
+    ("team.max_new_tokens", lambda c: c.team.num_roles > 1,
+     "two roles or more (a team of one speaks with team.last_max_new_tokens)"),
+    ("team.shared_adapter", lambda c: c.team.num_roles > 1 or c.team.graph == "orchestrator"
+     or any(r.adapter == "base" for r in c.team.roles),
+     "two roles or more, an orchestrator or a 'base' role (one role has one adapter)"),
+    ("optimizer.agent_iteration_interval",
+     lambda c: c.num_adapters > 1 and not c.team.shared_adapter,
+     "two adapters or more (and no team.shared_adapter)"),
+)
+
+
+def _check_read(config: TrainConfig) -> None:
+  """Refuses a key set where the run would not read it (`READ_ONLY_WHEN`)."""
+  from marft_jax.train.config import TrainConfig  # config.py imports this module
+  defaults = TrainConfig()
+  for key, reads, reader in READ_ONLY_WHEN:
+    value = _get(config, key)
+    if value != _get(defaults, key) and not reads(config):
+      raise ValueError(f"{key}={value!r} is read with {reader} only, not in this run "
+                       f"(algorithm={config.algorithm!r}); leave {key} unset")
+  mode = config.critic.mode
+  if mode.startswith("per_agent") and config.team.num_roles == 1 and \
+      config.team.graph != "orchestrator":
+    raise ValueError(f"critic.mode={mode!r}: a team of one role is one agent, whose critic "
+                     f"is the 'shared' one (algorithm={config.algorithm!r}); use 'shared'")
+
+
+def _get(config, key: str):
+  for part in key.split("."):
+    config = getattr(config, part)
+  return config
+
+
+def _grpo_lambdas(a: Algorithm, advantage):
+  """GRPO's λ is 1 (Monte Carlo returns, no critic to bootstrap from): a λ the user set to
+  anything else is refused, and the resolved config records the λ = 1 that runs."""
+  if a.advantage_level != "grpo":
+    return advantage
+  default = AdvantageConfig()
+  for key in ("lambda_", "lambda_agent"):
+    value = getattr(advantage, key)
+    if value not in (getattr(default, key), 1.0):
+      raise ValueError(f"advantage.{key}={value!r} contradicts algorithm={a.name!r} (its "
+                       "returns are Monte Carlo, no critic to bootstrap from: λ = 1); leave "
+                       f"advantage.{key} unset")
+  return dataclasses.replace(advantage, lambda_=1.0, lambda_agent=None)
 
 
 def _check_init_from(config) -> None:
@@ -181,10 +264,6 @@ def _resolve_critic(a: Algorithm, config: TrainConfig):
     if c.mode not in ("auto", "none"):
       raise ValueError(f"critic.mode={c.mode!r} contradicts algorithm={a.name!r} (it has no "
                        "critic); leave critic.mode unset or set it to 'none'")
-    for key, default in (("lora_rank", 0), ("warmup_iterations", 0)):
-      if getattr(c, key) != default:
-        raise ValueError(f"critic.{key}={getattr(c, key)!r} contradicts algorithm={a.name!r} "
-                         "(it has no critic)")
     return dataclasses.replace(c, mode="none")
   if c.mode == "none":
     raise ValueError(f"critic.mode='none' contradicts algorithm={a.name!r} (it needs a "

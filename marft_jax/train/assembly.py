@@ -14,7 +14,8 @@ import contextlib
 import copy
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+import shutil
+from typing import Any, Collection, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +35,9 @@ from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
 from marft_jax.train import teams
+from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
 from marft_jax.train.update import TrainState
 
 
@@ -150,10 +152,47 @@ def build_team(config: TrainConfig):
 def read_task_data(config: TrainConfig) -> None:
   """Reads and checks the task's problem files, if it has any ("math_jsonl", "code"): a
   missing file or a malformed line is an error naming it (OSError, ValueError) before
-  anything slow starts. The problems stay cached for `build_envs`."""
+  anything slow starts. The problems stay cached for `build_envs`. The code tasks' sandbox
+  mode too (`check_sandbox`)."""
   from marft_jax.envs import splits
   if config.task.name in splits.KINDS:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
+  if config.task.name in SANDBOX_TASKS:
+    check_sandbox(config.task.sandbox)
+
+
+# A code env step's tests share a budget of this many tests' wall-clock limits (a step runs
+# up to 10 tests per graded role, two at a time).
+BUDGET_TESTS = 12
+
+
+def build_sandbox(settings):
+  """The code task's `envs.sandbox.Sandbox` in `settings`' mode and limits (`task.sandbox`,
+  a `config.SandboxSection`); its environments share it."""
+  from marft_jax.envs import sandbox
+  limits = sandbox.Limits(wall_s=settings.wall_s, memory_mb=settings.memory_mb,
+                          processes=settings.processes, file_mb=settings.file_mb)
+  return sandbox.Sandbox(limits, mode=settings.mode)
+
+
+def check_sandbox(settings) -> None:
+  """With `task.sandbox.mode='bwrap'`: a ValueError naming the key where bubblewrap is not
+  installed, or cannot run a program here (a probe run, about 0.1 s), so that a run asking
+  for it fails before its model loads, not in its first rollout. Other modes choose what
+  works when the sandbox is first used."""
+  if settings.mode != "bwrap":
+    return
+  if shutil.which("bwrap") is None:
+    raise ValueError("task.sandbox.mode='bwrap': bubblewrap is not installed here (no bwrap "
+                     "on PATH: apt-get install bubblewrap), or set task.sandbox.mode='auto'")
+  box = build_sandbox(settings)
+  try:
+    box.plan  # probes: raises RuntimeError when no bwrap plan runs its test program
+  except RuntimeError as e:
+    raise ValueError(f"task.sandbox.mode='bwrap': bwrap cannot run programs here "
+                     f"({str(e).strip()[-300:]}); set task.sandbox.mode='auto'") from None
+  finally:
+    box.close()
 
 
 def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
@@ -163,6 +202,10 @@ def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
   `reward.judge_model` and `reward.judge_adapter` (found and well formed: the folders'
   configs are read, their tensors are not). A bad one is an OSError or ValueError naming the
   config key and the file."""
+  if config.task.name == "humaneval":
+    raise ValueError("task.name='humaneval': a benchmark to evaluate on (launch.eval), never "
+                     "trained on; train on task.name='code' and evaluate with "
+                     "--config.task.name=humaneval")
   read_task_data(config)
   if not resuming:
     check_init_from(config)
@@ -224,31 +267,36 @@ def _naming(key: str, value: str):
 
 def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
                owned: Optional[range] = None, num_envs: Optional[int] = None,
-               group_size: Optional[int] = None):
+               group_size: Optional[int] = None, trained: Collection[str] = ()):
   """An `EnvBatch` of the task's `split` ("train" or "test"; for problem files, the disjoint
   parts of `envs.splits.task_problems`, each problem once per epoch in a seeded order), with
   one grading worker or sandbox shared by its environments; `owned`: the environments this
   process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
-  rollout section (an evaluation plays one episode per task)."""
+  rollout section (an evaluation plays one episode per task); `trained`: fingerprints of
+  problems a checkpoint trained on, left out of the "test" split (a problem file's:
+  `trained_problems.heldout_problems`; generated arithmetic: `trained_problems.Unseen`)."""
   graded = [p.role for p in team if p.graded]
   task = config.task
   num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
-  elif task.name == "code":
-    from marft_jax.envs import code_env, sandbox, splits
-    problems = splits.task_problems("code", task.path, task.test_path)[split == "test"]
-    num_tasks, shared = len(problems), (sandbox.Sandbox(sandbox.Limits(wall_s=5.0)),)
+  elif task.name in ("code", "humaneval"):
+    from marft_jax.envs import code_env
+    problems = _file_problems(task, split, trained)
+    num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)
     make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
-                                      test_timeout_s=5.0, shuffle=False)
+                                      test_timeout_s=task.sandbox.wall_s,
+                                      budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False)
   else:
-    from marft_jax.envs import arithmetic, problems as problems_lib, splits
+    from marft_jax.envs import arithmetic, problems as problems_lib
     from marft_jax.envs.math_env import MathEnv
     from marft_jax.envs.math_grading import Grader
     if task.name == "arithmetic":
       source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
+      if split == "test" and trained:
+        source = trained_problems.Unseen(source, trained)
     else:
-      part = splits.task_problems("math_jsonl", task.path, task.test_path)[split == "test"]
+      part = _file_problems(task, split, trained)
       source = problems_lib.ProblemSet(part, name=split, shuffle=False)
       num_tasks = len(source)
     shared = (Grader(),)
@@ -257,6 +305,13 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
                            group_size=group_size or config.rollout.group_size, owned=owned,
                            num_tasks=num_tasks, closing=shared)
+
+
+def _file_problems(task, split: str, trained: Collection[str]) -> tuple:
+  from marft_jax.envs import splits
+  if split == "test":
+    return trained_problems.heldout_problems(task.name, task.path, task.test_path, trained)[0]
+  return splits.task_problems(task.name, task.path, task.test_path)[0]
 
 
 def rollout_settings(config: TrainConfig) -> RolloutConfig:

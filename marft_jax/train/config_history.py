@@ -94,8 +94,9 @@ def _orchestrator_sampling(saved: Mapping[str, Any]) -> Optional[str]:
 
 ADDED: tuple[Added, ...] = (
     Added("task.echo_high", 10, "72fe3f6", "2026-11-24 15:11", "the echo task drew from [0, 10)"),
-    Added("team.orchestrator_max_new_tokens", 64, "19d683f", "2026-11-24 15:28",
-          "the orchestrator's routing turns had 64 tokens"),
+    Added("team.orchestrator_max_new_tokens",  # read (and so refused otherwise) by one only
+          lambda saved: 64 if saved.get("team.graph") == "orchestrator" else 32,
+          "19d683f", "2026-11-24 15:28", "the orchestrator's routing turns had 64 tokens"),
     Added("mesh.data", 1, "511a526", "2026-11-25 08:22", "one device"),
     Added("mesh.fsdp", 1, "511a526", "2026-11-25 08:22", "one device"),
     Added("mesh.tensor", 1, "511a526", "2026-11-25 08:22", "one device"),
@@ -132,6 +133,13 @@ ADDED: tuple[Added, ...] = (
           "matmuls ran at the platform's default precision (TF32 for f32 on NVIDIA)"),
     Added("lora.dropout_rate", 0.0, "3821d0b", "2026-11-26 16:45", "no LoRA dropout"),
     Added("lora.use_rslora", False, "3821d0b", "2026-11-26 16:45", "scale alpha / rank"),
+    Added("task.sandbox.mode", "auto", "8880145", "2026-11-28 08:07",
+          "the code task's sandbox chose its isolation ('auto')"),
+    Added("task.sandbox.wall_s", 5.0, "8880145", "2026-11-28 08:07", "5 s a test, hard-coded"),
+    Added("task.sandbox.memory_mb", 1024, "8880145", "2026-11-28 08:07",
+          "sandbox.Limits' default"),
+    Added("task.sandbox.processes", 4, "8880145", "2026-11-28 08:07", "sandbox.Limits' default"),
+    Added("task.sandbox.file_mb", 16, "8880145", "2026-11-28 08:07", "sandbox.Limits' default"),
     Added("loss.old_logp", "recompute", "32f9e21", "2026-11-28 09:00",
           "π_old was the learner's forward before the update (\"auto\" reads it from the "
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),

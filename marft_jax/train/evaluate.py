@@ -15,6 +15,12 @@ once, each problem one episode, when it holds fewer problems than asked for. It 
   episodes, dropped           how many were played, and how many could not be scored
 
 Every rate is over all episodes played: a dropped episode counts as wrong.
+
+Sampled evaluation (`play(samples=n, temperature=T)`, launch.eval's --samples_per_problem):
+each problem's n episodes are one group of the batch (`EnvBatch(group_size=n)`), so they
+are decoded together in the same sampler calls; `summarize_samples` adds, per graded role,
+pass@k for each k asked (the unbiased estimator of Chen et al. 2021, `pass_at_k`, averaged
+over problems), and `decoding` states how the replies were drawn.
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
@@ -25,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import jax
 import numpy as np
@@ -55,23 +62,44 @@ def greedy_team(config: TrainConfig):
   return team, structure
 
 
+def sampling_team(config: TrainConfig, temperature: float):
+  """`greedy_team`, or (temperature > 0) the team with every agent sampling at `temperature`
+  (each role's top_p kept)."""
+  team, structure = greedy_team(config)
+  if temperature > 0:
+    team = envs_lib.with_sampling(team, temperature=float(temperature))
+  return team, structure
+
+
 def play(config: TrainConfig, model, policy: Optional[Any] = None,
          num_problems: Optional[int] = None, batch_size: int = 32,
-         progress: bool = False, rollout_weights: Optional[tuple] = None) -> list:
+         progress: bool = False, rollout_weights: Optional[tuple] = None,
+         samples: int = 1, temperature: float = 0.0,
+         trained: Collection[str] = ()) -> list:
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
-  played greedily by the config's team with `policy` (None: adapters off).
-  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made)."""
+  played by the config's team with `policy` (None: adapters off): greedily, or `samples`
+  episodes per task at `temperature`, each task's decoded together in one group.
+  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
+  `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
+  of the held-out problems."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
-  team, structure = greedy_team(config)
+  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    raise ValueError(f"samples={samples!r}: must be an int >= 1")
+  if samples > 1 and not temperature > 0:
+    raise ValueError(f"samples={samples} at temperature {temperature}: greedy samples are all "
+                     "the same; sample at a temperature > 0")
+  team, structure = sampling_team(config, temperature)
   params, model_config = rollout_weights or assembly.rollout_model(model, config)
-  batch_size = min(batch_size, total)
-  # One greedy episode per task, also for GRPO (whose config insists on groups of rollouts).
+  batch_size = samples * max(1, min(batch_size, total * samples) // samples)
+  # Groups of `samples` episodes per task (one greedy episode per task also for GRPO,
+  # whose config insists on groups of rollouts).
   envs = assembly.build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
-                             num_envs=batch_size, group_size=1)
+                             num_envs=batch_size, group_size=samples, trained=trained)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
+  total *= samples
   settings = assembly.rollout_settings(config)
   episodes = []
   bar = None
@@ -119,6 +147,42 @@ def summarize(episodes, team) -> dict:
   for profile in team:
     lengths = [t.num_tokens for e in scored for t in e.turns if t.role == profile.role]
     out[f"reply_tokens/{profile.role}"] = float(np.mean(lengths)) if lengths else 0.0
+  return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased estimate of pass@k from n samples of which c passed (Chen et al. 2021):
+  1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without replacement include a
+  pass; computed as a product, stable for large n."""
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass_at_k(n={n}, c={c}, k={k}): needs 0 <= c <= n and 1 <= k <= n")
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def summarize_samples(episodes, team, samples: int, temperature: float,
+                      ks: tuple = (1,)) -> dict:
+  """`summarize`'s metrics (over every sample) and, per graded role, pass@k for each k in
+  `ks` (each <= samples), the mean over problems of `pass_at_k` on that problem's samples
+  (a dropped one counts as failed), and `decoding`: "greedy" or "n=<samples> T=<temperature>"."""
+  bad = [k for k in ks if not 1 <= k <= samples]
+  if bad:
+    raise ValueError(f"pass@k for k={bad}: k must be between 1 and the {samples} samples "
+                     "per problem")
+  out = summarize(episodes, team)
+  out["decoding"] = "greedy" if samples == 1 and not temperature > 0 else (
+      f"n={samples} T={temperature:g}")
+  out["samples_per_problem"] = samples
+  by_task: dict = {}
+  for episode in episodes:  # a group's episodes share their task's seed
+    by_task.setdefault(episode.seed, []).append(episode)
+  out["problems"] = len(by_task)
+  for role in [p.role for p in team if p.graded]:
+    correct = [[e.dropped is None and bool(e.infos and e.infos[-1].get("correct", {}).get(role))
+                for e in group] for group in by_task.values()]
+    for k in ks:
+      out[f"pass@{k}/{role}"] = float(np.mean([pass_at_k(len(c), sum(c), k) for c in correct]))
   return out
 
 

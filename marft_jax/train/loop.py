@@ -56,6 +56,7 @@ from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
 from marft_jax.train import teams
+from marft_jax.train import trained_problems
 from marft_jax.train import workdir_lock
 from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.assembly import Model
@@ -82,7 +83,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
           reward_fn: Optional[rewards_lib.RewardFn] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one); default: `config.model.source`. `reward_fn(episode, team)`: your reward on each
-  whole episode (`rollout.rewards`; the launch script imports `config.reward.fn`). The config
+  whole episode (`rollout.rewards`); default: the function `config.reward.fn` names. The config
   is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
   refused)."""
   config = algorithms.resolve(config)
@@ -97,6 +98,8 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   assembly.build_team(config)  # so does a team that cannot play (a cycle, a budget)
   if reward_fn is not None:
     rewards_lib.check_reward_fn(reward_fn)
+  elif config.reward.fn:  # the config's own, as the launch script reads it
+    reward_fn = rewards_lib.load_reward_fn(config.reward.fn)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.exclusive(workdir, multihost.is_primary(), multihost.any_process):
     model = assembly.load(config) if model is None else model
@@ -413,6 +416,7 @@ def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
   config = run.config
   meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
           "policy_version": step, "changes_known": config_history.CHANGES_KNOWN}
+  meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   names = teams.adapter_names(config.team, config.task.name)
   adapters = multihost.to_host(state.policy)  # collective: every process takes part

@@ -120,8 +120,9 @@ def shipped(task: str, num_roles: int) -> dict:
              for n in names}
   else:
     roles, teams = {"code": (_CODE_ROLES, _CODE_TEAMS),
+                    "humaneval": (_CODE_ROLES, _CODE_TEAMS),
                     "math_jsonl": (_WORD_ROLES, _MATH_TEAMS)}.get(task, (_MATH_ROLES, _MATH_TEAMS))
-    if task != "code" and num_roles == 1:
+    if task not in ("code", "humaneval") and num_roles == 1:
       roles = {"solver": _WORD_SOLVER if task == "math_jsonl" else _SINGLE_SOLVER}
     if num_roles not in teams:
       raise ValueError(f"team.num_roles={num_roles}: the shipped {task} teams have "

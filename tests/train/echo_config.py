@@ -16,13 +16,17 @@ def echo_config(algorithm: str = "marft_a", num_envs: int = 8, iterations: int =
   base = config_lib.TrainConfig(algorithm=algorithm)
   sections = dict(
       task=config_lib.TaskSection(name="echo", echo_high=1),
-      team=dataclasses.replace(base.team, max_new_tokens=3, last_max_new_tokens=3,
-                               temperature=0.7),  # exploration the echo tests were tuned with
+      # Temperature: the exploration the echo tests were tuned with. A team of one speaks
+      # with last_max_new_tokens (max_new_tokens is refused there).
+      team=dataclasses.replace(base.team, last_max_new_tokens=3, temperature=0.7,
+                               **({} if algorithms.get(algorithm).num_roles == 1 else
+                                  {"max_new_tokens": 3})),
       rollout=dataclasses.replace(base.rollout, num_envs=num_envs, max_context=256),
       lora=LoraConfig(rank=8, alpha=16.0),
-      critic=dataclasses.replace(base.critic, hidden=(64,), lr=3e-3),
       optimizer=config_lib.OptimizerSection(lr=5e-3, epochs=2, minibatches=2),
       checkpoint_every=1000, iterations=iterations)
+  if algorithms.get(algorithm).critic:  # a critic's keys are refused without one
+    sections["critic"] = dataclasses.replace(base.critic, hidden=(64,), lr=3e-3)
   sections.update(changes)
   return algorithms.resolve(dataclasses.replace(base, **sections))
 
@@ -34,11 +38,13 @@ def get_config():
 def echo_flags(algorithm: str, num_envs: int = 8, iterations: int = 2) -> dict:
   """`echo_config` as command-line overrides of the default file launch/configs/train.py:
   what a user types after `python -m launch.train`, including `--config.algorithm`."""
+  critic = {"critic.hidden": (64,), "critic.lr": 3e-3} if algorithms.get(algorithm).critic \
+      else {}
   return {"algorithm": algorithm, "iterations": iterations, "eval_every": 0,
           "checkpoint_every": 1000, "task.name": "echo", "task.echo_high": 1,
           "team.max_new_tokens": 3, "team.last_max_new_tokens": 3, "team.temperature": 0.7,
           "rollout.num_envs": num_envs, "rollout.max_context": 256, "lora.rank": 8,
-          "lora.alpha": 16.0, "critic.hidden": (64,), "critic.lr": 3e-3,
+          "lora.alpha": 16.0, **critic,
           "optimizer.lr": 5e-3, "optimizer.epochs": 2, "optimizer.minibatches": 2}
 
 

@@ -28,6 +28,7 @@ from marft_jax.models import tiny
 from marft_jax.train import config as config_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import assembly
+from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 from tests.compile_flags import FAST_COMPILE
 
@@ -80,8 +81,10 @@ def _config(source="smollm2", **task):
   base = config_lib.preset("marft_a")
   return dataclasses.replace(
       base, model=config_lib.ModelSection(source=source),
-      task=config_lib.TaskSection(**{"name": "echo", "echo_high": 2, "eval_problems": 10,
-                                     **task}),
+      task=config_lib.TaskSection(**{"name": "echo", "eval_problems": 10, **task,
+                                     # read by the echo task only (refused by the others)
+                                     **({"echo_high": 2} if task.get("name", "echo") == "echo"
+                                        else {})}),
       team=dataclasses.replace(base.team, max_new_tokens=4, last_max_new_tokens=4),
       rollout=dataclasses.replace(base.rollout, max_context=256))
 
@@ -215,12 +218,16 @@ def run(tmp_path_factory):
   return workdir, config, model, policy
 
 
-def _checkpoint(workdir, config, model, policy):
-  """Writes `policy` as the trainer would: a checkpoint with its config in the meta."""
+def _checkpoint(workdir, config, model, policy, record=True):
+  """Writes `policy` as the trainer would: a checkpoint with its config, its data cursor
+  (each environment 1 episode in) and (`record`) its training problems in the meta."""
   state = assembly.new_state(config, model).replace(policy=policy)
+  cursor = {"seed": config.seed, "episodes": [1] * config.rollout.num_envs}
+  meta = {"iteration": 3, "config": to_config_dict(config).to_dict(), "envs": cursor}
+  if record:
+    meta[trained_problems.KEY] = trained_problems.record(config, cursor)
   with Checkpointer(workdir) as checkpointer:
-    checkpointer.save(3, state, {"iteration": 3, "config": to_config_dict(config).to_dict()},
-                      force=True)
+    checkpointer.save(3, state, meta, force=True)
 
 
 @pytest.fixture(scope="module")
@@ -290,16 +297,90 @@ def _launch_eval(workdir, config, *flags):
 
 def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp_path):
   """Trained on generated arithmetic, scored on a JSONL test file: the task section differs
-  from the checkpoint's, the model, LoRA and team do not."""
+  from the checkpoint's, the model, LoRA and team do not. Two problems of the file are ones
+  the run was given (its environments' first episodes, as the trainer's envs deal them):
+  they are left out."""
   workdir, config, _, _ = arithmetic_run
   golds = [0, 0, 1, 2]
+  team, _ = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=config.seed)  # the run's: 1 episode each
+  seen = [envs.reset(i)[1].task for i in (3, 11)]
+  envs.close()
   test_file = tmp_path / "test.jsonl"
   test_file.write_text("".join(json.dumps({"question": f"What is {g} + 0?", "answer": f"#### {g}"})
-                               + "\n" for g in golds))
-  _, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
-                            f"--config.task.test_path={test_file}")
-  assert written["episodes"] == 4 and written["checkpoint_step"] == 3  # the file, once
+                               + "\n" for g in golds) +
+                       "".join(json.dumps({"question": q, "answer": "#### 5"}) + "\n"
+                               for q in seen))
+  out, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
+                              f"--config.task.test_path={test_file}",
+                              "--samples_per_problem=3", "--temperature=0.05", "--pass_at=1,3")
+  assert written["episodes"] == 12 and written["checkpoint_step"] == 3  # the file, 3 times
+  assert written["problems"] == 4 and written["decoding"] == "n=3 T=0.05"
+  # The scripted replies hold at T = 0.05 (logit gap 10 / 0.05): every sample alike.
   assert written["accuracy"] == written["accuracy/actor"] == golds.count(0) / 4  # adapters on
+  assert written["pass@1/actor"] == written["pass@3/actor"] == golds.count(0) / 4
+  assert f"pass@3/actor={golds.count(0) / 4:.4g}" in out.stdout.splitlines()
+  assert written["training_problems_dropped"] == 2
+  assert "training_problems_dropped=2" in out.stdout.splitlines()
+
+
+def test_an_eval_given_only_a_test_file_leaves_out_what_the_checkpoint_trained_on(run, tmp_path,
+                                                                                 caplog):
+  """A run trained on a code file, evaluated with another test file and no task.path: the
+  two problems of that file the run trained on are dropped (found by their statements: other
+  ids, other spacing), the other two are played; the checkpoint's record says so after the
+  training file is gone. It holds the training file's ids and statement hashes (SHA-256 of
+  the prompt, whitespace collapsed, computed here). A checkpoint written before the record
+  gives them from its saved config while the file is there."""
+  import hashlib
+  _, echo_config, model, policy = run
+  write = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  problem = lambda id_, prompt: {"id": id_, "prompt": prompt,
+                                 "tests": [{"input": "", "output": "1\n"}]}
+  training = [problem(f"t{i}", f"Print {i} plus one.") for i in range(3)]
+  write(tmp_path / "train.jsonl", training)
+  write(tmp_path / "heldout.jsonl", [problem("h", "Print nothing.")])
+  trained_config = dataclasses.replace(echo_config, task=config_lib.TaskSection(
+      name="code", path=str(tmp_path / "train.jsonl"), test_path=str(tmp_path / "heldout.jsonl")))
+  workdir, old = str(tmp_path / "run"), str(tmp_path / "old")
+  _checkpoint(workdir, trained_config, model, policy)
+  with Checkpointer(workdir, read_only=True) as checkpointer:
+    recorded = checkpointer.read_meta(3)[trained_problems.KEY]
+  digest = lambda text: hashlib.sha256(" ".join(text.split()).encode()).hexdigest()[:16]
+  assert recorded == {"task": "code",
+                      "problems": [[p["id"], digest(p["prompt"])] for p in training]}
+  _checkpoint(old, trained_config, model, policy, record=False)
+
+  test_file = str(tmp_path / "test.jsonl")
+  write(tmp_path / "test.jsonl", [problem("x1", "Print 1  plus\n one."), problem("new0", "Print 7."),
+                                  problem("x2", " Print 2 plus one."), problem("new1", "Print 8.")])
+  config = dataclasses.replace(trained_config, task=config_lib.TaskSection(
+      name="code", test_path=test_file))  # no task.path: the bundled problems
+  team, _ = assembly.build_team(config)
+
+  def played(trained):
+    envs = assembly.build_envs(config, team, seed=0, split="test", num_envs=1, group_size=1,
+                               trained=trained)
+    envs.close()
+    return [p.id for p in envs.envs[0].problems]
+
+  assert played(()) == ["x1", "new0", "x2", "new1"]
+  with caplog.at_level(logging.WARNING):
+    from_old = trained_problems.of_checkpoint(old)
+  assert "records no training problems (written before" in caplog.text
+  os.remove(tmp_path / "train.jsonl")
+  trained = trained_problems.of_checkpoint(workdir)
+  assert trained == from_old == {digest(p["prompt"]): p["id"] for p in training}
+  assert played(trained) == ["new0", "new1"]
+  assert trained_problems.heldout_problems("code", "", test_file, trained)[1] == 2
+  with pytest.raises(ValueError, match=r"task\.test_path=.*/test\.jsonl': each of its 4 "
+                                       r"held-out problems is one the checkpoint trained on"):
+    trained_problems.heldout_problems("code", "", test_file,
+                                      {digest("Print 7."), digest("Print 8.")} | set(trained))
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):  # its training file gone: nothing known, said so
+    assert trained_problems.of_checkpoint(old) == {}
+  assert "its saved config does not give them" in caplog.text
 
 
 def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
@@ -323,11 +404,20 @@ def test_launch_eval_scores_the_checkpoint_and_writes_eval_json(run):
       out.stderr
   # the library on the same problems agrees
   expected = evaluate_lib.evaluate(config, model, policy, num_problems=6)
-  assert {k: v for k, v in written.items() if k != "checkpoint_step"} == expected
+  assert written["training_problems_dropped"] == 0  # no problem file
+  assert {k: written[k] for k in expected} == expected
+  assert written["decoding"] == "greedy" and written["pass@1/repeater"] == zeros / 6
 
   missing = subprocess.run([sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run"],
                            capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert missing.returncode == 1 and "no checkpoints" in missing.stderr, missing.stderr
+  greedy_samples = subprocess.run(
+      [sys.executable, "-m", "launch.eval", "--workdir=/nonexistent/run", "--untuned",
+       "--samples_per_problem=4", "--pass_at=2,5"], capture_output=True, text=True, cwd=ROOT,
+      timeout=120)
+  assert greedy_samples.returncode == 1 and greedy_samples.stderr.strip() == (
+      "error: --pass_at=2,5: each k must be between 1 and --samples_per_problem=4"), \
+      greedy_samples.stderr
   # A team that cannot play is one line before the model (whose source is missing) loads.
   unplayable = subprocess.run(
       [sys.executable, "-m", "launch.eval", f"--workdir={workdir}",

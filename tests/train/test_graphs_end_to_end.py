@@ -24,7 +24,8 @@ from marft_jax.models import sampler, tiny
 from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig
-from marft_jax.train.config import OptimizerSection, RoleSection, RolloutSection, TeamSection
+from marft_jax.train.config import (OptimizerSection, RoleSection, RolloutSection, TaskSection,
+                                     TeamSection)
 from tests.train.echo_config import echo_config
 
 ROLES = ("planner", "coder", "tester")  # tester graded
@@ -99,11 +100,11 @@ def _team(graph):
   roles = tuple(RoleSection(name, f"You are the {name}.", f"The {name}.",
                             graded=name == "tester") for name in ROLES)
   extra = {"chain": {}, "dag": {"edges": "planner>coder, planner>tester"},
-           "orchestrator": {"orchestrator_max_calls": 4}}[graph]
+           "orchestrator": {"orchestrator_max_calls": 4, "orchestrator_max_new_tokens": 20}}[graph]
   # Budgets above the scripts' lengths (the tiny tokenizer's: 7-8 tokens a reply, 16 a
   # route), and only a little: the update's rows are as long as every reply's whole budget.
   return TeamSection(roles=roles, order=",".join(ROLES), graph=graph, max_new_tokens=16,
-                     last_max_new_tokens=16, orchestrator_max_new_tokens=20, **extra)
+                     last_max_new_tokens=16, **extra)
 
 
 def _mc_returns(turns):
@@ -131,7 +132,9 @@ def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
                        optimizer=OptimizerSection(lr=5e-3, epochs=1, minibatches=1),
                        advantage=AdvantageConfig(gamma=1.0, lambda_=1.0, credit="per_step",
                                                  normalize=False),
-                       task=dataclasses.replace(echo_config().task, horizon=horizon))
+                       # A multi-step task (the echo task's episodes end after one step,
+                       # and it refuses a horizon); its environments are replaced below.
+                       task=TaskSection(name="arithmetic", horizon=horizon))
   team, structure = assembly.build_team(config)
   script = ScriptedSampler(model.tokenizer, team)
   monkeypatch.setattr(sampler, "generate", script)

@@ -24,6 +24,7 @@ from marft_jax.train import assembly
 from marft_jax.train import loop
 from marft_jax.train import algorithms
 from marft_jax.train import teams
+from marft_jax.train import trained_problems
 from marft_jax.train.advantages import AdvantageConfig
 from tests.train.echo_config import echo_config, echo_flags, from_default_file
 
@@ -145,6 +146,11 @@ def test_resume_is_exact(model, tmp_path):
                            r"now 'Say 7\.'"):
     loop.train(other_team, resumed, model=model, progress=False)
   loop.train(train_config, resumed, model=model, progress=False)
+
+  with checkpoint_lib.Checkpointer(resumed, read_only=True) as checkpointer:
+    meta = checkpointer.read_meta(4)  # what it trained on, for launch.eval (none: echo)
+  assert meta[trained_problems.KEY] == trained_problems.record(train_config, meta["envs"]) \
+      == {"task": "echo", "problems": []}
 
   state_straight, template = _final_state(train_config, model, straight)
   state_resumed, _ = _final_state(train_config, model, resumed)

@@ -34,6 +34,8 @@ def _sampled_team(rng):
   kinds = list(rng.choice(["own", "shared", "base"], n))
   if all(k == "base" for k in kinds):
     kinds[int(rng.integers(n))] = "own"
+  if kinds.count("shared") == 1:  # refused by the config: a role sharing with no one
+    kinds[kinds.index("shared")] = "own"
   names = [f"r{i}" for i in range(n)]
   roles = tuple(RoleSection(name, "s", "d", graded=i == n - 1, adapter=kind)
                 for i, (name, kind) in enumerate(zip(names, kinds)))

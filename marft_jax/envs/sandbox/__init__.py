@@ -67,6 +67,6 @@ The package, one concern a file:
 
 from marft_jax.envs.sandbox.isolation import Plan
 from marft_jax.envs.sandbox.job import Job, Limits, Result, Status
-from marft_jax.envs.sandbox.runner import Sandbox
+from marft_jax.envs.sandbox.runner import MODES, Sandbox
 
-__all__ = ["Job", "Limits", "Plan", "Result", "Sandbox", "Status"]
+__all__ = ["Job", "Limits", "MODES", "Plan", "Result", "Sandbox", "Status"]

@@ -28,11 +28,13 @@ the program only, not for the bwrap/unshare wrapper. In order (`main`):
 5. the audit guard (`Guard`), then `MARK` on stderr (what came before it was the sandbox's
    own output), then the program: run as `__main__` ("run"), or imported and its function
    called on the JSON arguments read from stdin ("call"; the return value goes as JSON to the
-   real stdout while the program's own prints go to stderr).
+   real stdout while the program's own prints go to stderr), or run with its assert test by
+   the harness of `asserts.py` ("test": the job is read from stdin, which is then replaced by
+   /dev/null, before the program starts).
 
 The config (JSON, `sys.argv[1]`): `rlimits` [[name, soft, hard], ...] (names of the
 `resource` module), `uid` (int or null), `init` (bool), `guard` (bool), `function` (str or
-null).
+null), `harness` (the source of `asserts.py` for a test job, else null).
 """
 
 import builtins
@@ -165,6 +167,21 @@ def run_program(function):
     f.write(json.dumps(value, default=repr))
 
 
+def read_stdin():
+  """All of stdin, read raw; fd 0 is then /dev/null, so the program cannot read it again
+  (stdin is a file the program could otherwise seek back in)."""
+  chunks = []
+  while True:
+    chunk = os.read(0, 1 << 16)
+    if not chunk:
+      break
+    chunks.append(chunk)
+  null = os.open(os.devnull, os.O_RDONLY)
+  os.dup2(null, 0)
+  os.close(null)
+  return b"".join(chunks)
+
+
 def main(argv):
   config = json.loads(argv[1])
   set_limits(config["rlimits"])
@@ -176,8 +193,15 @@ def main(argv):
   del room
   if config["guard"]:
     sys.addaudithook(Guard(os.getcwd()))
+  harness = None
+  if config.get("harness"):
+    job = read_stdin()
+    harness = {"__name__": "marft_harness", "__builtins__": dict(vars(builtins))}
+    exec(compile(config["harness"], "asserts.py", "exec"), harness)  # pylint: disable=exec-used
   sys.stderr.buffer.write(MARK)
   sys.stderr.flush()
+  if harness is not None:
+    harness["run"](job)  # never returns
   run_program(config["function"])
 
 

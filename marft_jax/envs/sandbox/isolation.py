@@ -88,7 +88,8 @@ def command(plan: Plan, uid: int, workdir: str, guard: bool, job: Job,
   """The argv of one run: the wrapper (bwrap, unshare or none), then the interpreter with
   the boot code and its configuration."""
   config = dict(rlimits=rlimits(limits, plan), uid=uid if plan.drop_uid else None,
-                init=has_init(plan), guard=guard, function=job.function)
+                init=has_init(plan), guard=guard, function=job.function,
+                harness=program_source("asserts") if job.test is not None else None)
   inner = [plan.python, "-I", "-S", "-B", "-c", program_source("boot"), json.dumps(config)]
   if plan.mode == "bwrap":
     # Namespaces named one by one: bwrap run by root must not add a user namespace when the

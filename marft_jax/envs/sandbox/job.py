@@ -60,12 +60,17 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-  """One program to run: on `stdin`, or (`function` set) calling `function(*args)`."""
+  """One program to run: on `stdin`, or (`function` set) calling `function(*args)`, or
+  (`test` set) with its assert test: `test` (Python source: asserts, or a `check(candidate)`
+  that is called with `function`) runs after `setup` (trusted code run in the test's
+  namespace, e.g. HumanEval's prompt with its helpers), by the harness of `asserts.py`."""
 
   source: str
   stdin: str = ""
   function: Optional[str] = None
   args: Sequence[Any] = ()
+  test: Optional[str] = None
+  setup: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +80,10 @@ class Result:
   stdout: the program's stdout (for `call`: the function's return value as JSON), at most
     `Limits.stdout_bytes`; stderr: the last `Limits.stderr_bytes` of stderr.
   exit_code: the exit status; negative: killed by that signal; None: not started or not
-    reaped. detail: why, for anything but OK (e.g. "wall-clock limit 2s").
+    reaped. detail: why, for anything but OK (e.g. "wall-clock limit 2s"), or the test's.
+  test: for a test job that ran to its end, the harness's verdict ("passed", "wrong",
+    "runtime_error"), authenticated by the run's nonce; "" if it gave none (the program
+    ended the process first, or the run failed).
   """
 
   status: Status
@@ -84,4 +92,5 @@ class Result:
   exit_code: Optional[int] = None
   wall_s: float = 0.0
   detail: str = ""
+  test: str = ""
 

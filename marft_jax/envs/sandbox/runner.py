@@ -10,6 +10,7 @@ import logging
 import os
 import pwd
 import queue
+import secrets
 import stat
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from marft_jax.envs.sandbox.isolation import Plan
 from marft_jax.envs.sandbox.job import Job, Limits, Result, Status
 
 log = logging.getLogger("marft_jax.envs.sandbox")
+
+MODES = ("auto", "bwrap", "plain")
 
 
 class Sandbox:
@@ -39,8 +42,8 @@ class Sandbox:
 
   def __init__(self, limits: Limits = Limits(), *, mode: str = "auto", max_parallel: int = 2,
                python: Optional[str] = None, uid_base: int = 62000, guard: bool = True):
-    if mode not in ("auto", "bwrap", "plain"):
-      raise ValueError(f"Sandbox mode={mode!r}: must be 'auto', 'bwrap' or 'plain'")
+    if mode not in MODES:
+      raise ValueError(f"Sandbox mode={mode!r}: must be one of {MODES}")
     if isinstance(max_parallel, bool) or not isinstance(max_parallel, int) or max_parallel < 1:
       raise ValueError(f"Sandbox max_parallel={max_parallel!r}: must be a positive int")
     self.limits, self.mode, self.python, self.guard = limits, mode, python, guard
@@ -215,6 +218,12 @@ class Sandbox:
       if plan.drop_uid:
         os.chown(workdir, uid, uid)
         os.chown(os.path.join(workdir, "main.py"), uid, uid)
+      if job.test is not None:  # the nonce that authenticates the harness's verdict
+        nonce = secrets.token_hex(16)
+        stdin = json.dumps({"nonce": nonce, "test": job.test, "setup": job.setup,
+                            "entry_point": job.function})
+        return test_verdict(self._spawn(plan, uid, workdir, job, limits,
+                                        stdin.encode("utf-8")), nonce)
       stdin = job.stdin if job.function is None else json.dumps(list(job.args))
       return self._spawn(plan, uid, workdir, job, limits, stdin.encode("utf-8"))
     finally:
@@ -282,3 +291,23 @@ class Sandbox:
     except (OSError, subprocess.SubprocessError) as e:
       log.warning("sandbox: could not kill leftover processes of uid %d: %s", uid, e)
 
+
+
+TEST_VERDICTS = ("passed", "wrong", "runtime_error")
+
+
+def test_verdict(result: Result, nonce: str) -> Result:
+  """`result` with the harness's verdict (`Result.test`) and its detail, taken from the first
+  stdout line that starts with the run's `nonce` (only a run that exited normally); that line
+  is removed from stdout. Anything else the program wrote there stays and counts for nothing."""
+  if result.status != Status.OK:
+    return result
+  lines = result.stdout.splitlines()
+  for i, line in enumerate(lines):
+    if line.startswith(nonce + " "):
+      verdict, _, detail = line[len(nonce) + 1:].partition(" ")
+      if verdict not in TEST_VERDICTS:
+        break
+      return dataclasses.replace(result, test=verdict, detail=detail.strip(),
+                                 stdout="\n".join(lines[:i] + lines[i + 1:]))
+  return result

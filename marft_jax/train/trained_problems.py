@@ -1,0 +1,158 @@
+"""The problems a run trained on, as its checkpoints record them, and keeping them out of every
+evaluation of the run, whatever data the evaluation is given.
+
+A problem's fingerprint is a hash of its statement (`splits.statement`: the question or the
+prompt, whitespace collapsed; SHA-256, 16 hex digits), so the same problem in another file,
+under another id or wrapped differently, has the same fingerprint. Each checkpoint's meta holds
+`record(config, cursor, envs)` under "training_problems":
+
+- file tasks ("math_jsonl", "code"): the id and fingerprint of every problem of the training
+  part (`splits.task_problems`; the whole of `task.path` with a `task.test_path`, else all but
+  its held-out 10 %). Each is drawn once an epoch, so the part is what a run trains on,
+  recorded whole;
+- "arithmetic": the seeded task stream the run drew from, up to the checkpoint's data cursor
+  (the level, the batch's seed, size and groups, and how many episodes each environment has
+  started): `fingerprints` replays it (`EnvBatch.episode_seed`, `ArithmeticProblems`), which
+  gives exactly the problems played, never stored one by one for an endless stream;
+- "echo": none (its tasks are numbers to repeat, no problem a file could hold).
+
+`launch.eval` reads the latest checkpoint's record (`of_checkpoint`), plays a problem file's
+held-out problems less those (`heldout_problems`) and reports how many it dropped. So a run
+trained on one file and scored on another, or given only a test file, is never scored on a
+problem it trained on. Generated arithmetic's test split never holds a problem of a generated
+training stream (`envs/arithmetic.py`: disjoint hash buckets), but a file can: its seeds'
+problems a checkpoint trained on are replaced by the next ones of the same seeded streams
+(`Unseen`), and counted (`replaced_draws`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from typing import Any, Collection, Mapping, Sequence
+
+from absl import logging
+
+from marft_jax.envs import splits
+from marft_jax.train.config import TrainConfig
+
+KEY = "training_problems"  # in a checkpoint's meta
+
+
+def fingerprint(problem: Any) -> str:
+  """The hash of a problem's statement (16 hex digits): equal for the same problem anywhere."""
+  return hashlib.sha256(splits.statement(problem).encode("utf-8")).hexdigest()[:16]
+
+
+def record(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> dict:
+  """What a checkpoint of a `config` run records of its training problems (see the module
+  docstring); `cursor`: the environments' data cursor saved beside it (`EnvBatch.state_dict`:
+  "seed", "episodes"). `envs`: the run's `EnvBatch`, whose environments hold a problem file's
+  training part as read when the run started (a file moved or deleted since does not fail
+  the save); None: the files are read now."""
+  task = config.task
+  if task.name in splits.KINDS:
+    if envs is not None:  # CodeEnv.problems, MathEnv.problems: the part, in file order
+      train = envs.envs[0].problems
+    else:
+      train = splits.task_problems(task.name, task.path, task.test_path)[0]
+    return {"task": task.name, "problems": [[p.id, fingerprint(p)] for p in train]}
+  if task.name == "arithmetic":
+    return {"task": task.name, "stream": {
+        "level": task.level, "seed": int(cursor["seed"]), "group_size": config.rollout.group_size,
+        "episodes": [int(n) for n in cursor["episodes"]]}}
+  return {"task": task.name, "problems": []}
+
+
+def fingerprints(recorded: Mapping[str, Any]) -> dict[str, str]:
+  """{fingerprint: id} of the problems a `record` names (arithmetic: its stream replayed)."""
+  if "stream" not in recorded:
+    return {fp: problem_id for problem_id, fp in recorded["problems"]}
+  from marft_jax.envs import arithmetic
+  from marft_jax.envs.batch import EnvBatch
+  stream = recorded["stream"]
+  episodes = stream["episodes"]
+  envs = EnvBatch(lambda i: None, len(episodes), seed=stream["seed"],
+                  group_size=stream["group_size"])
+  source = arithmetic.ArithmeticProblems(levels=(stream["level"],), split="train")
+  seeds = {envs.episode_seed(i, k) for i, n in enumerate(episodes) for k in range(n)}
+  return {fingerprint(p): p.id for p in map(source.problem_for_seed, sorted(seeds))}
+
+
+def of_checkpoint(workdir: str) -> dict[str, str]:
+  """{fingerprint: id} of the problems the latest checkpoint in `workdir` trained on ({} if
+  there is none). A checkpoint written before the record was kept gives them from its saved
+  config and data cursor (its problem files read now), with a warning; where those cannot
+  be read, none, with a warning that says so."""
+  from marft_jax.train import assembly
+  from marft_jax.train.checkpoint import Checkpointer
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    return {}
+  with Checkpointer(workdir, read_only=True) as checkpointer:
+    step = checkpointer.latest_step()
+    meta = {} if step is None else checkpointer.read_meta(step)
+  if KEY in meta:
+    return fingerprints(meta[KEY])
+  if step is None or "config" not in meta:
+    return {}
+  where = f"{workdir}: step {step}"
+  try:
+    saved = assembly.read_saved_config(meta["config"], where)
+    cursor = meta.get("envs")
+    if saved.task.name == "arithmetic" and cursor is None:
+      raise ValueError("no data cursor saved")
+    trained = fingerprints(record(saved, cursor))
+  except (OSError, ValueError) as e:
+    logging.warning("%s records no training problems and its saved config does not give them "
+                    "(%s): none can be left out of this evaluation", where, e)
+    return {}
+  logging.warning("%s records no training problems (written before they were kept): taken "
+                  "from its saved config's task and data cursor", where)
+  return trained
+
+
+def heldout_problems(kind: str, path: str, test_path: str = "",
+                     trained: Collection[str] = ()) -> tuple[tuple, int]:
+  """(the held-out problems of a problem file task, `splits.task_problems`, less those whose
+  fingerprint is in `trained`; how many were dropped). A ValueError naming the file when
+  none is left."""
+  test = splits.task_problems(kind, path, test_path)[1]
+  kept = tuple(p for p in test if fingerprint(p) not in trained)
+  if not kept:
+    where = f"task.test_path={test_path!r}" if test_path else f"task.path={path!r}"
+    raise ValueError(f"{where}: each of its {len(test)} held-out problems is one the "
+                     "checkpoint trained on")
+  return kept, len(test) - len(kept)
+
+
+
+class Unseen:
+  """Generated arithmetic (`source`, an `arithmetic.ArithmeticProblems`) less the problems in
+  `trained`: seed s gives the first problem of seed s's stream (`generate_problems(k, level,
+  s, split)[-1]`, k = 1, 2, ...) that is not one of them, so `source`'s own problem unless a
+  checkpoint trained on it. A `problems.ProblemSource`."""
+
+  def __init__(self, source, trained: Collection[str]):
+    self.source, self.trained = source, trained
+
+  def problem_for_seed(self, seed: int):
+    from marft_jax.envs import arithmetic
+    level = self.source.levels[seed % len(self.source.levels)]
+    for k in itertools.count(1):
+      problem = arithmetic.generate_problems(k, level, seed, self.source.split)[-1]
+      if fingerprint(problem) not in self.trained:
+        return problem
+      if k == 1000:
+        raise ValueError(f"seed {seed}: its first 1000 held-out problems were all trained on")
+
+
+def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
+                   trained: Collection[str]) -> int:
+  """How many of the tasks of `episodes` (an evaluation of generated arithmetic, one task per
+  `Episode.seed`, several samples of it alike) `Unseen` dealt another problem than their
+  seed's first, a training problem."""
+  from marft_jax.envs import arithmetic
+  source = arithmetic.ArithmeticProblems(levels=(config.task.level,), split="test")
+  seeds = {e.seed for e in episodes}
+  return sum(fingerprint(source.problem_for_seed(seed)) in trained for seed in seeds)
