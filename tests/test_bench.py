@@ -16,6 +16,10 @@ EXPECTED = {
     "bench.decode": ["decode_b1_tok_s", "decode_b1_fraction_of_bound", "decode_b1_ratio_vs_torch",
                      "max_abs_logit_diff_vs_torch", "machine_memory_read_gb_s",
                      "machine_matmul_2048_gflop_s", "compile_s"],
+    "bench.iteration": ["iteration_s", "share_rollout", "share_prepare", "share_advantages",
+                        "share_update", "share_other", "share_checkpoint",
+                        "update_useful_fraction",
+                        "machine_matmul_2048_gflop_s"],
     "bench.lora": ["multi_adapter_cost_ratio_2_agents", "multi_adapter_cost_ratio_4_agents",
                    "ratio_routed4_vs_single_median"],
     "bench.rollout": [f"{prefix}{name}" for prefix in ("", "shared_stream_") for name in (
@@ -27,7 +31,9 @@ EXPECTED = {
 
 # bench.rollout's re-encoding arm is `rollout(reencode=True)` (test_rollout checks it equals
 # the cache continuation) timed like the others; its compiles were a third of the smoke run.
-FLAGS = {"bench.rollout": ["--noreencode"]}
+# bench.iteration: one iteration, its compiles included (two took 38 s on a loaded host).
+FLAGS = {"bench.rollout": ["--noreencode"],
+         "bench.iteration": ["--iterations=1", "--warmup=0"]}
 
 
 @pytest.mark.parametrize("module", sorted(EXPECTED))
@@ -40,3 +46,37 @@ def test_benchmark_smoke_run_prints_its_figures(module):
   for name in EXPECTED[module]:
     assert name in figures, f"{module} did not print {name}=:\n{out.stdout}"
     assert float(figures[name]) >= 0, (name, figures[name])
+
+
+def test_iteration_counts_the_useful_flops_of_the_formula():
+  """bench.iteration's FLOP count against the model's shapes, written out by hand."""
+  import dataclasses
+  import jax
+  import numpy as np
+  from bench import iteration
+  from bench.common import SMOLLM2_SHAPE
+  from marft_jax.models import transformer
+  from marft_jax.models.config import tiny_config
+  from marft_jax.train.config import preset
+  config = tiny_config()  # D 64, 4 heads and 2 kv heads of 16, MLP 128, 2 layers, V 256
+  attention = 64 * 64 + 2 * (64 * 32) + 64 * 64  # q, k, v, o
+  n_layers = 2 * (attention + 3 * 64 * 128)  # + gate, up, down
+  params = transformer.init_params(config, jax.random.key(0))
+  assert iteration.matmul_params(params, config) == (n_layers, 256 * 64)
+  # SmolLM2-135M: 134.5 M matmul parameters, the tied embedding counted once.
+  smollm2 = jax.eval_shape(lambda: transformer.init_params(SMOLLM2_SHAPE, jax.random.key(0)))
+  assert sum(iteration.matmul_params(smollm2, SMOLLM2_SHAPE)) == 134_479_872
+  train = preset("marft_a")  # 1 epoch, the frozen-base critic, no KL term
+  policy = 4 * 1000 * 300 + 4 * 100 * 30
+  assert iteration.useful_flops(train, 1000, 100, 300, 30) == policy + 2 * 1000 * 300
+  two_epochs_kl = dataclasses.replace(
+      train, optimizer=dataclasses.replace(train.optimizer, epochs=2),
+      loss=dataclasses.replace(train.loss, kl_coef=0.1))
+  assert iteration.useful_flops(two_epochs_kl, 1000, 100, 300, 30) == (
+      2 * policy + 2 * 1000 * 300 + 2 * (1000 * 300 + 100 * 30))
+  # Rows 0 and 1 (one episode) share their first 2 tokens; row 2 (another episode) all 3.
+  batch = type("Batch", (), dict(
+      tokens=np.array([[5, 6, 7, 0], [5, 6, 8, 9], [5, 6, 7, 0]]),
+      mask=np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]], bool),
+      row_episode=np.array([0, 0, 1])))
+  assert iteration.shared_prefix_tokens(batch) == (2, 10)

@@ -120,6 +120,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
       "its policy loss"))
   _check_sampling(config.team)
   loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
+  loss = update.resolve_old_logp(loss, config.model.param_dtype, config.model.matmul_precision)
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))

