@@ -53,7 +53,7 @@ def test_iteration_counts_the_useful_flops_of_the_formula():
   import dataclasses
   import jax
   import numpy as np
-  from bench import iteration
+  from bench import flops
   from bench.common import SMOLLM2_SHAPE
   from marft_jax.models import transformer
   from marft_jax.models.config import tiny_config
@@ -62,21 +62,21 @@ def test_iteration_counts_the_useful_flops_of_the_formula():
   attention = 64 * 64 + 2 * (64 * 32) + 64 * 64  # q, k, v, o
   n_layers = 2 * (attention + 3 * 64 * 128)  # + gate, up, down
   params = transformer.init_params(config, jax.random.key(0))
-  assert iteration.matmul_params(params, config) == (n_layers, 256 * 64)
+  assert flops.matmul_params(params, config) == (n_layers, 256 * 64)
   # SmolLM2-135M: 134.5 M matmul parameters, the tied embedding counted once.
   smollm2 = jax.eval_shape(lambda: transformer.init_params(SMOLLM2_SHAPE, jax.random.key(0)))
-  assert sum(iteration.matmul_params(smollm2, SMOLLM2_SHAPE)) == 134_479_872
+  assert sum(flops.matmul_params(smollm2, SMOLLM2_SHAPE)) == 134_479_872
   train = preset("marft_a")  # 1 epoch, the frozen-base critic, no KL term
   policy = 4 * 1000 * 300 + 4 * 100 * 30
-  assert iteration.useful_flops(train, 1000, 100, 300, 30) == policy + 2 * 1000 * 300
+  assert flops.useful_flops(train, 1000, 100, 300, 30) == policy + 2 * 1000 * 300
   two_epochs_kl = dataclasses.replace(
       train, optimizer=dataclasses.replace(train.optimizer, epochs=2),
       loss=dataclasses.replace(train.loss, kl_coef=0.1))
-  assert iteration.useful_flops(two_epochs_kl, 1000, 100, 300, 30) == (
+  assert flops.useful_flops(two_epochs_kl, 1000, 100, 300, 30) == (
       2 * policy + 2 * 1000 * 300 + 2 * (1000 * 300 + 100 * 30))
   # Rows 0 and 1 (one episode) share their first 2 tokens; row 2 (another episode) all 3.
   batch = type("Batch", (), dict(
       tokens=np.array([[5, 6, 7, 0], [5, 6, 8, 9], [5, 6, 7, 0]]),
       mask=np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]], bool),
       row_episode=np.array([0, 0, 1])))
-  assert iteration.shared_prefix_tokens(batch) == (2, 10)
+  assert flops.shared_prefix_tokens(batch) == (2, 10)
