@@ -27,15 +27,14 @@ import os
 import random
 import re
 
-import jax
 import pytest
 
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax.configs import from_config_dict
-from marft_jax.models import sampler, tiny, transformer
-from marft_jax.models.config import tiny_config
+from marft_jax.models import sampler
 from marft_jax.train import algorithms, assembly, loop
 from marft_jax.train.config import TrainConfig
+from tests.train.echo_config import tiny_trainer_model
 
 CONFIG_FILES = tuple(sorted(
     os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -150,10 +149,7 @@ def test_the_cover_meets_every_pair_of_values():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-  tokenizer = tiny.tiny_tokenizer()
-  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=2048)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
-                        tokenizer)
+  return tiny_trainer_model(max_position_embeddings=2048)
 
 
 def _row_id(row):

@@ -5,6 +5,8 @@ As a launch config file (its model folder given as --config.model.source): 8 env
 
 import dataclasses
 
+import jax
+
 from marft_jax.configs import to_config_dict
 from marft_jax.lora.config import LoraConfig
 from marft_jax.train import algorithms
@@ -45,6 +47,19 @@ def varied_reward(episode, team):
       step = rewards[turn.env_step]
       step[:] = [r + len(turn.reply) / 8 for r in step]
   return rewards
+
+
+def tiny_trainer_model(max_position_embeddings: int = 1024, **shape):
+  """The trainer tests' base: the tiny test model (`tiny_config` with `shape`'s changes) and
+  tokenizer, with weights at std 0.1 from key 0."""
+  from marft_jax.models import tiny, transformer
+  from marft_jax.models.config import tiny_config
+  from marft_jax.train import assembly
+  tokenizer = tiny.tiny_tokenizer()
+  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=max_position_embeddings,
+                       **shape)
+  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
+                        tokenizer)
 
 
 def get_config():

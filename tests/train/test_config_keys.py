@@ -39,9 +39,7 @@ import numpy as np
 import pytest
 
 from marft_jax.configs import from_config_dict, to_config_dict
-from marft_jax.models import tiny, transformer
-from marft_jax.models.config import tiny_config
-from marft_jax.train import algorithms, assembly, loop, teams
+from marft_jax.train import algorithms, loop, teams
 from marft_jax.train import config as config_lib
 from marft_jax.lora.config import LoraConfig
 from tests.train import echo_config
@@ -259,11 +257,8 @@ def probed():
 
 @pytest.fixture(scope="module")
 def model():
-  tokenizer = tiny.tiny_tokenizer()
   # One layer: the sampler's layers are unrolled, so its compiles take half as long.
-  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024, num_layers=1)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
-                        tokenizer)
+  return echo_config.tiny_trainer_model(num_layers=1)
 
 
 def _run(config, model, reference=None):

@@ -16,8 +16,6 @@ import jax
 import numpy as np
 import pytest
 
-from marft_jax.models import tiny, transformer
-from marft_jax.models.config import tiny_config
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import assembly
@@ -26,7 +24,8 @@ from marft_jax.train import algorithms
 from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.advantages import AdvantageConfig
-from tests.train.echo_config import echo_config, echo_flags, from_default_file
+from tests.train.echo_config import (echo_config, echo_flags, from_default_file,
+                                     tiny_trainer_model)
 
 # Rewards every reply, so each form has advantages to learn from whatever its tiny model says.
 VARIED = "tests.train.echo_config:varied_reward"
@@ -34,10 +33,7 @@ VARIED = "tests.train.echo_config:varied_reward"
 
 @pytest.fixture(scope="module")
 def model():
-  tokenizer = tiny.tiny_tokenizer()
-  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
-                    tokenizer)
+  return tiny_trainer_model()
 
 
 def _echo_config(algorithm, num_envs=64, **changes):

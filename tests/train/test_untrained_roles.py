@@ -23,6 +23,7 @@ from marft_jax.train.advantages import NORMALIZE_EPS, AdvantageConfig, compute_a
 from marft_jax.train.batching import act_positions, make_batch, trained_masks
 from marft_jax.train.config import OptimizerSection, RoleSection, TeamSection, TrainConfig
 from marft_jax.train.update import LossConfig, behaviour_metrics, losses
+from tests.train.echo_config import tiny_trainer_model
 from tests.train.test_update_loss import B, setup  # noqa: F401 (the module's fixture)
 
 # --- the whitening, over teams sampled from the config space ------------------------------
@@ -213,13 +214,7 @@ def test_the_critic_still_learns_untrained_turns(setup):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def tiny_model():
-  from marft_jax.models import tiny, transformer
-  from marft_jax.models.config import tiny_config
-  from marft_jax.train import assembly
-  tokenizer = tiny.tiny_tokenizer()
-  config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=1024)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
-                        tokenizer)
+  return tiny_trainer_model()
 
 
 # (role adapters in order, agent_iteration_interval, context mode): a `base` role beside an
