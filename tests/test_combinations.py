@@ -34,7 +34,7 @@ from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler
 from marft_jax.train import algorithms, assembly, loop
 from marft_jax.train.config import TrainConfig
-from tests.train.echo_config import tiny_trainer_model
+from tests.train.echo_config import set_keys, tiny_trainer_model
 
 CONFIG_FILES = tuple(sorted(
     os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -109,12 +109,7 @@ def _config_dict(row):
     overrides["rollout.group_size"] = 2
   overrides.update({key: value for key, (value, reads) in SMALL_IF.items()
                     if reads(row, len(order))})
-  for key, value in overrides.items():
-    *path, field = key.split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    node[field] = value
+  set_keys(config, overrides)
   for name in config.team.roles:  # every role on the team's tiny budget
     config.team.roles[name].max_new_tokens = 0
   return config

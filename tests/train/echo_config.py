@@ -84,13 +84,22 @@ def from_default_file(flags: dict) -> config_lib.TrainConfig:
   (dotted keys, as `--config.<key>=<value>`)."""
   import os
   from launch.cli import CONFIG_DIR, _load_config_file
-  from marft_jax.configs import from_config_dict
-  from marft_jax.train import algorithms
-  config = _load_config_file(os.path.join(CONFIG_DIR, "train.py"))
-  for key, value in flags.items():
+  return resolved(_load_config_file(os.path.join(CONFIG_DIR, "train.py")), flags)
+
+
+def set_keys(tree, overrides: dict):
+  """`tree` (a nested dict or ConfigDict) with each dotted key of `overrides` set, as
+  `--config.<key>=<value>` sets it; returns the same tree."""
+  for key, value in overrides.items():
     *sections, field = key.split(".")
-    node = config
+    node = tree
     for section in sections:
       node = node[section]
     node[field] = value
-  return algorithms.resolve(from_config_dict(config_lib.TrainConfig, config))
+  return tree
+
+
+def resolved(tree, overrides: dict) -> config_lib.TrainConfig:
+  """The typed, resolved `TrainConfig` of a config tree with `overrides` (`set_keys`)."""
+  from marft_jax.configs import from_config_dict
+  return algorithms.resolve(from_config_dict(config_lib.TrainConfig, set_keys(tree, overrides)))

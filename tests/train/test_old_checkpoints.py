@@ -18,7 +18,7 @@ import shutil
 import numpy as np
 import pytest
 
-from marft_jax.configs import from_config_dict, to_config_dict
+from marft_jax.configs import to_config_dict
 from marft_jax.models import loading
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
@@ -27,6 +27,7 @@ from marft_jax.train import loop
 from marft_jax.train.checkpoint import Checkpointer, CheckpointMismatchError
 from marft_jax.train.config import RoleSection, TrainConfig
 from tests.fixtures.old_checkpoints import make
+from tests.train.echo_config import resolved
 
 FIXTURES = make.HERE
 # Hand-written from the history: what today's defaults for the keys each fixture's commit
@@ -59,15 +60,8 @@ def _saved_config(workdir):
 def _todays_command(saved: dict, iterations: int) -> TrainConfig:
   """The same run launched with today's code: the keys the old config had, with its values;
   the keys added since at today's defaults."""
-  tree = to_config_dict(TrainConfig()).to_dict()
-  for key, value in config_history.flatten(saved).items():
-    *sections, field = key.split(".")
-    node = tree
-    for section in sections:
-      node = node[section]
-    node[field] = value
-  tree["iterations"] = iterations
-  return algorithms.resolve(from_config_dict(TrainConfig, tree))
+  return resolved(to_config_dict(TrainConfig()).to_dict(),
+                  {**config_history.flatten(saved), "iterations": iterations})
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +187,7 @@ def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
 
 
 def _with(config: TrainConfig, changes: dict) -> TrainConfig:
-  tree = to_config_dict(config).to_dict()
-  for key, value in changes.items():
-    *sections, field = key.split(".")
-    node = tree
-    for section in sections:
-      node = node[section]
-    node[field] = value
-  return algorithms.resolve(from_config_dict(TrainConfig, tree))
+  return resolved(to_config_dict(config).to_dict(), changes)
 
 
 def test_an_old_config_whose_team_or_data_changed_since_is_refused_naming_the_key():

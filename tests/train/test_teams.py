@@ -14,24 +14,17 @@ import pytest
 
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax import envs
-from marft_jax.configs import from_config_dict
-from marft_jax.train import algorithms, teams
+from marft_jax.train import teams
 from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
 from tests.compile_flags import FAST_COMPILE
+from tests.train.echo_config import resolved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _file(name, **overrides):
   """A shipped config file with `--config.<key>=<value>` overrides, typed and resolved."""
-  config = _load_config_file(os.path.join(CONFIG_DIR, name))
-  for key, value in overrides.items():
-    *path, field = key.split(".")
-    node = config
-    for part in path:
-      node = node[part]
-    node[field] = value
-  return algorithms.resolve(from_config_dict(TrainConfig, config))
+  return resolved(_load_config_file(os.path.join(CONFIG_DIR, name)), overrides)
 
 
 # What the shipped teams were before they became config data (profiles.math_team & co).
