@@ -108,6 +108,10 @@ class AdvantageConfig:
   # Whiten the advantages over the batch; None: the algorithm's (on, except GRPO: its
   # advantages are normalised per group already).
   normalize: Optional[bool] = None
+  # The whitening as one jitted program (its reductions fused); False: op by op, as before
+  # df0626f (2026-11-26 22:35), the bits f32 checkpoints written then resume with (fused
+  # reductions round about 1e-7 apart). Each op then compiles per batch shape: slower.
+  jit_whitening: bool = True
 
   def __post_init__(self):
     if self.level not in LEVELS:
@@ -283,8 +287,10 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
   if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
     rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
     act_on, turn_on = trained_masks(batch, active)
-    act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks)
-    turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks)
+    whiten = _whiten if config.jit_whitening else functools.partial(ppo.normalize,
+                                                                      eps=NORMALIZE_EPS)
+    act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks, whiten)
+    turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks, whiten)
   return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
                        turn_return=turn_ret, turn_old_value=turn_val)
 
@@ -324,8 +330,9 @@ def kl_rewards(old_logp: np.ndarray, ref_logp: np.ndarray, act_mask: np.ndarray,
 
 
 def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray],
-               blocks: Optional[Blocks]) -> np.ndarray:
-  """`ppo.normalize` over the batch: x' = (x − μ) / (σ + eps) on the valid entries.
+               blocks: Optional[Blocks], whiten=_whiten) -> np.ndarray:
+  """`ppo.normalize` over the batch: x' = (x − μ) / (σ + eps) on the valid entries
+  (`whiten`: jitted or op by op, `AdvantageConfig.jit_whitening`).
 
   With `blocks`, `x` and `mask` are this process's block and `row_episode` is every block's
   (concatenated): μ and σ are the whole batch's. Each process gathers every block of `x`
@@ -335,11 +342,11 @@ def _normalize(x: np.ndarray, mask: np.ndarray, row_episode: Optional[np.ndarray
   call as one process, and keeps its own rows: the bits one process computes, with no
   cross-process sum in another order."""
   if blocks is None:
-    return np.asarray(_whiten(x, mask))
+    return np.asarray(whiten(x, mask))
   whole_x, whole_mask = blocks.gather(x), blocks.gather(mask)
   order = np.argsort(row_episode < 0, kind="stable")  # one process's rows: padding last
   out = np.empty_like(whole_x)
-  out[order] = np.asarray(_whiten(whole_x[order], whole_mask[order]))
+  out[order] = np.asarray(whiten(whole_x[order], whole_mask[order]))
   size = x.shape[0]
   return out[blocks.index * size:(blocks.index + 1) * size]
 

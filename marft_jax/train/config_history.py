@@ -23,9 +23,10 @@ that resume bit for bit, or are refused, by this reading.
 
 Adding a key that changes behaviour: give it a value that keeps the old behaviour, or add it
 here with the value that does. Changing behaviour without a key: add it to `CHANGED` with
-the test of the configs it alters. Float rounding is not behaviour here: df0626f (the
-advantage whitening jitted) moves f32 advantages by about 1e-7, and a checkpoint from
-before it continues within that (tests/train/test_old_checkpoints.py).
+the test of the configs it alters. A change of rounding is a change here too: df0626f
+jitted the advantage whitening, whose fused reductions round f32 advantages about 1e-7
+apart, so `advantage.jit_whitening` keeps the op-by-op whitening for the checkpoints before
+it (tests/train/test_old_checkpoints.py resumes them bit for bit).
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ def _orchestrator_sampling(saved: Mapping[str, Any]) -> Optional[str]:
             "(19d683f) it samples at team.top_p")
   return None
 
+def _whitening_before(saved: Mapping[str, Any]) -> bool:
+  # df0626f (2026-11-26 22:35) fell between 3821d0b (16:45, lora.dropout_rate) and the next
+  # key (8880145, 2026-11-28): a config without lora.dropout_rate predates it (op by op); one
+  # with it but no task.sandbox keys was written in those 39 hours, 6 of them before it, and
+  # cannot be told apart: it reads as jitted (set advantage.jit_whitening=False for the bits
+  # of a run written on 2026-11-26 between 16:45 and 22:35).
+  return not _lacks(saved, "lora.dropout_rate")
+
 
 ADDED: tuple[Added, ...] = (
     Added("task.echo_high", 10, "72fe3f6", "2026-11-24 15:11", "the echo task drew from [0, 10)"),
@@ -143,7 +152,10 @@ ADDED: tuple[Added, ...] = (
     Added("loss.old_logp", "recompute", "32f9e21", "2026-11-28 09:00",
           "π_old was the learner's forward before the update (\"auto\" reads it from the "
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
+    Added("advantage.jit_whitening", _whitening_before, "(this commit)", "2026-11-28 11:10",
+          "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
 )
+
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
 UNREPRODUCIBLE: tuple[tuple[str, Callable[[Mapping[str, Any]], Optional[str]]], ...] = (
     ("team.roles", _shipped_team_changed),
