@@ -152,7 +152,7 @@ ADDED: tuple[Added, ...] = (
     Added("loss.old_logp", "recompute", "32f9e21", "2026-11-28 09:00",
           "π_old was the learner's forward before the update (\"auto\" reads it from the "
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
-    Added("advantage.jit_whitening", _whitening_before, "(this commit)", "2026-11-28 11:10",
+    Added("advantage.jit_whitening", _whitening_before, "583b3f2", "2026-11-28 10:49",
           "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
 )
 

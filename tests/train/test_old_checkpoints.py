@@ -108,8 +108,9 @@ def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
 
 
 def _keys_history():
+  """{commit: {"date", "keys"}}, oldest first (the file's order is not relied on)."""
   with open(os.path.join(FIXTURES, "keys.json")) as f:
-    return json.load(f)
+    return dict(sorted(json.load(f).items(), key=lambda item: item[1]["date"]))
 
 
 def _today_keys():
