@@ -27,8 +27,12 @@ pass@k is reported for each k of --pass_at up to n:
   python -m launch.eval --config=launch/configs/code_2agents.py --config.task.name=humaneval \
       --untuned --samples_per_problem=20 --temperature=0.8 --pass_at=1,10
 
-Prints `name=value` lines (accuracy overall and per graded role, pass@k per graded role, the
-decoding, answer-format rate and reply length per role), writes them to
+On a math task, n > 1 samples give accuracy as the mean over all samples and, beside it,
+maj@n per graded role: the share of problems whose majority extracted answer is right (ties
+to the answer drawn first; `evaluate.majority_correct`).
+
+Prints `name=value` lines (accuracy overall and per graded role, pass@k per graded role, maj@n
+(math, n > 1), the decoding, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
 <workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl).
 """
@@ -59,6 +63,10 @@ _SAMPLES = flags.DEFINE_integer("samples_per_problem", 1, "replies drawn per pro
                                 "pass@k; > 1 needs --temperature > 0)", lower_bound=1)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "every agent's sampling temperature "
                                   "(0: greedy)", lower_bound=0.0)
+_EVAL_BATCH = flags.DEFINE_integer(
+    "eval_batch", 80, "episodes per sampler call, rounded down to a multiple of "
+    "--samples_per_problem (at least one problem's): the n samples of several problems decode "
+    "together", lower_bound=1)
 _PASS_AT = flags.DEFINE_list("pass_at", None, "the k of pass@k, each <= --samples_per_problem "
                              "(default: 1, 10 and 100 where they fit)")
 
@@ -104,7 +112,7 @@ def main(config: TrainConfig) -> None:
   except (FileNotFoundError, CheckpointMismatchError, UnreadableCheckpointError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
-                               progress=True, samples=_SAMPLES.value,
+                               batch_size=_EVAL_BATCH.value, progress=True, samples=_SAMPLES.value,
                                temperature=_TEMPERATURE.value, trained=trained)
   results = evaluate_lib.summarize_samples(episodes, evaluate_lib.greedy_team(config)[0],
                                            _SAMPLES.value, _TEMPERATURE.value, ks)

@@ -101,6 +101,16 @@ def _plain_number(text: str) -> Optional[tuple[Fraction, int]]:
   return Fraction(text), len(match.group(1) or "")
 
 
+def vote_key(prediction: str) -> tuple:
+  """The key under which maj@n counts an extracted answer (`evaluate.majority_correct`): a
+  plain number by its exact value (`1,200`, `1200` and `1200.0` vote together), any other
+  answer by its text without spaces (`\\frac{1}{2}` and `0.5` vote apart: no grader runs)."""
+  number = _plain_number(prediction)
+  if number is not None:
+    return ("number", number[0])
+  return ("text", "".join(prediction.split()))
+
+
 def compare_numbers(gold: str, pred: str) -> Optional[bool]:
   """The in-process tier: True/False when both are plain numbers and the answer is certain,
   None when math-verify must decide."""

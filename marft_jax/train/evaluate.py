@@ -18,9 +18,17 @@ Every rate is over all episodes played: a dropped episode counts as wrong.
 
 Sampled evaluation (`play(samples=n, temperature=T)`, launch.eval's --samples_per_problem):
 each problem's n episodes are one group of the batch (`EnvBatch(group_size=n)`), so they
-are decoded together in the same sampler calls; `summarize_samples` adds, per graded role,
+are decoded together in the same sampler calls, and a batch of `batch_size` episodes holds
+batch_size // n problems' groups (launch.eval's --eval_batch): on CPU a call of 80 rows
+decodes several times the tokens per second of one of 20. The problems and their order do
+not depend on the batch for a problem file (`EnvBatch`'s epoch order); the sampled replies
+do (the sampler draws one key per call for all its rows), and greedy ones only through
+float rounding. `summarize_samples` adds, per graded role,
 pass@k for each k asked (the unbiased estimator of Chen et al. 2021, `pass_at_k`, averaged
-over problems), and `decoding` states how the replies were drawn.
+over problems), and `decoding` states how the replies were drawn: "greedy" or "n=<n> T=<T>".
+With n > 1, accuracy/<role> is the mean over all samples, and a math task (one whose final
+step names each graded role's extracted `prediction`) adds maj@<n>/<role>: the share of
+problems whose majority answer over their n samples is right (`majority_correct`).
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
@@ -42,7 +50,7 @@ from absl import logging
 from marft_jax import envs as envs_lib
 from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
-from marft_jax.envs.math_grading import FORMATTED
+from marft_jax.envs.math_grading import FORMATTED, vote_key
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
 from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
@@ -79,6 +87,8 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played by the config's team with `policy` (None: adapters off): greedily, or `samples`
   episodes per task at `temperature`, each task's decoded together in one group.
+  `batch_size`: episodes per rollout call, rounded down to a multiple of `samples` (at least
+  one task's): the samples of several tasks decode together.
   `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
   `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
   of the held-out problems."""
@@ -161,11 +171,32 @@ def pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
+def majority_correct(predictions, correct) -> bool:
+  """Whether the majority answer of one problem's n samples is right (maj@n).
+
+  predictions: [n] each sample's extracted answer, or None (no answer, or a dropped episode:
+  no vote); correct: [n] bools, whether each sample was graded right. Answers vote under
+  `math_grading.vote_key` (a plain number by value, else the text without spaces). The
+  answer with the most votes wins; a tie goes to the tied answer drawn first (lowest sample
+  index). Its correctness is that of its first sample (every sample giving the same answer
+  is graded the same, a grading timeout aside). No answer at all: wrong."""
+  votes: dict = {}  # key -> [votes, first sample]
+  for i, prediction in enumerate(predictions):
+    if prediction is not None:
+      votes.setdefault(vote_key(prediction), [0, i])[0] += 1
+  if not votes:
+    return False
+  _, first = max(votes.values(), key=lambda v: (v[0], -v[1]))
+  return bool(correct[first])
+
+
 def summarize_samples(episodes, team, samples: int, temperature: float,
                       ks: tuple = (1,)) -> dict:
-  """`summarize`'s metrics (over every sample) and, per graded role, pass@k for each k in
-  `ks` (each <= samples), the mean over problems of `pass_at_k` on that problem's samples
-  (a dropped one counts as failed), and `decoding`: "greedy" or "n=<samples> T=<temperature>"."""
+  """`summarize`'s metrics (over every sample: with n > 1, accuracy is the mean over samples)
+  and, per graded role, pass@k for each k in `ks` (each <= samples), the mean over problems
+  of `pass_at_k` on that problem's samples (a dropped one counts as failed); with n > 1 on a
+  math task (final infos holding `prediction`), maj@<samples>/<role>, the mean over problems
+  of `majority_correct`; and `decoding`: "greedy" or "n=<samples> T=<temperature>"."""
   bad = [k for k in ks if not 1 <= k <= samples]
   if bad:
     raise ValueError(f"pass@k for k={bad}: k must be between 1 and the {samples} samples "
@@ -178,11 +209,18 @@ def summarize_samples(episodes, team, samples: int, temperature: float,
   for episode in episodes:  # a group's episodes share their task's seed
     by_task.setdefault(episode.seed, []).append(episode)
   out["problems"] = len(by_task)
+  final = lambda e: e.infos[-1] if e.dropped is None and e.infos else {}
+  voting = samples > 1 and any("prediction" in final(e) for e in episodes)
   for role in [p.role for p in team if p.graded]:
-    correct = [[e.dropped is None and bool(e.infos and e.infos[-1].get("correct", {}).get(role))
-                for e in group] for group in by_task.values()]
+    correct = [[bool(final(e).get("correct", {}).get(role)) for e in group]
+               for group in by_task.values()]
     for k in ks:
       out[f"pass@{k}/{role}"] = float(np.mean([pass_at_k(len(c), sum(c), k) for c in correct]))
+    if voting:
+      answers = [[final(e).get("prediction", {}).get(role) for e in group]
+                 for group in by_task.values()]
+      out[f"maj@{samples}/{role}"] = float(np.mean(
+          [majority_correct(a, c) for a, c in zip(answers, correct)]))
   return out
 
 

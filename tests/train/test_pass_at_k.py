@@ -3,8 +3,10 @@ k-subset of the samples, the per-role summary against per-problem counts, and `p
 samples of a problem decoded together in one group of one rollout."""
 
 import dataclasses
+import json
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -81,3 +83,115 @@ def test_the_samples_of_a_problem_are_one_group_of_one_rollout(monkeypatch):
   assert len({e.seed for e in episodes}) == 3
   with pytest.raises(ValueError, match="greedy samples are all the same"):
     evaluate_lib.play(config, model, num_problems=3, samples=2)
+
+
+# --- maj@n (math): the majority answer over a problem's n samples -----------------------------
+
+def test_majority_vote_by_hand():
+  # 7 and 12 tie at two votes each (12.0 is 12; None does not vote): 7 came first, and is wrong.
+  predictions = ["7", "12", None, "12.0", "7", "x"]
+  correct = [False, True, False, True, False, False]
+  assert not evaluate_lib.majority_correct(predictions, correct)
+  assert evaluate_lib.majority_correct(predictions + ["12"], correct + [True])
+  assert evaluate_lib.majority_correct(["1,200", "1200", "5", "5"], [True, True, False, False])
+  assert not evaluate_lib.majority_correct([None, None], [False, False])
+  assert evaluate_lib.majority_correct([r"\frac{1}{2}", "0.5", r"\frac {1}{2}"],
+                                       [True, True, True])
+
+
+_FORMS = (lambda v: str(v), lambda v: f"{v}.0", lambda v: f" {v * 1000:,} " if v else "0",
+          lambda v: f"${v}")
+
+
+def _reference_majority(values, gold):
+  """From the values themselves (not their text): np.bincount's most voted value, ties to
+  the value drawn first; right when it is the gold one."""
+  voted = [v for v in values if v is not None]
+  if not voted:
+    return False
+  counts = np.bincount(voted)
+  tied = set(np.flatnonzero(counts == counts.max()))
+  return next(v for v in voted if v in tied) == gold
+
+
+def _rendered(values, forms):
+  """Each value as text in its drawn form (x 1000 for the grouped form), None kept."""
+  return [None if v is None else _FORMS[f](v) for v, f in zip(values, forms)]
+
+
+def _scaled(values, forms):
+  return [None if v is None else v * (1000 if f == 2 else 1) for v, f in zip(values, forms)]
+
+
+def test_majority_vote_matches_a_count_over_the_values():
+  rng = np.random.default_rng(4040)
+  for _ in range(300):
+    n = int(rng.integers(1, 12))
+    values = [None if rng.random() < 0.2 else int(rng.integers(0, 4)) for _ in range(n)]
+    forms = [int(f) for f in rng.integers(0, len(_FORMS), n)]
+    gold = int(rng.integers(0, 4)) * 1000 if rng.random() < 0.5 else int(rng.integers(0, 4))
+    true_values = _scaled(values, forms)
+    correct = [v == gold for v in true_values]
+    assert evaluate_lib.majority_correct(_rendered(values, forms), correct) == \
+        _reference_majority(true_values, gold), (values, forms, gold)
+
+
+def _math_episode(seed, role, value, gold, dropped=None):
+  info = {"correct": {role: value == gold}, "prediction": {role: None if value is None
+                                                                  else str(value)}}
+  return Episode(env_index=0, seed=seed, task="t", policy_version=0, rewards=[[0.0]],
+                 infos=[info], dropped=dropped)
+
+
+def test_summarize_samples_reports_maj_at_n_beside_the_mean_accuracy():
+  team, _ = evaluate_lib.greedy_team(_config())
+  role = [p.role for p in team if p.graded][0]
+  rng = np.random.default_rng(41)
+  golds = {seed: int(rng.integers(0, 3)) for seed in range(9)}  # 10 problems, n = 5
+  values = {seed: [None if rng.random() < 0.2 else int(rng.integers(0, 3)) for _ in range(5)]
+            for seed in golds}
+  golds[9], values[9] = 4, [1, 4, 2, 4, 3]  # the right answer is the plurality, not a majority
+  episodes = [_math_episode(seed, role, v, golds[seed]) for seed in golds for v in values[seed]]
+  episodes[7] = dataclasses.replace(episodes[7], dropped="env_error: x")  # no vote, wrong
+  values[1][2] = None
+  out = evaluate_lib.summarize_samples(episodes, team, 5, 0.8)
+  right = [v == golds[seed] for seed in golds for v in values[seed]]
+  assert out[f"accuracy/{role}"] == pytest.approx(np.mean(right))
+  assert out[f"maj@5/{role}"] == pytest.approx(
+      np.mean([_reference_majority(values[s], golds[s]) for s in golds]))
+  assert out["decoding"] == "n=5 T=0.8"
+  assert f"maj@1/{role}" not in evaluate_lib.summarize_samples(episodes[:1], team, 1, 0.0)
+  code = [_episode(seed, {role: True}) for seed in range(2) for _ in range(3)]  # no predictions
+  assert not any(k.startswith("maj@") for k in evaluate_lib.summarize_samples(code, team, 3, 0.8))
+
+
+def test_eval_batch_puts_several_problems_samples_in_one_call_with_the_same_problems(
+    monkeypatch, tmp_path):
+  """--eval_batch: a call holds batch // n problems' groups (rounded down to whole groups);
+  a problem file's problems and their order do not depend on it. The rollout is a stand-in
+  that only starts each environment's episode (no model: the batching is `play`'s)."""
+  path = tmp_path / "test.jsonl"
+  path.write_text("".join(json.dumps({"question": f"What is {n} + 0?", "answer": f"#### {n}"})
+                          + "\n" for n in range(5)))
+  config = _config(name="math_jsonl", test_path=str(path))
+  calls = []
+
+  def starting(envs, *args, **kwargs):
+    calls.append(len(envs))
+    started = [(i, *envs.reset(i)) for i in range(len(envs))]
+    return types.SimpleNamespace(episodes=[
+        Episode(env_index=i, seed=seed, task=observation.task, policy_version=0, rewards=[],
+                infos=[]) for i, seed, observation in started])
+
+  monkeypatch.setattr(evaluate_lib, "rollout", starting)
+  played = {}
+  for batch, expected_calls in ((3, [2] * 5), (9, [8, 8]), (40, [10])):
+    calls.clear()
+    episodes = evaluate_lib.play(config, types.SimpleNamespace(tokenizer=None), num_problems=5,
+                                 batch_size=batch, samples=2, temperature=0.8,
+                                 rollout_weights=(None, None))
+    assert calls == expected_calls and len(episodes) == 10, (batch, calls)
+    played[batch] = [e.task for e in episodes]
+  assert played[3] == played[9] == played[40]
+  assert len(set(played[3])) == 5 and all(played[3][i] == played[3][i + 1]
+                                          for i in range(0, 10, 2))
