@@ -19,8 +19,8 @@ Every rate is over all episodes played: a dropped episode counts as wrong.
 Sampled evaluation (`play(samples=n, temperature=T)`, launch.eval's --samples_per_problem):
 each problem's n episodes are one group of the batch (`EnvBatch(group_size=n)`), so they
 are decoded together in the same sampler calls, and a batch of `batch_size` episodes holds
-batch_size // n problems' groups (launch.eval's --eval_batch): on CPU a call of 80 rows
-decodes several times the tokens per second of one of 20. The problems and their order do
+batch_size // n problems' groups (launch.eval's --eval_batch): on 2 CPU cores a call of 40
+rows decoded 3.1 times the samples per second of one of 10 (`bench/passk.py`). The problems and their order do
 not depend on the batch for a problem file (`EnvBatch`'s epoch order); the sampled replies
 do (the sampler draws one key per call for all its rows), and greedy ones only through
 float rounding. `summarize_samples` adds, per graded role,
