@@ -20,15 +20,16 @@ Sampled evaluation (`play(samples=n, temperature=T)`, launch.eval's --samples_pe
 each problem's n episodes are one group of the batch (`EnvBatch(group_size=n)`), so they
 are decoded together in the same sampler calls, and a batch of `batch_size` episodes holds
 batch_size // n problems' groups (launch.eval's --eval_batch): on 2 CPU cores a call of 40
-rows decoded 3.1 times the samples per second of one of 10 (`bench/passk.py`). The problems and their order do
-not depend on the batch for a problem file (`EnvBatch`'s epoch order); the sampled replies
-do (the sampler draws one key per call for all its rows), and greedy ones only through
-float rounding. `summarize_samples` adds, per graded role,
-pass@k for each k asked (the unbiased estimator of Chen et al. 2021, `pass_at_k`, averaged
-over problems), and `decoding` states how the replies were drawn: "greedy" or "n=<n> T=<T>".
-With n > 1, accuracy/<role> is the mean over all samples, and a math task (one whose final
-step names each graded role's extracted `prediction`) adds maj@<n>/<role>: the share of
-problems whose majority answer over their n samples is right (`majority_correct`).
+rows decoded 3.1 times the samples per second of one of 10 (`bench/passk.py`). For a
+problem file the problems and their order do not depend on the batch (`EnvBatch`'s epoch
+order; generated arithmetic's do: its task seeds hash the env's group); the sampled replies
+do (the sampler draws one key per call for all its rows), greedy ones only through float
+rounding. `summarize_samples` adds, per graded role, pass@k for each k asked (the unbiased
+estimator of Chen et al. 2021, `pass_at_k`, averaged over problems), and `decoding` states
+how the replies were drawn: "greedy" or "n=<n> T=<T>". With n > 1, accuracy/<role> is the
+mean over all samples, and a math task (one whose final step names each graded role's
+extracted `prediction`) adds maj@<n>/<role>: the share of problems whose majority answer
+over their n samples is right (`majority_correct`).
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
