@@ -68,7 +68,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "every agent's sampling te
 _EVAL_BATCH = flags.DEFINE_integer(
     "eval_batch", 40, "episodes per sampler call, rounded down to a multiple of "
     "--samples_per_problem (at least one problem's): the n samples of several problems decode "
-    "together (memory grows with it: 40 rows of code_2agents peaked at 8.8 GB)", lower_bound=1)
+    "together (memory grows with it: 40 rows of code_2agents peaked at 8.8-10.1 GB)", lower_bound=1)
 _PASS_AT = flags.DEFINE_list("pass_at", None, "the k of pass@k, each <= --samples_per_problem "
                              "(default: 1, 10 and 100 where they fit)")
 
