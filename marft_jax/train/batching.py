@@ -98,8 +98,14 @@ def padding_fields(num_rows: int, T: int, K: int, P: int, pad_id: int) -> dict[s
 
 
 def positions_width(n: int, T: int) -> int:
-  """n ≤ T positions rounded up to a multiple of max(T // POSITION_WIDTHS, 1), at most T."""
+  """n ≤ T positions rounded up to a multiple of max(T // POSITION_WIDTHS, 1), that step
+  rounded down to a multiple of 8 above 8, at most T. The rounding keeps a step of 16 at
+  T = 160 (`row_length` at step 32), where 20 padded the default job's 48-token replies to
+  60 positions; every T of step 64's rule has a multiple of 8 already (its widths and bits
+  unchanged)."""
   step = max(T // POSITION_WIDTHS, 1)
+  if step > 8:
+    step -= step % 8
   return min(-(-max(int(n), 1) // step) * step, T)
 
 

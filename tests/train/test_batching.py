@@ -34,9 +34,17 @@ def _padded_batch(vocab):
 
 @pytest.mark.parametrize("n, T, width", [
     (96, 256, 96), (97, 256, 128), (1, 256, 32), (0, 256, 32), (256, 256, 256),
-    (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16)])
+    (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16), (48, 160, 48), (49, 160, 64),
+    (9, 96, 16), (3, 32, 4), (25, 224, 48)])
 def test_positions_width_rounds_up_to_an_eighth_of_the_length(n, T, width):
   assert positions_width(n, T) == width
+
+
+def test_positions_width_is_unchanged_at_the_row_lengths_before_row_length_step():
+  """At every T of step 64's rule (old checkpoints' batches), a multiple of T/8 as before."""
+  for T in sorted({row_length(n, 64) for n in range(1, 8193)}):
+    for n in range(T + 1):
+      assert positions_width(n, T) == min(-(-max(n, 1) // (T // 8)) * (T // 8), T), (n, T)
 
 
 @pytest.mark.parametrize("n, minimum, width", [
