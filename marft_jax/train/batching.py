@@ -1,9 +1,9 @@
 """From episode records to the padded arrays one jitted update trains on.
 
 Every `TokenSequence` of every kept episode becomes one row of a [B, T] batch (right-padded,
-T bucketed so the update compiles a few times per run: `row_length`). The learner works in the action
-frame: position t is the decision that emits token t+1 (its logits predict it), so every
-per-decision array here is shifted by one from the records' per-token arrays.
+T bucketed so the update compiles a few times per run: `row_length`). The learner works in
+the action frame: position t is the decision that emits token t+1 (its logits predict it), so
+every per-decision array here is shifted by one from the records' per-token arrays.
 
 The learner needs logits only at the trained decisions: `act_positions` lists them row by row
 (P, the most of any row, bucketed), so the vocabulary projection, a fifth of the model's
@@ -129,8 +129,8 @@ def row_length(n: int, step: int = MIN_LENGTH_BUCKET) -> int:
   tokens with every reply at its budget, which step 64 pads to 192 (the batch 63-70 % real
   tokens) and step 32 to 160 (75-83 %), for at most one more compile an extra step crosses.
   Step 64 is `bucket_length`'s rule, the only one before `optimizer.row_length_step`: the
-  padding changes the f32 rounding of the real tokens' activations (attention's key blocks,
-  the matmuls' tiling), so old checkpoints resume with 64.
+  padding changes the f32 rounding of the real tokens' activations (2e-6 in the tiny model's
+  critic hidden states at T = 160 against 192), so old checkpoints resume with 64.
   """
   if step not in ROW_LENGTH_STEPS:
     raise ValueError(f"row_length_step={step!r}: use one of {ROW_LENGTH_STEPS}")
