@@ -19,8 +19,8 @@ condition (no batch may be more than η versions old), so it saves no waiting: i
 sometimes be fresher (the learner finished a version while the sampler was between
 rollouts), at the price of a run that cannot be reproduced. With one sampler thread and
 η = 1 the freshest version is v(k) in the steady state anyway (version k − 1 is being
-computed while iteration k samples). So the fixed schedule is the only one. The sampler runs
-at most η + 1 rollouts ahead of the learner, and the η versions behind the learner's are kept
+computed while iteration k samples). So the fixed schedule is the only one. The sampler starts
+iteration k at most η iterations before the learner takes it (η + 1 rollouts held), and the η versions behind the learner's are kept
 (adapters only, megabytes) and checkpointed beside each step (`save_versions`), with the data
 cursor of the last trained iteration, not the sampler's: a resume replays the episodes that
 were in flight, and trains each iteration once.
