@@ -122,6 +122,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
       "its policy loss"))
   _check_sampling(config.team)
   loss = async_rollout.resolve_loss(loss, config.rollout.max_staleness)
+  async_rollout.check_split(config)
   loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
   loss = update.resolve_old_logp(loss, config.model.param_dtype, config.model.matmul_precision)
   critic = _resolve_critic(a, config)

@@ -62,6 +62,15 @@ def resolve_loss(loss, max_staleness: int):
   return dataclasses.replace(loss, behaviour_correction="on")
 
 
+def check_split(config) -> None:
+  """Refuses, naming the keys, an LLM judge beside a sampler on its own devices (the judge's
+  weights stay on the learner's, and the sampler thread runs it)."""
+  if config.mesh.sampler_devices and config.reward.judge:
+    raise ValueError(f"reward.judge=True with mesh.sampler_devices="
+                     f"{config.mesh.sampler_devices}: the judge runs on the learner's mesh; "
+                     "use mesh.sampler_devices=0 with a judge")
+
+
 def rollout_version(iteration: int, max_staleness: int) -> int:
   """The policy version iteration `iteration` samples with: max(k − η, 0)."""
   return max(iteration - max_staleness, 0)

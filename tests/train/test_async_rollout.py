@@ -147,6 +147,10 @@ def test_eta_turns_the_correction_on_and_refuses_what_contradicts_it():
   with pytest.raises(ValueError, match=r"mesh\.sampler_devices=2 is read with "
                                        r"rollout\.max_staleness >= 1"):
     algorithms.resolve(TrainConfig(mesh=config_lib.MeshSection(sampler_devices=2)))
+  with pytest.raises(ValueError, match=r"reward\.judge=True with mesh\.sampler_devices=2"):
+    algorithms.resolve(dataclasses.replace(
+        _async(), reward=config_lib.RewardSection(judge=True),
+        mesh=config_lib.MeshSection(sampler_devices=2)))
   with pytest.raises(ValueError, match=r"rollout\.max_staleness=1: asynchronous rollouts run "
                                        r"in a single process"):
     config_lib.check_processes(resolved, (2, 1, 1), 2)
