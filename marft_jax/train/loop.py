@@ -216,9 +216,11 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       t2 = time.perf_counter()
       metrics = {**_iteration_metrics(result, update_metrics, run.team, t0, t1, t2),
                  **evaluated, **shaped, **compiles.delta().metrics(), **staleness}
-      if staleness:  # the learner's wait for its batch, of the iteration
-        metrics["async/learner_wait_share"] = staleness["async/learner_wait_s"] / max(t2 - t0,
-                                                                                    1e-9)
+      if staleness:  # the learner's wait for its batch; the host's part of the sampler's
+        total = max(t2 - t0, 1e-9)  # rollout (time/rollout_s is the learner's wait here)
+        metrics["async/learner_wait_share"] = staleness["async/learner_wait_s"] / total
+        metrics["time/rollout_host_share"] = (staleness["async/sampler_rollout_s"]
+                                              - result.metrics["sampler_s"]) / total
       writer.write(iteration, metrics)
       if bar is not None:
         bar.update(1)
