@@ -18,12 +18,14 @@ k. A schedule that sampled with the freshest version available would wait on the
 condition (no batch may be more than η versions old), so it saves no waiting: it would only
 sometimes be fresher (the learner finished a version while the sampler was between
 rollouts), at the price of a run that cannot be reproduced. With one sampler thread and
-η = 1 the freshest version is v(k) in the steady state anyway (version k − 1 is being
-computed while iteration k samples). So the fixed schedule is the only one. The sampler starts
-iteration k at most η iterations before the learner takes it (η + 1 rollouts held), and the η versions behind the learner's are kept
-(adapters only, megabytes) and checkpointed beside each step (`save_versions`), with the data
-cursor of the last trained iteration, not the sampler's: a resume replays the episodes that
-were in flight, and trains each iteration once.
+η = 1 the freshest version is v(k) = k − 1 in the steady state anyway (version k is being
+computed while iteration k samples). So the fixed schedule is the only one; what it does
+cost is freshness (every batch after the first η is exactly η versions old). The sampler starts
+iteration k at most η iterations before the learner takes it (η + 1 rollouts held), and the
+η versions behind the learner's are kept (adapters only, megabytes) and checkpointed beside
+each step (`AsyncRollouts.save_versions`), with the data cursor of the last trained
+iteration, not the sampler's: a resume replays the episodes that were in flight, and trains
+each iteration once.
 
 Several devices (`mesh.sampler_devices` = n > 0): the last n devices form the sampler's mesh
 (rows over them, weights replicated), the learner's mesh is the config's over the devices
@@ -41,6 +43,7 @@ import time
 from typing import Any, Callable, Optional
 
 import jax
+
 from marft_jax import lora as lora_lib
 from marft_jax import sharding
 

@@ -467,7 +467,7 @@ def _per_row_adapters(batch, layout):
 
 def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir, rollouts=None):
   """`rollouts` (asynchronous runs): the data cursor is the last trained iteration's, and
-  the versions behind `step` are saved first (`async_rollout.save_versions`)."""
+  the versions behind `step` are saved first (`AsyncRollouts.save_versions`)."""
   config = run.config
   cursor = _env_cursor(run.envs) if rollouts is None else rollouts.cursor(step)
   if rollouts is not None:
