@@ -23,6 +23,8 @@ averaged over the iterations after the first `--warmup` (which compile):
                             `_checkpoint`: Orbax, the PEFT export, the learning curve)
                             ÷ checkpoint_every (the default job's 10), ÷ iteration_s
   update_s                  the loop's time/update_s (prepare + advantages + update)
+  update_row_length         the batch's T (`optimizer.row_length_step`), update_fill its
+                            share of real tokens
   update_useful_fraction    useful FLOPs ÷ (update_s × the matmul peak measured in this run)
   update_jit_useful_fraction  the same over the jitted update's time alone
 
@@ -47,9 +49,10 @@ run (`split_`): η with the sampler on the last n devices and the learner on the
 default job (grading in the sandbox: host work the sampler thread overlaps with the update);
 `--max_new_tokens` / `--last_max_new_tokens` shorten its replies.
 
-`--compare` runs the same iterations (same seeds, so the same first rollout) with
-loss.old_logp=recompute first, prints its figures prefixed `recompute_`, and the ratios
-`iteration_net_ratio_vs_recompute` and `update_ratio_vs_recompute`.
+`--compare` runs the same iterations (same seeds, so the same first rollout) with the trainer
+before issue 42 first (loss.old_logp=recompute, optimizer.row_length_step=64), prints its
+figures prefixed `recompute_`, and the ratios `iteration_net_ratio_vs_recompute` and
+`update_ratio_vs_recompute`.
 
 Useful FLOPs of an iteration's update, counted from the model config (N_L: the parameters of
 the transformer layers' matmuls, N_H = V·D those of the output projection; tokens: the batch's
@@ -75,6 +78,7 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration                              # SmolLM2, 3 iterations
     python -m bench.iteration --old_logp=recompute         # π_old recomputed, as before
     python -m bench.iteration --compare                    # both, in one process: the ratios
+    python -m bench.iteration --row_length_step=64         # rows padded as before
     python -m bench.iteration --tiny                       # seconds; the figures mean nothing
     python -m bench.iteration --task=code --max_staleness=1   # sync vs async, code task
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
@@ -107,9 +111,11 @@ _ITERATIONS = flags.DEFINE_integer("iterations", 3, "iterations run (the first -
 _WARMUP = flags.DEFINE_integer("warmup", 1, "iterations left out of the averages")
 _OLD_LOGP = flags.DEFINE_enum("old_logp", "auto", list(OLD_LOGPS), "loss.old_logp")
 _NUM_ENVS = flags.DEFINE_integer("num_envs", 0, "rollout.num_envs (0: the default job's)")
-_COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations with "
-                               "loss.old_logp=recompute first (today's π_old), and print the "
-                               "ratios of the two")
+_ROW_STEP = flags.DEFINE_integer("row_length_step", 0, "optimizer.row_length_step (0: the "
+                                 "default job's)")
+_COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations with the trainer "
+                               "before issue 42 first (loss.old_logp=recompute, "
+                               "optimizer.row_length_step=64), and print the ratios of the two")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed matmuls for the peak (best kept)")
 _TASK = flags.DEFINE_enum("task", "default", ["default", "code"], "the default job, or "
                           "launch/configs/code_2agents.py (grading in the sandbox)")
@@ -123,10 +129,10 @@ _LAST_MAX_NEW = flags.DEFINE_integer("last_max_new_tokens", 0,
 
 
 def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
-                   task: str = "default") -> TrainConfig:
+                   row_length_step: int = 0, task: str = "default") -> TrainConfig:
   """The default job's config (launch/configs/train.py; `task` "code":
   launch/configs/code_2agents.py) without its held-out evaluations; `tiny`: 2 episodes of
-  4 + 4 new tokens."""
+  4 + 4 new tokens; `row_length_step` 0: the default's."""
   from launch.configs import code_2agents
   from launch.configs import train as default_file
   config = from_config_dict(TrainConfig, (code_2agents if task == "code" else
@@ -142,6 +148,9 @@ def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
                                             last_max_new_tokens=4),
                    rollout=dataclasses.replace(config.rollout, num_envs=2, max_context=min(
                        config.rollout.max_context, 1024)))  # the tiny model's positions
+  if row_length_step:
+    changes["optimizer"] = dataclasses.replace(config.optimizer,
+                                               row_length_step=row_length_step)
   if num_envs:
     changes["rollout"] = dataclasses.replace(changes.get("rollout", config.rollout),
                                              num_envs=num_envs)
@@ -178,6 +187,7 @@ class Probe:
       extras = jax.block_until_ready(real(params, policy, batch, *args, **kwargs))
       shared, tokens = shared_prefix_tokens(batch)
       self.rows.append(dict(prepare_s=time.perf_counter() - start, tokens=tokens,
+                            row_length=batch.tokens.shape[1], slots=batch.tokens.size,
                             decisions=float(np.asarray(batch.act_mask).sum()),
                             shared_prefix=shared))
       return extras
@@ -251,6 +261,8 @@ def figures(config: TrainConfig, model: assembly.Model) -> dict:
       "rollout_s": mean("time/rollout_s"), "update_s": update_s, "prepare_s": prepare_s,
       "update_jit_s": jit_s, "update_tokens": mean("tokens"),
       "update_decisions": mean("decisions"), "update_useful_gflop": flops / 1e9,
+      # the batch's row length T and its share of real tokens (the rest is padding)
+      "update_row_length": mean("row_length"), "update_fill": mean("tokens") / mean("slots"),
       "update_useful_fraction": flops / update_s,
       "update_jit_useful_fraction": flops / jit_s,
       "shared_prefix_fraction": mean("shared_prefix") / mean("tokens"),
@@ -302,14 +314,17 @@ def main(argv):
   probe = dict(n=256) if tiny else {}
   emit("machine_load_avg_1m_start", os.getloadavg()[0])  # others' work on a shared host
   peak = matmul_peak(repeats, **probe)
-  config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value, _TASK.value)
+  config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value,
+                          _ROW_STEP.value, _TASK.value)
   model = load_model(tiny, config)
   # The peak is measured again after the runs, the higher kept (another process may have
   # held a core during one measurement).
   runs = []
-  if _COMPARE.value:  # today's trainer first: the same episodes (same seeds), π_old recomputed
+  if _COMPARE.value:  # the trainer before issue 42 first: the same episodes (same seeds),
+    # π_old recomputed, rows padded to multiples of 64
     runs.append(("recompute_", dataclasses.replace(
-        config, loss=dataclasses.replace(config.loss, old_logp="recompute"))))
+        config, loss=dataclasses.replace(config.loss, old_logp="recompute"),
+        optimizer=dataclasses.replace(config.optimizer, row_length_step=64))))
   if _MAX_STALENESS.value:
     runs = _staleness_runs(config)
   else:
@@ -320,6 +335,7 @@ def main(argv):
   emit("machine_matmul_2048_gflop_s", peak / 1e9)
   for prefix, c, f in measured:
     emit(f"{prefix}old_logp", c.loss.old_logp)
+    emit(f"{prefix}row_length_step", c.optimizer.row_length_step)
     for name, value in f.items():
       emit(prefix + name, value / peak if "useful_fraction" in name else value)
   if _COMPARE.value:

@@ -158,6 +158,9 @@ ADDED: tuple[Added, ...] = (
           "the synchronous loop: each iteration sampled with the policy it updated"),
     Added("mesh.sampler_devices", 0, "fdcca56", "2026-11-28 10:56",
           "the sampler shared the learner's mesh"),
+    Added("optimizer.row_length_step", 64, "5e545ff", "2026-11-28 11:20",
+          "the update's rows were padded to a multiple of 64 tokens up to 256 (32 pads less, "
+          "and the padding changes the f32 rounding of the real tokens' activations)"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
