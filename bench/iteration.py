@@ -28,6 +28,27 @@ averaged over the iterations after the first `--warmup` (which compile):
   update_useful_fraction    useful FLOPs ÷ (update_s × the matmul peak measured in this run)
   update_jit_useful_fraction  the same over the jitted update's time alone
 
+Asynchronous rollouts (`rollout.max_staleness`, train/async_rollout.py): `--max_staleness=η`
+(η >= 1) runs the same iterations synchronously first (prefix `sync_`), then with η
+(`async_`), and prints for both
+
+  iterations_per_minute     60 / iteration_s
+  learner_wait_share        the learner's wait for its batch ÷ iteration_s (synchronous: the
+                            whole rollout)
+  sampler_wait_share        the sampler's wait for its policy version ÷ its time (waiting +
+                            playing); synchronous: 1 − share_rollout (it idles through the rest)
+  version_gap               the batches' mean staleness in policy versions
+  sampler_rollout_s         a rollout's seconds; rollout_host_s its part outside the sampler's
+                            calls (environments, grading, sandboxes), what a sampler thread
+                            overlaps with the update even where both share the cores
+
+and `async_speedup` (async ÷ sync iterations per minute). `--sampler_devices=n` adds a third
+run (`split_`): η with the sampler on the last n devices and the learner on the others
+(mesh.data=-1 in every run, so the first two share all the devices), and
+`split_speedup_vs_one_mesh`. `--task=code` runs launch/configs/code_2agents.py instead of the
+default job (grading in the sandbox: host work the sampler thread overlaps with the update);
+`--max_new_tokens` / `--last_max_new_tokens` shorten its replies.
+
 `--compare` runs the same iterations (same seeds, so the same first rollout) with the trainer
 before issue 42 first (loss.old_logp=recompute, optimizer.row_length_step=64), prints its
 figures prefixed `recompute_`, and the ratios `iteration_net_ratio_vs_recompute` and
@@ -59,6 +80,9 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration --compare                    # both, in one process: the ratios
     python -m bench.iteration --row_length_step=64         # rows padded as before
     python -m bench.iteration --tiny                       # seconds; the figures mean nothing
+    python -m bench.iteration --task=code --max_staleness=1   # sync vs async, code task
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+      python -m bench.iteration --max_staleness=1 --sampler_devices=2   # + the sub-mesh split
 """
 
 from __future__ import annotations
@@ -93,20 +117,37 @@ _COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations wit
                                "before issue 42 first (loss.old_logp=recompute, "
                                "optimizer.row_length_step=64), and print the ratios of the two")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed matmuls for the peak (best kept)")
+_TASK = flags.DEFINE_enum("task", "default", ["default", "code"], "the default job, or "
+                          "launch/configs/code_2agents.py (grading in the sandbox)")
+_MAX_STALENESS = flags.DEFINE_integer("max_staleness", 0, "η >= 1: the synchronous run, then "
+                                      "rollout.max_staleness=η (the sync_ and async_ figures)")
+_SAMPLER_DEVICES = flags.DEFINE_integer("sampler_devices", 0, "n > 0 (with --max_staleness): "
+                                        "also η with mesh.sampler_devices=n (split_)")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "team.max_new_tokens (0: the config's)")
+_LAST_MAX_NEW = flags.DEFINE_integer("last_max_new_tokens", 0,
+                                     "team.last_max_new_tokens (0: the config's)")
 
 
 def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
-                   row_length_step: int = 0) -> TrainConfig:
-  """The default job's config (launch/configs/train.py) without its held-out evaluations;
-  `tiny`: 2 episodes of 4 + 4 new tokens; `row_length_step` 0: the default's."""
+                   row_length_step: int = 0, task: str = "default") -> TrainConfig:
+  """The default job's config (launch/configs/train.py; `task` "code":
+  launch/configs/code_2agents.py) without its held-out evaluations; `tiny`: 2 episodes of
+  4 + 4 new tokens; `row_length_step` 0: the default's."""
+  from launch.configs import code_2agents
   from launch.configs import train as default_file
-  config = from_config_dict(TrainConfig, default_file.get_config())
+  config = from_config_dict(TrainConfig, (code_2agents if task == "code" else
+                                          default_file).get_config())
   changes = dict(iterations=iterations, eval_every=0,
                  loss=dataclasses.replace(config.loss, old_logp=old_logp))
+  budgets = {k: v for k, v in (("max_new_tokens", _MAX_NEW.value),
+                               ("last_max_new_tokens", _LAST_MAX_NEW.value)) if v}
+  if budgets:
+    changes["team"] = dataclasses.replace(config.team, **budgets)
   if tiny:
     changes.update(team=dataclasses.replace(config.team, max_new_tokens=4,
                                             last_max_new_tokens=4),
-                   rollout=dataclasses.replace(config.rollout, num_envs=2))
+                   rollout=dataclasses.replace(config.rollout, num_envs=2, max_context=min(
+                       config.rollout.max_context, 1024)))  # the tiny model's positions
   if row_length_step:
     changes["optimizer"] = dataclasses.replace(config.optimizer,
                                                row_length_step=row_length_step)
@@ -206,6 +247,7 @@ def figures(config: TrainConfig, model: assembly.Model) -> dict:
                          for r in rows]))
   return {
       "iterations_measured": len(rows), "iteration_s": wall,
+      **_async_figures(rows, wall),
       # XLA compiles within the iterations (the loop's time/compile_s: new rollout shapes,
       # or the first run of a program in this process); the net time leaves them out
       "share_compile": mean("time/compile_s") / wall,
@@ -227,6 +269,41 @@ def figures(config: TrainConfig, model: assembly.Model) -> dict:
       "sampler_learner_max_gap": max(r["logp/sampler_learner_max_gap"] for r in rows)}
 
 
+def _async_figures(rows: list[dict], wall: float) -> dict:
+  """Iterations per minute and each side's wait (the module docstring)."""
+  mean = lambda key: float(np.mean([r[key] for r in rows]))
+  # The rollout's host part (environments, grading, sandboxes, prompts): what a sampler
+  # thread overlaps with the update even where both compete for the same cores.
+  if "async/version_gap" not in rows[0]:  # synchronous: each side idles while the other runs
+    return {"iterations_per_minute": 60 / wall,
+            "learner_wait_share": mean("time/rollout_s") / wall,
+            "sampler_wait_share": 1 - mean("time/rollout_s") / wall, "version_gap": 0.0,
+            "sampler_rollout_s": mean("time/rollout_s"),
+            "rollout_host_s": mean("time/rollout_s") - mean("sampler_s")}
+  return {"iterations_per_minute": 60 / wall,
+          "learner_wait_share": mean("async/learner_wait_s") / wall,
+          "sampler_wait_share": mean("async/sampler_wait_share"),
+          "sampler_rollout_s": mean("async/sampler_rollout_s"),
+          "rollout_host_s": mean("async/sampler_rollout_s") - mean("sampler_s"),
+          "version_gap": mean("async/version_gap")}
+
+
+def _staleness_runs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
+  """--max_staleness: the synchronous run, then η (and η on a split mesh)."""
+  eta, split = _MAX_STALENESS.value, _SAMPLER_DEVICES.value
+  if eta < 1:
+    raise ValueError(f"--max_staleness={eta}: use η >= 1 (it runs 0 first)")
+  if split:  # every run on all the devices: the split's learner takes the others
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, data=-1))
+  runs = [("sync_", config)]
+  for prefix, devices in (("async_", 0), ("split_", split))[:2 if split else 1]:
+    runs.append((prefix, algorithms.resolve(dataclasses.replace(
+        config, rollout=dataclasses.replace(config.rollout, max_staleness=eta),
+        mesh=dataclasses.replace(config.mesh, sampler_devices=devices),
+        loss=dataclasses.replace(config.loss, behaviour_correction="auto", old_logp="auto")))))
+  return runs
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
@@ -238,7 +315,7 @@ def main(argv):
   emit("machine_load_avg_1m_start", os.getloadavg()[0])  # others' work on a shared host
   peak = matmul_peak(repeats, **probe)
   config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value,
-                          _ROW_STEP.value)
+                          _ROW_STEP.value, _TASK.value)
   model = load_model(tiny, config)
   # The peak is measured again after the runs, the higher kept (another process may have
   # held a core during one measurement).
@@ -248,7 +325,10 @@ def main(argv):
     runs.append(("recompute_", dataclasses.replace(
         config, loss=dataclasses.replace(config.loss, old_logp="recompute"),
         optimizer=dataclasses.replace(config.optimizer, row_length_step=64))))
-  runs.append(("", config))
+  if _MAX_STALENESS.value:
+    runs = _staleness_runs(config)
+  else:
+    runs.append(("", config))
   measured = [(prefix, c, figures(c, model)) for prefix, c in runs]
   peak = max(peak, matmul_peak(repeats, **probe))
   emit("machine_load_avg_1m_end", os.getloadavg()[0])
@@ -262,6 +342,11 @@ def main(argv):
     emit("iteration_net_ratio_vs_recompute", measured[1][2]["iteration_net_s"]
          / measured[0][2]["iteration_net_s"])
     emit("update_ratio_vs_recompute", measured[1][2]["update_s"] / measured[0][2]["update_s"])
+  if _MAX_STALENESS.value:
+    ipm = {prefix: f["iterations_per_minute"] for prefix, _, f in measured}
+    emit("async_speedup", ipm["async_"] / ipm["sync_"])
+    if "split_" in ipm:
+      emit("split_speedup_vs_one_mesh", ipm["split_"] / ipm["async_"])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ Config keys that an algorithm decides default to "auto" (or 0 / None) in `TrainC
   rollout.group_size, rollout.context_mode, team.num_roles
 
 and one the model decides: loss.behaviour_correction ("auto": on for a bfloat16 model, whose
-sampler and learner round differently; `update.resolve_behaviour_correction`). Top-p below 1
+sampler and learner round differently; `update.resolve_behaviour_correction`; always on
+with rollout.max_staleness >= 1, `async_rollout.resolve_loss`). Top-p below 1
 is refused for training (the learner does not apply the sampler's truncation).
 
 `resolve(config)` fills each "auto" from the algorithm, and refuses, naming both keys, a value
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+from marft_jax.train import async_rollout
 from marft_jax.train import update
 from marft_jax.train.advantages import AdvantageConfig
 
@@ -119,6 +121,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
       "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
       "its policy loss"))
   _check_sampling(config.team)
+  loss = async_rollout.resolve_loss(loss, config.rollout.max_staleness)
+  async_rollout.check_split(config)
   loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
   loss = update.resolve_old_logp(loss, config.model.param_dtype, config.model.matmul_precision)
   critic = _resolve_critic(a, config)
@@ -165,6 +169,8 @@ READ_ONLY_WHEN = (
     ("team.shared_adapter", lambda c: c.team.num_roles > 1 or c.team.graph == "orchestrator"
      or any(r.adapter == "base" for r in c.team.roles),
      "two roles or more, an orchestrator or a 'base' role (one role has one adapter)"),
+    ("mesh.sampler_devices", lambda c: c.rollout.max_staleness > 0,
+     "rollout.max_staleness >= 1 (a sampler running beside the learner)"),
     ("optimizer.agent_iteration_interval",
      lambda c: c.num_adapters > 1 and not c.team.shared_adapter,
      "two adapters or more (and no team.shared_adapter)"),

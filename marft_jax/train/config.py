@@ -278,9 +278,15 @@ class RolloutSection:
   group_size: int = 0  # rollouts of each task; 0: the algorithm's (grpo 4, else 1)
   context_mode: str = "auto"  # "per_agent" or "shared_stream"; "auto": the algorithm's
   max_context: int = 0  # positions an episode's sequence may reach; 0: all the model's
+  # η: the policy versions a batch's episodes may lag the learner. 0: the synchronous loop
+  # (each iteration samples with the policy it then updates). η >= 1: a sampler thread plays
+  # iteration k's episodes with exactly version max(k − η, 0) while the learner updates, and
+  # the decoupled-PPO behaviour correction is on (train/async_rollout.py).
+  max_staleness: int = 0
 
   def __post_init__(self):
     check_int("num_envs", self.num_envs, 1)
+    check_int("max_staleness", self.max_staleness, 0)
     check_int("group_size", self.group_size, 0)
     _one_of("context_mode", self.context_mode, ("auto", *CONTEXT_MODES))
     check_int("max_context", self.max_context, 0)
@@ -388,9 +394,14 @@ class MeshSection:
   data: int = 1  # -1: every device (pure data parallelism)
   fsdp: int = 1  # weights fully sharded over this axis (ZeRO-3 style)
   tensor: int = 1  # Megatron-style tensor parallelism (heads, MLP, vocab)
+  # With rollout.max_staleness >= 1: the last `sampler_devices` devices form the sampler's
+  # own mesh (rows over them, weights replicated), the learner's mesh (data x fsdp x tensor)
+  # the devices before them; adapters are copied across at each version. 0: one mesh.
+  sampler_devices: int = 0
 
   def __post_init__(self):
     check_mesh_sizes(self.data, self.fsdp, self.tensor)  # against the devices: in `train`
+    check_int("sampler_devices", self.sampler_devices, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,6 +497,9 @@ def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
   """
   if num_processes == 1:
     return
+  if config.rollout.max_staleness:  # two threads' collectives would interleave
+    raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness}: asynchronous "
+                     "rollouts run in a single process; use 0 with several processes")
   if config.reward.judge:
     raise ValueError("reward.judge=True: the LLM judge runs in a single process")
   if config.eval_every:

@@ -154,6 +154,10 @@ ADDED: tuple[Added, ...] = (
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
     Added("advantage.jit_whitening", _whitening_before, "583b3f2", "2026-11-28 10:49",
           "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
+    Added("rollout.max_staleness", 0, "fdcca56", "2026-11-28 10:56",
+          "the synchronous loop: each iteration sampled with the policy it updated"),
+    Added("mesh.sampler_devices", 0, "fdcca56", "2026-11-28 10:56",
+          "the sampler shared the learner's mesh"),
     Added("optimizer.row_length_step", 64, "5e545ff", "2026-11-28 11:20",
           "the update's rows were padded to a multiple of 64 tokens up to 256 (32 pads less, "
           "and the padding changes the f32 rounding of the real tokens' activations)"),

@@ -51,6 +51,7 @@ from marft_jax.rollout import reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
+from marft_jax.train import async_rollout
 from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
@@ -90,7 +91,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
   finished = finished_run_metrics(config, workdir)
   if finished is not None:
     return finished
-  mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  mesh, sampler_mesh = async_rollout.meshes(config)  # one mesh unless mesh.sampler_devices
   check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   # The checkpoint in workdir wins: a resumed run does not read `init_from` again.
   resuming = bool(saved_steps(workdir))
@@ -106,7 +107,7 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
     with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
                                              config.model.param_dtype):
       return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
-                    reward_fn, resuming)
+                    reward_fn, resuming, sampler_mesh)
 
 
 def finished_run_metrics(config: TrainConfig, workdir: str) -> Optional[dict]:
@@ -159,7 +160,8 @@ class _Run:
   heldout: Callable  # (policy, step) -> "heldout/..." metrics
 
 
-def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resuming) -> dict:
+def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resuming,
+           sampler_mesh=None) -> dict:
   # --- build: the team, its environments, the sampler's weights, the update -------------------
   run, state = _build(config, mesh, model, resuming)
   with contextlib.ExitStack() as cleanup:  # closed in reverse order, whatever fails
@@ -181,17 +183,22 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
     shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
     settings = assembly.rollout_settings(config)
     compiles = compile_stats.CompileCounter()  # per iteration: time/compiles, time/compile_s
+    rollouts = None  # rollout.max_staleness >= 1: a sampler thread plays ahead
+    if config.rollout.max_staleness:
+      rollouts = _start_async(cleanup, run, state, start, workdir, settings, mesh, sampler_mesh,
+                              reward_fn)
     for iteration in range(start, config.iterations):
       key = jax.random.fold_in(jax.random.key(config.seed), iteration)
       # Held-out accuracy of the policy this iteration samples with (at 0: the untuned team).
       evaluated = run.heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
       shown.update(evaluated)
       t0 = time.perf_counter()
-      result = rollout(run.envs, run.team, run.structure, *run.rollout_weights,
-                       run.model.tokenizer, jax.random.fold_in(key, 0), lora=state.policy,
-                       config=settings, policy_version=iteration, rows=run.rows)
-      shaped = _shape_rewards(result.episodes, run.team, run.judge, reward_fn,
-                              jax.random.fold_in(key, 2))
+      if rollouts is None:
+        result, shaped = _play(run, settings, run.rollout_weights, reward_fn, iteration,
+                               state.policy, iteration)
+        staleness = {}
+      else:
+        result, shaped, staleness = rollouts.take(iteration)
       t1 = time.perf_counter()
       if multihost.is_primary():  # every process's episodes, in env order
         name = os.path.join("transcripts", f"iteration_{iteration:05d}.jsonl")
@@ -204,9 +211,16 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
                         iteration, _drop_reasons(result.all_episodes))
       else:
         state, update_metrics = run.learn(state, kept, iteration, jax.random.fold_in(key, 1))
+      if rollouts is not None:
+        rollouts.publish(iteration + 1, state.policy)
       t2 = time.perf_counter()
       metrics = {**_iteration_metrics(result, update_metrics, run.team, t0, t1, t2),
-                 **evaluated, **shaped, **compiles.delta().metrics()}
+                 **evaluated, **shaped, **compiles.delta().metrics(), **staleness}
+      if staleness:  # the learner's wait for its batch; the host's part of the sampler's
+        total = max(t2 - t0, 1e-9)  # rollout (time/rollout_s is the learner's wait here)
+        metrics["async/learner_wait_share"] = staleness["async/learner_wait_s"] / total
+        metrics["time/rollout_host_share"] = (staleness["async/sampler_rollout_s"]
+                                              - result.metrics["sampler_s"]) / total
       writer.write(iteration, metrics)
       if bar is not None:
         bar.update(1)
@@ -223,11 +237,50 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
           bar.set_postfix(_postfix(metrics, shown))
       stop = multihost.any_process(preempt.requested)
       if (iteration + 1) % config.checkpoint_every == 0 or done or stop:
-        _checkpoint(checkpointer, iteration + 1, state, run, writer, workdir)
+        _checkpoint(checkpointer, iteration + 1, state, run, writer, workdir, rollouts)
       if stop:
         logging.warning("Stopping on a signal after iteration %d (checkpointed)", iteration)
         break
   return metrics
+
+
+def _play(run: _Run, settings, weights, reward_fn, iteration: int, policy, version: int
+          ) -> tuple:
+  """Iteration `iteration`'s episodes, played with adapters `policy` (version `version`) and
+  the sampler's `weights`, and their rewards shaped: (RolloutResult, shaped metrics)."""
+  key = jax.random.fold_in(jax.random.key(run.config.seed), iteration)
+  result = rollout(run.envs, run.team, run.structure, *weights, run.model.tokenizer,
+                   jax.random.fold_in(key, 0), lora=policy, config=settings,
+                   policy_version=version, rows=run.rows)
+  shaped = _shape_rewards(result.episodes, run.team, run.judge, reward_fn,
+                          jax.random.fold_in(key, 2))
+  return result, shaped
+
+
+def _start_async(cleanup, run: _Run, state, start, workdir, settings, mesh, sampler_mesh,
+                 reward_fn) -> async_rollout.AsyncRollouts:
+  """The sampler thread of rollout.max_staleness >= 1 (`async_rollout`), entered in
+  `cleanup` (stopped before the environments close), with the versions a resume needs."""
+  config = run.config
+  eta = config.rollout.max_staleness
+  saved = cleanup.enter_context(Checkpointer(async_rollout.versions_dir(workdir),
+                                             max_to_keep=config.max_to_keep + 1))
+  behind = None if start == 0 else async_rollout.restore_versions(saved, start, state.policy,
+                                                                  eta)
+  weights = async_rollout.place_weights(run.rollout_weights, sampler_mesh)
+
+  def scope():  # JAX's mesh and matmul precision are per thread
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(sampler_mesh or mesh))
+    stack.enter_context(precision.scope(config.model.matmul_precision,
+                                        config.model.param_dtype))
+    return stack
+
+  rollouts = async_rollout.AsyncRollouts(
+      functools.partial(_play, run, settings, weights, reward_fn), run.envs, eta, start,
+      config.iterations, async_rollout.initial_versions(state.policy, start, eta, behind),
+      scope=scope, place=async_rollout.placer(sampler_mesh), saved=saved)
+  return cleanup.enter_context(rollouts)
 
 
 def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Run, TrainState]:
@@ -414,9 +467,14 @@ def _per_row_adapters(batch, layout):
   return batch
 
 
-def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir):
+def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir, rollouts=None):
+  """`rollouts` (asynchronous runs): the data cursor is the last trained iteration's, and
+  the versions behind `step` are saved first (`AsyncRollouts.save_versions`)."""
   config = run.config
-  meta = {"iteration": step, "envs": _env_cursor(run.envs), "config": run.config_dict,
+  cursor = _env_cursor(run.envs) if rollouts is None else rollouts.cursor(step)
+  if rollouts is not None:
+    rollouts.save_versions(step)
+  meta = {"iteration": step, "envs": cursor, "config": run.config_dict,
           "policy_version": step, "changes_known": config_history.CHANGES_KNOWN}
   meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
