@@ -119,8 +119,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
       "loss.policy_level", config.loss.policy_level, "auto", a.policy_level,
       "its policy loss"))
   _check_sampling(config.team)
-  loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
-  loss = update.resolve_old_logp(loss, config.model.param_dtype, config.model.matmul_precision)
+  loss = update.resolve_behaviour_correction(loss, config.run_dtype)
+  loss = update.resolve_old_logp(loss, config.run_dtype, config.model.matmul_precision)
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
@@ -128,6 +128,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
                                  rollout=rollout, team=team)
   _check_init_from(resolved)
   _check_read(resolved)
+  from marft_jax.train.config import check_backbones  # config.py imports this module
+  check_backbones(resolved)
   return resolved
 
 

@@ -37,7 +37,7 @@ from marft_jax.train import optim
 from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
-from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
+from marft_jax.train.config import MAIN_BACKBONE, SANDBOX_TASKS, TrainConfig
 from marft_jax.train.update import TrainState
 
 
@@ -321,17 +321,19 @@ def rollout_settings(config: TrainConfig) -> RolloutConfig:
                        transition=config.team.transition or RolloutConfig.transition)
 
 
-def load(config: TrainConfig) -> Model:
+def load(config: TrainConfig, backbone: str = MAIN_BACKBONE) -> Model:
+  """The base model of `backbone` (the main one: model.source, param_dtype)."""
+  declared = config.model.backbone(backbone)
   params, model_config, tokenizer = loading.load_model(
-      config.model.source, param_dtype=config.model.param_dtype,
-      compute_dtype=config.model.param_dtype)
+      declared.source, param_dtype=declared.param_dtype, compute_dtype=declared.param_dtype)
   return Model(params, model_config, tokenizer)
 
 
-def rollout_model(model: Model, config: TrainConfig):
-  """(params, model config) in `model.rollout_layout`'s layout: what the sampler runs (a copy
-  of the weights in the decoding layout on CPU; made once per run)."""
-  choice = config.model.rollout_layout
+def rollout_model(model: Model, config: TrainConfig, backbone: str = MAIN_BACKBONE):
+  """(params, model config) in `backbone`'s rollout_layout (model.rollout_layout for the main
+  one): what the sampler runs (a copy of the weights in the decoding layout on CPU; made
+  once per run)."""
+  choice = config.model.backbone(backbone).rollout_layout
   layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
             "training": layout_lib.TRAINING}[choice]
   fast = model.config.replace(layout=layout)

@@ -42,11 +42,40 @@ def _default(section, key):
   return next(f.default for f in dataclasses.fields(section) if f.name == key)
 
 
+# The backbone the model section's own keys (source, param_dtype, rollout_layout) declare: the
+# first backbone, every role's unless it names another (`team.roles.<name>.backbone`).
+MAIN_BACKBONE = "main"
+_BACKBONE_KEYS = ("source", "param_dtype", "rollout_layout")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackboneSection:
+  """A further base model of a heterogeneous team (`model.backbones.<name>.<key>`): roles that
+  name it (`team.roles.<role>.backbone`) run on it, with their own adapters and critic
+  heads; roles on one backbone share its one routed pass. The keys mean what the model
+  section's own do."""
+
+  name: str
+  source: str = "smollm2"
+  param_dtype: str = "float32"
+  rollout_layout: str = "auto"
+
+  def __post_init__(self):
+    if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+      raise ValueError(f"{self.name!r}: a backbone name uses letters, digits, '-' or '_'")
+    _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
+  # The main backbone (MAIN_BACKBONE), every role's by default:
   source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
   param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators
   rollout_layout: str = "auto"  # "auto" (layout.decoding()), "decoding" or "training"
+  # Further backbones by name (`model.backbones.<name>.source`, ...), for roles that name one
+  # (`team.roles.<role>.backbone`); () = a team on the main backbone alone, as before.
+  backbones: tuple[BackboneSection, ...] = ()
   # The update recomputes each layer's activations in its backward pass instead of storing
   # them (models.layout.Layout.remat): far less memory, about one more forward of compute.
   remat: bool = False
@@ -59,6 +88,13 @@ class ModelSection:
     precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
+    object.__setattr__(self, "backbones", tuple(sorted(self.backbones, key=lambda b: b.name)))
+
+  def backbone(self, name: str) -> BackboneSection:
+    """The backbone `name` (MAIN_BACKBONE: the section's own keys)."""
+    if name == MAIN_BACKBONE:
+      return BackboneSection(name, **{k: getattr(self, k) for k in _BACKBONE_KEYS})
+    return next(b for b in self.backbones if b.name == name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +170,8 @@ class RoleSection:
   max_new_tokens: int = 0  # 0: team.max_new_tokens (team.last_max_new_tokens if last in order)
   temperature: float = -1.0  # < 0: team.temperature
   top_p: float = 0.0  # 0: team.top_p
+  # The base model it runs on: a name of model.backbones; "" = the main one (model.source)
+  backbone: str = ""
 
   def __post_init__(self):
     if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -422,6 +460,29 @@ class TrainConfig:
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
     _check_task_keys(self.task)
+    _check_backbone_names(self.model, self.team)
+
+  @property
+  def role_backbones(self) -> dict[str, str]:
+    """{role name: the backbone it runs on} of the declared roles (a shipped team's roles, and
+    an orchestrator, run on the main backbone)."""
+    return {r.name: r.backbone or MAIN_BACKBONE for r in self.team.roles}
+
+  @property
+  def run_dtype(self) -> str:
+    """"bfloat16" if a backbone the run loads is, else "float32": what the dtype-dependent
+    "auto" keys (loss.behaviour_correction, loss.old_logp, model.matmul_precision) follow."""
+    dtypes = {self.model.backbone(n).param_dtype for n in self.used_backbones}
+    return "bfloat16" if "bfloat16" in dtypes else "float32"
+
+  @property
+  def used_backbones(self) -> tuple[str, ...]:
+    """The backbones some role runs on, the main one first if used, then by name: the models
+    a run loads."""
+    used = set(self.role_backbones.values()) or {MAIN_BACKBONE}
+    if self.team.graph == "orchestrator":
+      used.add(MAIN_BACKBONE)
+    return tuple(sorted(used, key=lambda n: (n != MAIN_BACKBONE, n)))
 
   @property
   def init_from_folders(self) -> list[str]:
@@ -455,11 +516,75 @@ def _check_task_keys(task: TaskSection) -> None:
                        f"only, not task.name={task.name!r}")
 
 
+def _check_backbone_names(model: ModelSection, team: TeamSection) -> None:
+  """Refuses a role naming a backbone that is not declared, and a declared backbone (or the
+  main one's keys, set) that no role runs on: a model loaded for nothing."""
+  declared = (MAIN_BACKBONE,) + tuple(b.name for b in model.backbones)
+  if MAIN_BACKBONE in declared[1:]:
+    raise ValueError(f"model.backbones.{MAIN_BACKBONE}: the name of the backbone model.source, "
+                     "model.param_dtype and model.rollout_layout declare; give a further "
+                     "backbone another name")
+  for role in team.roles:
+    if role.backbone and role.backbone not in declared:
+      raise ValueError(f"team.roles.{role.name}.backbone={role.backbone!r}: no such backbone; "
+                       f"declared: {list(declared)} (model.backbones.<name>, or "
+                       f"{MAIN_BACKBONE!r}: model.source's)")
+  used = {r.backbone or MAIN_BACKBONE for r in team.roles} or {MAIN_BACKBONE}
+  if team.graph == "orchestrator":
+    used.add(MAIN_BACKBONE)
+  for b in model.backbones:
+    if b.name not in used:
+      raise ValueError(f"model.backbones.{b.name}: no role runs on it (set "
+                       f"team.roles.<role>.backbone={b.name!r}, or remove it)")
+  if MAIN_BACKBONE not in used:
+    for key in _BACKBONE_KEYS:
+      if getattr(model, key) != _default(model, key):
+        raise ValueError(f"model.{key}={getattr(model, key)!r}: every role runs on a backbone "
+                         "of model.backbones, none on the main one this key sets")
+
+
 def preset(algorithm: str, **changes) -> TrainConfig:
   """The resolved `TrainConfig` of `algorithm` with `changes` (library use and tests; config
   files build an unresolved `TrainConfig(algorithm=...)`, so that `--config.algorithm`
   still chooses)."""
   return resolve(TrainConfig(algorithm=algorithm, **changes))
+
+
+def check_backbones(config: TrainConfig) -> None:
+  """Refuses, naming the key, what a team split over several backbones cannot run (of a
+  resolved config; one backbone: nothing). Replies pass between backbones as text, so each
+  turn is its own sequence (the per-agent view); an adapter, a critic and an orchestrator
+  live on one backbone each."""
+  used = config.used_backbones
+  if len(used) == 1:
+    return
+  where = f"with the roles on backbones {used}"
+  if config.rollout.context_mode != "per_agent":
+    raise ValueError(f"rollout.context_mode={config.rollout.context_mode!r} "
+                     f"(algorithm={config.algorithm!r}) {where}: one token stream cannot hold "
+                     "two vocabularies; use an algorithm of the per-agent view")
+  if config.team.graph == "orchestrator":
+    raise ValueError(f"team.graph='orchestrator' {where}: not supported (a chain or a DAG)")
+  if config.team.shared_adapter:
+    raise ValueError(f"team.shared_adapter=True {where}: an adapter fits one backbone")
+  by_backbone = config.role_backbones
+  shared = sorted({by_backbone[r.name] for r in config.team.roles if r.adapter == "shared"})
+  if len(shared) > 1:
+    raise ValueError(f"team.roles: adapter='shared' on roles of backbones {shared}: an "
+                     "adapter fits one backbone (share it within one)")
+  for name in used:
+    roles = [r for r in config.team.roles if (r.backbone or MAIN_BACKBONE) == name]
+    if all(r.adapter == "base" for r in roles):
+      raise ValueError(f"team.roles {[r.name for r in roles]}: every role on backbone "
+                       f"{name!r} has adapter='base': nothing on it would train")
+  if config.critic.mode == "shared":
+    raise ValueError(f"critic.mode='shared' {where}: use 'per_agent_head' or "
+                     "'per_agent_lora' (each role's critic lives on its backbone)")
+  unsupported = (("init_from", config.init_from, ""), ("reward.judge", config.reward.judge, False),
+                 ("eval_every", config.eval_every, 0))
+  for key, value, off in unsupported:
+    if value != off:
+      raise ValueError(f"{key}={value!r} {where}: not supported yet (issue 41)")
 
 
 def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
@@ -477,6 +602,9 @@ def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
   """
   if num_processes == 1:
     return
+  if len(config.used_backbones) > 1:
+    raise ValueError(f"team.roles on the backbones {config.used_backbones}: a team on several "
+                     "backbones trains in a single process")
   if config.reward.judge:
     raise ValueError("reward.judge=True: the LLM judge runs in a single process")
   if config.eval_every:

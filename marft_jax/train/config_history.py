@@ -154,6 +154,8 @@ ADDED: tuple[Added, ...] = (
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
     Added("advantage.jit_whitening", _whitening_before, "583b3f2", "2026-11-28 10:49",
           "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
+    Added("model.backbones", {}, "after the scan", "",
+          "one base model (model.source), every role on it"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
@@ -242,7 +244,7 @@ def fill_missing(saved: Mapping[str, Any]) -> dict:
   flat = flatten(saved)
   filled = copy.deepcopy(dict(saved))
   for entry in ADDED:
-    if entry.key in flat:
+    if entry.key in flat or any(k.startswith(entry.key + ".") for k in flat):  # a section's
       continue
     value = entry.before(flat) if callable(entry.before) else entry.before
     *sections, field = entry.key.split(".")
