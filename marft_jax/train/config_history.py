@@ -154,7 +154,7 @@ ADDED: tuple[Added, ...] = (
           "rollout in f32: the same numbers to ~1e-4 nats, but not the same bits)"),
     Added("advantage.jit_whitening", _whitening_before, "583b3f2", "2026-11-28 10:49",
           "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
-    Added("model.backbones", {}, "after the scan", "",
+    Added("model.backbones", {}, "23fc851", "2026-11-28 11:15",
           "one base model (model.source), every role on it"),
 )
 
