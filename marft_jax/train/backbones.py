@@ -39,7 +39,7 @@ from marft_jax.train import teams
 from marft_jax.train.advantages import compute_advantages, kl_rewards
 from marft_jax.train.batching import PADDING, TrainBatch, make_batch, padding_fields
 from marft_jax.train.batching import per_row_adapters
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config import MAIN_BACKBONE, TrainConfig
 from marft_jax.train.update import TrainState, make_update, prepare
 
 
@@ -79,7 +79,7 @@ def split_team(config: TrainConfig, team) -> Split:
   """The `Split` of `team` (`assembly.build_team`'s profiles, in order: a chain or a DAG)."""
   names = config.used_backbones
   roles, _ = teams.declared(config.team, config.task.name)
-  agent_backbone = tuple(names.index(r.backbone or "main") for r in roles)
+  agent_backbone = tuple(names.index(r.backbone or MAIN_BACKBONE) for r in roles)
   adapter_backbone = [-1] * config.num_adapters
   for agent, b in enumerate(agent_backbone):
     adapter = adapter_index(team, agent)
@@ -88,9 +88,20 @@ def split_team(config: TrainConfig, team) -> Split:
   return Split(names, agent_backbone, tuple(adapter_backbone))
 
 
-def load(config: TrainConfig) -> dict[str, assembly.Model]:
-  """{name: the loaded backbone} of every backbone a role runs on."""
-  return {name: assembly.load(config, name) for name in config.used_backbones}
+def load_models(config: TrainConfig):
+  """The run's base: one `assembly.Model` for a team on one backbone (as `assembly.load`),
+  else {name: Model} of every backbone a role runs on."""
+  names = config.used_backbones
+  if len(names) == 1:
+    return assembly.load(config, names[0])
+  return {name: assembly.load(config, name) for name in names}
+
+
+def role_bases(config: TrainConfig) -> dict[str, tuple[str, str]]:
+  """{role: (its backbone, that backbone's source)} of the config's team."""
+  roles, _ = teams.declared(config.team, config.task.name)
+  return {r.name: (r.backbone or MAIN_BACKBONE,
+                   config.model.backbone(r.backbone or MAIN_BACKBONE).source) for r in roles}
 
 
 # --- state ---------------------------------------------------------------------------------
@@ -131,10 +142,31 @@ def play(states: Mapping[str, TrainState], rng, iteration: int, *, envs, team, s
          weights: Mapping[str, tuple], models: Mapping[str, assembly.Model], split: Split,
          settings):
   """One rollout of the team (`rollout_backbones`), each backbone with its adapters."""
-  backbones = [Backbone(*weights[name], models[name].tokenizer, states[name].policy)
-               for name in split.names]
-  return rollout_backbones(envs, team, structure, backbones, split.agent_backbone,
-                           split.adapter_local, rng, config=settings, policy_version=iteration)
+  policies = {name: state.policy for name, state in states.items()}
+  return player(models, policies, team, structure, split, weights)(envs, rng, settings,
+                                                                   iteration)
+
+
+def player(models: Mapping[str, assembly.Model], policies, team, structure, split: Split,
+           weights: Mapping[str, tuple]):
+  """`fn(envs, rng, settings, policy_version=0)`: one rollout of `team` on its backbones
+  (sampler weights `weights`: `assembly.rollout_model`'s) with `policies` ({backbone:
+  adapters}; None: every agent the base)."""
+  backbones = [Backbone(*weights[name], models[name].tokenizer,
+                        None if policies is None else policies[name]) for name in split.names]
+
+  def play_all(envs, rng, settings, policy_version=0):
+    return rollout_backbones(envs, team, structure, backbones, split.agent_backbone,
+                             split.adapter_local, rng, config=settings,
+                             policy_version=policy_version)
+  return play_all
+
+
+def evaluation_player(config: TrainConfig, models: Mapping[str, assembly.Model], policies,
+                      team, structure):
+  """`player` for `evaluate.play`: the sampler's weights made here."""
+  weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
+  return player(models, policies, team, structure, split_team(config, team), weights)
 
 
 # --- batches -------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def _models(config: TrainConfig, given) -> Union[Model, dict]:
   `config.used_backbones`."""
   names = config.used_backbones
   if given is None:
-    return assembly.load(config, names[0]) if len(names) == 1 else backbones.load(config)
+    return backbones.load_models(config)
   if isinstance(given, Model):
     if len(names) > 1:
       raise ValueError(f"model: one base for a team on the backbones {list(names)}: pass "

@@ -33,6 +33,7 @@ from marft_jax.train import algorithms, assembly, backbones, loop, teams, update
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
+from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.batching import make_batch
 from tests.train import echo_config
 from tests.train.test_advantages import TurnSpec
@@ -378,3 +379,17 @@ def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(train
     with open(os.path.join(export, role, "adapter_config.json")) as f:
       bases[role] = json.load(f)["base_model_name_or_path"]
   assert bases == {"planner": "smol.gguf", "checker": "smollm2", "solver": "smollm2"}
+
+
+def test_an_evaluation_refuses_a_checkpoint_whose_backbones_differ_naming_the_role(trained):
+  """What launch.eval runs before it plays: the roles' backbones (name, source) must be the
+  ones the run trained on; the same config restores every backbone's adapters."""
+  config, models, workdir = trained["config"], trained["models"], trained["workdir"]
+  policies, step = evaluate_lib.restore_policy(config, models, workdir)
+  assert step == 2 and set(policies) == {"main", "smol"}
+  moved = dataclasses.replace(config, model=dataclasses.replace(config.model, backbones=(
+      config_lib.BackboneSection("smol", source="other.gguf"),)))
+  with pytest.raises(checkpoint_lib.CheckpointMismatchError,
+                     match=r"team\.roles\.planner\.backbone: saved \('smol', 'smol\.gguf'\), "
+                           r"now \('smol', 'other\.gguf'\)"):
+    evaluate_lib.restore_policy(moved, models, workdir)
