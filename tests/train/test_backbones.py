@@ -282,8 +282,8 @@ def test_a_team_on_one_declared_backbone_trains_bit_for_bit_as_before(tmp_path):
 @pytest.fixture(scope="module")
 def trained(smol_tokenizer, tmp_path_factory):
   """Token-level MARFT (advantages unwhitened, to compare with the reference) on the
-  planner (smol) → checker, solver (main) team: 2 iterations with a checkpoint after each,
-  the first iteration's advantages recorded."""
+  planner (smol) → checker, solver (main) team, agent by agent (one adapter an iteration):
+  2 iterations with a checkpoint after each, the first iteration's advantages recorded."""
   models = _trainer_models(smol_tokenizer)
   roles = (config_lib.RoleSection("planner", "Say it.", "Says.", backbone="smol"),
            config_lib.RoleSection("checker", "Check it.", "Checks."),
@@ -293,7 +293,8 @@ def trained(smol_tokenizer, tmp_path_factory):
       checkpoint_every=1, iterations=2,
       team=dataclasses.replace(split_config().team, roles=roles,
                                order="planner,checker,solver", num_roles=0),
-      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, normalize=False, **HOPS))
+      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, normalize=False, **HOPS),
+      optimizer=dataclasses.replace(split_config().optimizer, agent_iteration_interval=1))
   seen = []
   real = backbones.compute_advantages
 
@@ -393,3 +394,21 @@ def test_an_evaluation_refuses_a_checkpoint_whose_backbones_differ_naming_the_ro
                      match=r"team\.roles\.planner\.backbone: saved \('smol', 'smol\.gguf'\), "
                            r"now \('smol', 'other\.gguf'\)"):
     evaluate_lib.restore_policy(moved, models, workdir)
+
+
+def test_agent_by_agent_trains_one_adapter_an_iteration_across_the_backbones(trained):
+  """Adapters 0 (planner: smol's only), 1, 2 (checker, solver: main's 0 and 1): iteration 0
+  moves the planner's alone, iteration 1 the checker's alone."""
+  config, models, workdir = trained["config"], trained["models"], trained["workdir"]
+  template = backbones.new_states(config, models)
+  with checkpoint_lib.Checkpointer(workdir) as checkpointer:
+    after = [checkpointer.restore(template, step=step)[0] for step in (1, 2)]
+
+  def moved(states, name, local):
+    a = [np.asarray(x)[:, local] for x in jax.tree.leaves(states[name].policy.layers)]
+    b = [np.asarray(x)[:, local] for x in jax.tree.leaves(template[name].policy.layers)]
+    return any(not np.array_equal(x, y) for x, y in zip(a, b))
+
+  assert [moved(after[0], "smol", 0), moved(after[0], "main", 0), moved(after[0], "main", 1)] \
+      == [True, False, False]
+  assert [moved(after[1], "main", 0), moved(after[1], "main", 1)] == [True, False]
