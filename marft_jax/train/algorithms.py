@@ -128,7 +128,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
                                  rollout=rollout, team=team)
   _check_init_from(resolved)
   _check_read(resolved)
-  from marft_jax.train.config import check_backbones  # config.py imports this module
+  from marft_jax.train.backbones import check_backbones  # it imports this module
   check_backbones(resolved)
   return resolved
 

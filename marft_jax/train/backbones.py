@@ -15,7 +15,7 @@ A team on one backbone never comes here: `loop` runs it as it always has. With s
 
 State: {backbone name: `update.TrainState`} (its adapters, its per-agent critic, their
 optimizer states), checkpointed as one tree. A backbone's critic is per agent (the config
-refuses a shared one, `config.check_backbones`): a successor's first-token value, read at
+refuses a shared one, `check_backbones`): a successor's first-token value, read at
 its own row, comes from the critic on its own backbone.
 """
 
@@ -73,6 +73,43 @@ class Split:
   def agent_local(self) -> tuple[int, ...]:
     """[agents] each agent id's index among its backbone's agents."""
     return tuple(self.agents(b).index(a) for a, b in enumerate(self.agent_backbone))
+
+
+def check_backbones(config: TrainConfig) -> None:
+  """Refuses, naming the key, what a team split over several backbones cannot run (of a
+  resolved config; one backbone: nothing). Replies pass between backbones as text, so each
+  turn is its own sequence (the per-agent view); an adapter, a critic and an orchestrator
+  live on one backbone each."""
+  used = config.used_backbones
+  if len(used) == 1:
+    return
+  where = f"with the roles on backbones {used}"
+  if config.rollout.context_mode != "per_agent":
+    raise ValueError(f"rollout.context_mode={config.rollout.context_mode!r} "
+                     f"(algorithm={config.algorithm!r}) {where}: one token stream cannot hold "
+                     "two vocabularies; use an algorithm of the per-agent view")
+  if config.team.graph == "orchestrator":
+    raise ValueError(f"team.graph='orchestrator' {where}: not supported (a chain or a DAG)")
+  if config.team.shared_adapter:
+    raise ValueError(f"team.shared_adapter=True {where}: an adapter fits one backbone")
+  by_backbone = config.role_backbones
+  shared = sorted({by_backbone[r.name] for r in config.team.roles if r.adapter == "shared"})
+  if len(shared) > 1:
+    raise ValueError(f"team.roles: adapter='shared' on roles of backbones {shared}: an "
+                     "adapter fits one backbone (share it within one)")
+  for name in used:
+    roles = [r for r in config.team.roles if (r.backbone or MAIN_BACKBONE) == name]
+    if all(r.adapter == "base" for r in roles):
+      raise ValueError(f"team.roles {[r.name for r in roles]}: every role on backbone "
+                       f"{name!r} has adapter='base': nothing on it would train")
+  if config.critic.mode == "shared":
+    raise ValueError(f"critic.mode='shared' {where}: use 'per_agent_head' or "
+                     "'per_agent_lora' (each role's critic lives on its backbone)")
+  unsupported = (("init_from", config.init_from, ""), ("reward.judge", config.reward.judge, False),
+                 ("eval_every", config.eval_every, 0))
+  for key, value, off in unsupported:
+    if value != off:
+      raise ValueError(f"{key}={value!r} {where}: not supported yet (issue 41)")
 
 
 def split_team(config: TrainConfig, team) -> Split:

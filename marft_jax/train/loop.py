@@ -316,7 +316,7 @@ def _export(checkpointer, step, state, *, config):
 
 def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
   """`_build` of a team on several backbones (`train.backbones`; one process, no judge, no
-  held-out evaluation during training: `config.check_backbones`): one state, learner and
+  held-out evaluation during training: `backbones.check_backbones`): one state, learner and
   sampler copy per backbone. The state is {backbone name: TrainState}."""
   models = {name: _with_remat(m, config.model.remat) for name, m in models.items()}
   team, structure = assembly.build_team(config)
