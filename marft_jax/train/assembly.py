@@ -37,7 +37,7 @@ from marft_jax.train import optim
 from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
-from marft_jax.train.config import MAIN_BACKBONE, SANDBOX_TASKS, TrainConfig
+from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
 from marft_jax.train.update import TrainState
 
 
@@ -321,19 +321,20 @@ def rollout_settings(config: TrainConfig) -> RolloutConfig:
                        transition=config.team.transition or RolloutConfig.transition)
 
 
-def load(config: TrainConfig, backbone: str = MAIN_BACKBONE) -> Model:
-  """The base model of `backbone` (the main one: model.source, param_dtype)."""
-  declared = config.model.backbone(backbone)
+def load(config: TrainConfig, backbone: Optional[str] = None) -> Model:
+  """The base model of `backbone` (default: the roles' first, `used_backbones`; the main
+  one: model.source, param_dtype)."""
+  declared = config.model.backbone(backbone or config.used_backbones[0])
   params, model_config, tokenizer = loading.load_model(
       declared.source, param_dtype=declared.param_dtype, compute_dtype=declared.param_dtype)
   return Model(params, model_config, tokenizer)
 
 
-def rollout_model(model: Model, config: TrainConfig, backbone: str = MAIN_BACKBONE):
-  """(params, model config) in `backbone`'s rollout_layout (model.rollout_layout for the main
-  one): what the sampler runs (a copy of the weights in the decoding layout on CPU; made
-  once per run)."""
-  choice = config.model.backbone(backbone).rollout_layout
+def rollout_model(model: Model, config: TrainConfig, backbone: Optional[str] = None):
+  """(params, model config) in `backbone`'s rollout_layout (default: the roles' first
+  backbone's; model.rollout_layout for the main one): what the sampler runs (a copy of the
+  weights in the decoding layout on CPU; made once per run)."""
+  choice = config.model.backbone(backbone or config.used_backbones[0]).rollout_layout
   layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
             "training": layout_lib.TRAINING}[choice]
   fast = model.config.replace(layout=layout)

@@ -130,7 +130,7 @@ def load_models(config: TrainConfig):
   else {name: Model} of every backbone a role runs on."""
   names = config.used_backbones
   if len(names) == 1:
-    return assembly.load(config, names[0])
+    return assembly.load(config)
   return {name: assembly.load(config, name) for name in names}
 
 

@@ -267,16 +267,29 @@ def test_a_team_on_one_declared_backbone_trains_bit_for_bit_as_before(tmp_path):
   config = echo_config.echo_config("marft_t", num_envs=4, iterations=2)
   before = _digest(str(tmp_path / "a"), loop.train(config, str(tmp_path / "a"), model=model,
                                                    progress=False))
-  roles = tuple(dataclasses.replace(r, backbone="solo")
-                for r in teams.shipped("echo", 2)["roles"])
-  declared = dataclasses.replace(
-      config, team=dataclasses.replace(config.team, roles=roles, order="helper0,repeater"),
-      model=dataclasses.replace(config.model, source="smollm2", backbones=(
-          config_lib.BackboneSection("solo", source="tiny"),)))
+  declared = _on_one_backbone(config, source="tiny")
   assert declared.used_backbones == ("solo",)
   after = _digest(str(tmp_path / "b"), loop.train(declared, str(tmp_path / "b"),
                                                   model={"solo": model}, progress=False))
   assert before == after == MAIN_DIGEST
+
+
+def _on_one_backbone(config, **backbone):
+  roles = tuple(dataclasses.replace(r, backbone="solo")
+                for r in teams.shipped("echo", 2)["roles"])
+  return dataclasses.replace(
+      config, team=dataclasses.replace(config.team, roles=roles, order="helper0,repeater"),
+      model=dataclasses.replace(config.model, backbones=(
+          config_lib.BackboneSection("solo", **backbone),)))
+
+
+def test_a_team_on_one_declared_backbone_samples_in_that_backbones_layout():
+  model = echo_config.tiny_trainer_model(num_layers=1)
+  config = _on_one_backbone(echo_config.echo_config("marft_a"), source="tiny",
+                            rollout_layout="training")
+  assert assembly.rollout_model(model, config)[1].layout == layout.TRAINING
+  assert assembly.rollout_model(model, echo_config.echo_config("marft_a"))[1].layout == \
+      layout.decoding()
 
 
 @pytest.fixture(scope="module")
