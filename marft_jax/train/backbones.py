@@ -264,10 +264,11 @@ class Learner:
 
 
 def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split, mesh,
-             states: Mapping[str, TrainState], policy_optimizer, critic_optimizer,
-             turns_per_agent: int, state_shardings) -> list[Learner]:
+             policy_optimizer, critic_optimizer, turns_per_agent: int,
+             state_shardings: Mapping[str, Any]) -> list[Learner]:
   """A `Learner` per backbone, in `split.names` order. `turns_per_agent`: the rows one agent
-  fills in an episode (its turns: one per env step)."""
+  fills in an episode (its turns: one per env step); `state_shardings`: each backbone's
+  state's (`lora.follow_adapters`), kept by its update."""
   out = []
   multiple = config.optimizer.minibatches * sharding.batch_shards(mesh)
   for b, name in enumerate(split.names):
@@ -383,4 +384,5 @@ def export(checkpointer, step: int, states: Mapping[str, TrainState], config: Tr
     adapters = multihost.to_host(states[name].policy)
     groups.append((adapters, [names[a] for a in split.adapters(b)],
                    config.model.backbone(name).source))
-  checkpointer.export_peft_groups(step, groups)
+  if multihost.is_primary():
+    checkpointer.export_peft_groups(step, groups)

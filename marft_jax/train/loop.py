@@ -86,10 +86,9 @@ def train(config: TrainConfig, workdir: str,
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one), or {backbone name: its base} for a team on several backbones (issue 41,
   `train.backbones`); default: loaded from `config.model`. `reward_fn(episode, team)`: your
-  reward on each
-  whole episode (`rollout.rewards`); default: the function `config.reward.fn` names. The config
-  is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
-  refused)."""
+  reward on each whole episode (`rollout.rewards`); default: the function `config.reward.fn`
+  names. The config is resolved first (`algorithms.resolve`: the algorithm's keys filled in,
+  contradictions refused)."""
   config = algorithms.resolve(config)
   finished = finished_run_metrics(config, workdir)
   if finished is not None:
@@ -325,7 +324,7 @@ def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
   state = backbones.init_states(config, models, split, policy_optimizer, critic_optimizer)
   state_shardings = {name: lora_lib.follow_adapters(mesh, s) for name, s in state.items()}
   state = jax.device_put(state, state_shardings)
-  learners = backbones.learners(config, models, split, mesh, state, policy_optimizer,
+  learners = backbones.learners(config, models, split, mesh, policy_optimizer,
                                 critic_optimizer, config.task.horizon, state_shardings)
   envs = assembly.build_envs(config, team, seed=config.seed)
   learn = functools.partial(
