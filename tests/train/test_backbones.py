@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -425,3 +426,47 @@ def test_agent_by_agent_trains_one_adapter_an_iteration_across_the_backbones(tra
   assert [moved(after[0], "smol", 0), moved(after[0], "main", 0), moved(after[0], "main", 1)] \
       == [True, False, False]
   assert [moved(after[1], "main", 0), moved(after[1], "main", 1)] == [True, False]
+
+
+def test_grpo_normalises_the_team_chains_returns_per_role_across_backbones(trained):
+  """GRPO on the split team (one group of 4 episodes of one task): each turn's advantage is
+  its Monte Carlo return along the team's chain (the reference with every value 0, λ = 1),
+  normalised over its role's turns in the group; both backbones train."""
+  base = trained["config"]
+  config = split_config(
+      "grpo", rollout=dataclasses.replace(base.rollout, num_envs=4, group_size=0),
+      iterations=1, checkpoint_every=1000, team=base.team,
+      optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=0))
+  seen = []
+  real = backbones.compute_advantages
+
+  def record(batch, episodes, *args, **kwargs):
+    seen.append((batch, episodes, real(batch, episodes, *args, **kwargs)))
+    return seen[-1][2]
+
+  with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as workdir:
+    patch.setattr(backbones, "compute_advantages", record)
+    metrics = loop.train(config, workdir, model=trained["models"], progress=False)
+  batch, episodes, out = seen[0]
+  a = config.advantage
+  hops = dict(gamma=a.gamma, lambda_=a.lambda_,  # None across turns: the env steps'
+              gamma_agent=a.gamma if a.gamma_agent is None else a.gamma_agent,
+              lambda_agent=a.lambda_ if a.lambda_agent is None else a.lambda_agent,
+              gamma_token=a.gamma_token,
+              lambda_token=a.lambda_token, credit_discount=a.credit_discount)
+  assert (hops["lambda_"], hops["lambda_agent"]) == (1.0, 1.0)
+  returns, got = np.zeros((4, 3)), np.zeros((4, 3))
+  rows = iter(range(batch.tokens.shape[0]))
+  for e, episode in enumerate(episodes):
+    turns = []
+    for sequence in episode.sequences:
+      row, span = next(rows), sequence.spans[0]
+      turns.append(TurnSpec(span.env_step, span.agent, 1, [0.0]))
+      got[e, span.agent] = out.turn_advantage[row, 0]
+    want = reference_advantages(turns, closure(3, [(0, 1), (1, 2)]), episode.rewards,
+                                episode.dones, a.credit, "action", hops=hops)
+    returns[e] = [w[0] for w in want]
+  expected = (returns - returns.mean(0)) / (returns.std(0) + 1e-5)
+  np.testing.assert_allclose(got, expected, atol=1e-4)
+  assert metrics["backbone/smol/policy_grad_norm"] > 0
+  assert metrics["backbone/main/policy_grad_norm"] > 0
