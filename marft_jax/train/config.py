@@ -460,7 +460,7 @@ class TrainConfig:
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
     _check_task_keys(self.task)
-    _check_backbone_names(self.model, self.team)
+    _check_backbone_names(self)
 
   @property
   def role_backbones(self) -> dict[str, str]:
@@ -516,9 +516,10 @@ def _check_task_keys(task: TaskSection) -> None:
                        f"only, not task.name={task.name!r}")
 
 
-def _check_backbone_names(model: ModelSection, team: TeamSection) -> None:
+def _check_backbone_names(config: TrainConfig) -> None:
   """Refuses a role naming a backbone that is not declared, and a declared backbone (or the
   main one's keys, set) that no role runs on: a model loaded for nothing."""
+  model, team = config.model, config.team
   declared = (MAIN_BACKBONE,) + tuple(b.name for b in model.backbones)
   if MAIN_BACKBONE in declared[1:]:
     raise ValueError(f"model.backbones.{MAIN_BACKBONE}: the name of the backbone model.source, "
@@ -529,9 +530,7 @@ def _check_backbone_names(model: ModelSection, team: TeamSection) -> None:
       raise ValueError(f"team.roles.{role.name}.backbone={role.backbone!r}: no such backbone; "
                        f"declared: {list(declared)} (model.backbones.<name>, or "
                        f"{MAIN_BACKBONE!r}: model.source's)")
-  used = {r.backbone or MAIN_BACKBONE for r in team.roles} or {MAIN_BACKBONE}
-  if team.graph == "orchestrator":
-    used.add(MAIN_BACKBONE)
+  used = config.used_backbones
   for b in model.backbones:
     if b.name not in used:
       raise ValueError(f"model.backbones.{b.name}: no role runs on it (set "
