@@ -23,12 +23,15 @@ averaged over the iterations after the first `--warmup` (which compile):
                             `_checkpoint`: Orbax, the PEFT export, the learning curve)
                             ÷ checkpoint_every (the default job's 10), ÷ iteration_s
   update_s                  the loop's time/update_s (prepare + advantages + update)
+  update_row_length         the batch's T (`optimizer.row_length_step`), update_fill its
+                            share of real tokens
   update_useful_fraction    useful FLOPs ÷ (update_s × the matmul peak measured in this run)
   update_jit_useful_fraction  the same over the jitted update's time alone
 
-`--compare` runs the same iterations (same seeds, so the same first rollout) with
-loss.old_logp=recompute first, prints its figures prefixed `recompute_`, and the ratios
-`iteration_net_ratio_vs_recompute` and `update_ratio_vs_recompute`.
+`--compare` runs the same iterations (same seeds, so the same first rollout) with the trainer
+before issue 42 first (loss.old_logp=recompute, optimizer.row_length_step=64), prints its
+figures prefixed `recompute_`, and the ratios `iteration_net_ratio_vs_recompute` and
+`update_ratio_vs_recompute`.
 
 Useful FLOPs of an iteration's update, counted from the model config (N_L: the parameters of
 the transformer layers' matmuls, N_H = V·D those of the output projection; tokens: the batch's
@@ -54,6 +57,7 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration                              # SmolLM2, 3 iterations
     python -m bench.iteration --old_logp=recompute         # π_old recomputed, as before
     python -m bench.iteration --compare                    # both, in one process: the ratios
+    python -m bench.iteration --row_length_step=64         # rows padded as before
     python -m bench.iteration --tiny                       # seconds; the figures mean nothing
 """
 
@@ -83,15 +87,18 @@ _ITERATIONS = flags.DEFINE_integer("iterations", 3, "iterations run (the first -
 _WARMUP = flags.DEFINE_integer("warmup", 1, "iterations left out of the averages")
 _OLD_LOGP = flags.DEFINE_enum("old_logp", "auto", list(OLD_LOGPS), "loss.old_logp")
 _NUM_ENVS = flags.DEFINE_integer("num_envs", 0, "rollout.num_envs (0: the default job's)")
-_COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations with "
-                               "loss.old_logp=recompute first (today's π_old), and print the "
-                               "ratios of the two")
+_ROW_STEP = flags.DEFINE_integer("row_length_step", 0, "optimizer.row_length_step (0: the "
+                                 "default job's)")
+_COMPARE = flags.DEFINE_bool("compare", False, "also run the same iterations with the trainer "
+                               "before issue 42 first (loss.old_logp=recompute, "
+                               "optimizer.row_length_step=64), and print the ratios of the two")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed matmuls for the peak (best kept)")
 
 
-def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int) -> TrainConfig:
+def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
+                   row_length_step: int = 0) -> TrainConfig:
   """The default job's config (launch/configs/train.py) without its held-out evaluations;
-  `tiny`: 2 episodes of 4 + 4 new tokens."""
+  `tiny`: 2 episodes of 4 + 4 new tokens; `row_length_step` 0: the default's."""
   from launch.configs import train as default_file
   config = from_config_dict(TrainConfig, default_file.get_config())
   changes = dict(iterations=iterations, eval_every=0,
@@ -100,6 +107,9 @@ def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int) ->
     changes.update(team=dataclasses.replace(config.team, max_new_tokens=4,
                                             last_max_new_tokens=4),
                    rollout=dataclasses.replace(config.rollout, num_envs=2))
+  if row_length_step:
+    changes["optimizer"] = dataclasses.replace(config.optimizer,
+                                               row_length_step=row_length_step)
   if num_envs:
     changes["rollout"] = dataclasses.replace(changes.get("rollout", config.rollout),
                                              num_envs=num_envs)
@@ -136,6 +146,7 @@ class Probe:
       extras = jax.block_until_ready(real(params, policy, batch, *args, **kwargs))
       shared, tokens = shared_prefix_tokens(batch)
       self.rows.append(dict(prepare_s=time.perf_counter() - start, tokens=tokens,
+                            row_length=batch.tokens.shape[1], slots=batch.tokens.size,
                             decisions=float(np.asarray(batch.act_mask).sum()),
                             shared_prefix=shared))
       return extras
@@ -208,6 +219,8 @@ def figures(config: TrainConfig, model: assembly.Model) -> dict:
       "rollout_s": mean("time/rollout_s"), "update_s": update_s, "prepare_s": prepare_s,
       "update_jit_s": jit_s, "update_tokens": mean("tokens"),
       "update_decisions": mean("decisions"), "update_useful_gflop": flops / 1e9,
+      # the batch's row length T and its share of real tokens (the rest is padding)
+      "update_row_length": mean("row_length"), "update_fill": mean("tokens") / mean("slots"),
       "update_useful_fraction": flops / update_s,
       "update_jit_useful_fraction": flops / jit_s,
       "shared_prefix_fraction": mean("shared_prefix") / mean("tokens"),
@@ -224,14 +237,17 @@ def main(argv):
   probe = dict(n=256) if tiny else {}
   emit("machine_load_avg_1m_start", os.getloadavg()[0])  # others' work on a shared host
   peak = matmul_peak(repeats, **probe)
-  config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value)
+  config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value,
+                          _ROW_STEP.value)
   model = load_model(tiny, config)
   # The peak is measured again after the runs, the higher kept (another process may have
   # held a core during one measurement).
   runs = []
-  if _COMPARE.value:  # today's trainer first: the same episodes (same seeds), π_old recomputed
+  if _COMPARE.value:  # the trainer before issue 42 first: the same episodes (same seeds),
+    # π_old recomputed, rows padded to multiples of 64
     runs.append(("recompute_", dataclasses.replace(
-        config, loss=dataclasses.replace(config.loss, old_logp="recompute"))))
+        config, loss=dataclasses.replace(config.loss, old_logp="recompute"),
+        optimizer=dataclasses.replace(config.optimizer, row_length_step=64))))
   runs.append(("", config))
   measured = [(prefix, c, figures(c, model)) for prefix, c in runs]
   peak = max(peak, matmul_peak(repeats, **probe))
@@ -239,6 +255,7 @@ def main(argv):
   emit("machine_matmul_2048_gflop_s", peak / 1e9)
   for prefix, c, f in measured:
     emit(f"{prefix}old_logp", c.loss.old_logp)
+    emit(f"{prefix}row_length_step", c.optimizer.row_length_step)
     for name, value in f.items():
       emit(prefix + name, value / peak if "useful_fraction" in name else value)
   if _COMPARE.value:

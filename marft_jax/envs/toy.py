@@ -22,8 +22,8 @@ class EchoEnv(Environment):
 
   The wording is short on purpose: with the echo team's prompts, the last agent's row
   (byte-level tiny tokenizer, an earlier 3-token reply re-encoded to up to 9 bytes) stays
-  within the update's smallest length bucket (64 tokens; `batching.bucket_length`), which
-  halves the cost of every trainer test's update against the next bucket (128)."""
+  within 64 tokens, a row length of `batching.row_length` at every step up to 64, which
+  halves the cost of every trainer test's update against 128 (step 64's next length)."""
 
   def __init__(self, graded: Sequence[str], high: int = 10):
     self.graded, self.high = tuple(graded), int(high)

@@ -298,7 +298,8 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
   computed once over the whole team (as on one backbone), then each backbone updates over its
   rows. Returns (new states, the backbones' metrics (`merge_metrics`), the team's batch, the
   KL rewards or None)."""
-  batch = jax.tree.map(np.asarray, make_batch(kept, 0, reply_budgets=reply_budgets))
+  batch = jax.tree.map(np.asarray, make_batch(
+      kept, 0, reply_budgets=reply_budgets, row_length_step=config.optimizer.row_length_step))
   owner = row_backbones(kept, split)
   placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
   read = multihost.to_host

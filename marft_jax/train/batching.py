@@ -1,9 +1,9 @@
 """From episode records to the padded arrays one jitted update trains on.
 
 Every `TokenSequence` of every kept episode becomes one row of a [B, T] batch (right-padded,
-T bucketed so the update compiles a few times per run). The learner works in the action
-frame: position t is the decision that emits token t+1 (its logits predict it), so every
-per-decision array here is shifted by one from the records' per-token arrays.
+T bucketed so the update compiles a few times per run: `row_length`). The learner works in
+the action frame: position t is the decision that emits token t+1 (its logits predict it), so
+every per-decision array here is shifted by one from the records' per-token arrays.
 
 The learner needs logits only at the trained decisions: `act_positions` lists them row by row
 (P, the most of any row, bucketed), so the vocabulary projection, a fifth of the model's
@@ -27,6 +27,9 @@ from marft_jax.models.sampler_plan import bucket
 from marft_jax.rollout.episode import Episode
 
 MIN_LENGTH_BUCKET = 64
+# `row_length`'s steps (`optimizer.row_length_step`), and the longest row it rounds to one.
+ROW_LENGTH_STEPS = (8, 16, 32, 64, 128, 256)
+FINE_ROW_LENGTH = 256
 POSITION_WIDTHS = 8  # trained-position widths P per row length T (`act_positions`)
 
 
@@ -95,8 +98,14 @@ def padding_fields(num_rows: int, T: int, K: int, P: int, pad_id: int) -> dict[s
 
 
 def positions_width(n: int, T: int) -> int:
-  """n ≤ T positions rounded up to a multiple of max(T // POSITION_WIDTHS, 1), at most T."""
+  """n ≤ T positions rounded up to a multiple of max(T // POSITION_WIDTHS, 1), that step
+  rounded down to a multiple of 8 above 8, at most T. The rounding keeps a step of 16 at
+  T = 160 (`row_length` at step 32), where 20 padded the default job's 48-token replies to
+  60 positions; every T of step 64's rule has a multiple of 8 already (its widths and bits
+  unchanged)."""
   step = max(T // POSITION_WIDTHS, 1)
+  if step > 8:
+    step -= step % 8
   return min(-(-max(int(n), 1) // step) * step, T)
 
 
@@ -109,6 +118,26 @@ def bucket_length(n: int, minimum: int = MIN_LENGTH_BUCKET) -> int:
   if n <= 4 * minimum:
     return -(-n // minimum) * minimum
   return bucket(n, 4 * minimum, per_octave=2)
+
+
+def row_length(n: int, step: int = MIN_LENGTH_BUCKET) -> int:
+  """The update's row length T for a longest row of n tokens: a multiple of `step` up to
+  `FINE_ROW_LENGTH` (256), then half octaves (384, 512, 768, …; `sampler_plan.bucket`).
+
+  Every padding column costs the update and `prepare` a full column of forward (and
+  backward) work: the default job's longest rows (reasoner → actor, SmolLM2) reach 148-160
+  tokens with every reply at its budget, which step 64 pads to 192 (the batch 63-70 % real
+  tokens) and step 32 to 160 (75-83 %), for at most one more compile an extra step crosses.
+  Step 64 is `bucket_length`'s rule, the only one before `optimizer.row_length_step`: the
+  padding changes the f32 rounding of the real tokens' activations (2e-6 in the tiny model's
+  critic hidden states at T = 160 against 192), so old checkpoints resume with 64.
+  """
+  if step not in ROW_LENGTH_STEPS:
+    raise ValueError(f"row_length_step={step!r}: use one of {ROW_LENGTH_STEPS}")
+  n = max(int(n), 1)
+  if n <= FINE_ROW_LENGTH:
+    return -(-n // step) * step
+  return bucket(n, FINE_ROW_LENGTH, per_octave=2)
 
 
 def act_positions(act_mask: np.ndarray, at_least: int = 0) -> np.ndarray:
@@ -186,8 +215,8 @@ def _array_module(*arrays):
 
 
 def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
-               max_turns: int = 0, reply_budgets: Optional[Sequence[int]] = None
-               ) -> TrainBatch:
+               max_turns: int = 0, reply_budgets: Optional[Sequence[int]] = None,
+               row_length_step: int = MIN_LENGTH_BUCKET) -> TrainBatch:
   """Stacks the sequences of `episodes` (dropped ones excluded by the caller) into a batch.
 
   Args:
@@ -200,13 +229,14 @@ def make_batch(episodes: Sequence[Episode], pad_id: int, num_rows: int = 0,
       the rows as long as they would be had every reply used its whole budget
       (`budgeted_widths`), so reply lengths do not change the update's shapes. None: from
       the rows as they are.
+    row_length_step: T is a multiple of it (`row_length`; `optimizer.row_length_step`).
   """
   rows = [(e, s.arrays(), s.spans) for e, ep in enumerate(episodes) for s in ep.sequences]
   if not rows:
     raise ValueError("no sequences to train on (every episode was dropped?)")
   B = max(num_rows, len(rows))
   length, positions = budgeted_widths(episodes, reply_budgets)
-  T = bucket_length(length)
+  T = row_length(length, row_length_step)
   K = max(max_turns, max(len(spans) for _, _, spans in rows), 1)
   b = padding_fields(B, T, K, 0, pad_id)  # P is known once the rows are in
   for r, (e, a, spans) in enumerate(rows):

@@ -24,6 +24,7 @@ from marft_jax.rollout.runner import CONTEXT_MODES
 from marft_jax.sharding import check_mesh_sizes
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.algorithms import ALGORITHMS, resolve
+from marft_jax.train.batching import ROW_LENGTH_STEPS
 from marft_jax.train.critic import MODES as CRITIC_MODES
 from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
@@ -369,6 +370,12 @@ class OptimizerSection:
   # at 19 GB (docs/results.md), in 4 at about a quarter of that.
   minibatches: int = 4
   agent_iteration_interval: int = 0  # K > 0: only agent (iteration // K) % N trains
+  # The update's rows are padded to a multiple of this many tokens (up to 256, then half
+  # octaves; `batching.row_length`): 8, 16, 32, 64, 128 or 256. Smaller pads less (each
+  # padding column costs a column of forward and backward) and may compile once more when
+  # the longest row crosses a step. 64 was the only rule before this key: the padding
+  # changes the f32 rounding, so checkpoints written before it resume with 64.
+  row_length_step: int = 32
 
   def __post_init__(self):
     check_positive("lr", self.lr)
@@ -378,6 +385,8 @@ class OptimizerSection:
     check_int("epochs", self.epochs, 1)
     check_int("minibatches", self.minibatches, 1)
     check_int("agent_iteration_interval", self.agent_iteration_interval, 0)
+    check_int("row_length_step", self.row_length_step)
+    _one_of("row_length_step", self.row_length_step, ROW_LENGTH_STEPS)
 
 
 @dataclasses.dataclass(frozen=True)

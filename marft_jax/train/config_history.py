@@ -156,6 +156,9 @@ ADDED: tuple[Added, ...] = (
           "the whitening ran op by op before df0626f (2026-11-26 22:35), jitted since"),
     Added("model.backbones", {}, "23fc851", "2026-11-28 11:15",
           "one base model (model.source), every role on it"),
+    Added("optimizer.row_length_step", 64, "5e545ff", "2026-11-28 11:20",
+          "the update's rows were padded to a multiple of 64 tokens up to 256 (32 pads less, "
+          "and the padding changes the f32 rounding of the real tokens' activations)"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)

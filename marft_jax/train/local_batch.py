@@ -20,7 +20,8 @@ import numpy as np
 
 from marft_jax import multihost
 from marft_jax.rollout.episode import Episode
-from marft_jax.train.batching import TrainBatch, make_batch, padding_fields
+from marft_jax.train.batching import (MIN_LENGTH_BUCKET, TrainBatch, make_batch,
+                                      padding_fields)
 
 def widths(batch: Optional[TrainBatch]) -> tuple[int, int, int]:
   """(T, K, P) of a batch; zeros for none."""
@@ -41,11 +42,13 @@ def pad_batch(batch: Optional[TrainBatch], num_rows: int, T: int, K: int, P: int
   return TrainBatch(**fields)
 
 
-def local_block(episodes: Sequence[Episode], pad_id: int, num_rows: int) -> TrainBatch:
+def local_block(episodes: Sequence[Episode], pad_id: int, num_rows: int,
+                row_length_step: int = MIN_LENGTH_BUCKET) -> TrainBatch:
   """This process's [num_rows, ...] block of the global batch, from its own episodes, padded
   to the widths every process agreed on (a collective: every process calls it, with or
-  without episodes)."""
-  batch = make_batch(episodes, pad_id, num_rows=num_rows) if episodes else None
+  without episodes). `row_length_step`: `make_batch`'s."""
+  batch = make_batch(episodes, pad_id, num_rows=num_rows,
+                     row_length_step=row_length_step) if episodes else None
   if batch is not None and batch.tokens.shape[0] != num_rows:
     raise ValueError(f"{batch.tokens.shape[0]} rows of sequences do not fit this process's "
                      f"block of {num_rows} rows")

@@ -377,12 +377,14 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
   this process's episodes (maybe none); it builds, places and reads back only its block of
   the rows, and the batch-wide numbers are reduced over the processes."""
   if layout is None:
-    batch = jax.tree.map(np.asarray, make_batch(kept, pad_id, num_rows=num_rows,
-                                                reply_budgets=reply_budgets))
+    batch = jax.tree.map(np.asarray, make_batch(
+        kept, pad_id, num_rows=num_rows, reply_budgets=reply_budgets,
+        row_length_step=config.optimizer.row_length_step))
     placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
     read, blocks = multihost.to_host, None
   else:
-    batch = local_batch.local_block(kept, pad_id, num_rows // layout.processes)
+    batch = local_batch.local_block(kept, pad_id, num_rows // layout.processes,
+                                    config.optimizer.row_length_step)
     placed = lambda b: jax.tree.map(layout.put, b)
     read, blocks = layout.get, Blocks(jax.process_index())
   batch = _per_row_adapters(batch, layout)

@@ -1,5 +1,6 @@
-"""`act_positions`' widths; `per_row_adapters`: when it may switch to per-row adapter ids, and
-that the update it feeds computes exactly what per-token ids compute."""
+"""`act_positions`' widths; the rows' length buckets (`row_length`, and the trainer passing it
+`optimizer.row_length_step`); `per_row_adapters`: when it may switch to per-row adapter ids,
+and that the update it feeds computes exactly what per-token ids compute."""
 
 import jax
 import jax.numpy as jnp
@@ -10,9 +11,12 @@ import pytest
 from bench.update import turn_batch
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train.batching import (act_positions, bucket_length, per_row_adapters,
-                                      positions_width)
+from marft_jax.train import assembly, batching, loop
+from marft_jax.train.config import OptimizerSection
+from marft_jax.train.batching import (ROW_LENGTH_STEPS, act_positions, bucket_length,
+                                      per_row_adapters, positions_width, row_length)
 from marft_jax.train.update import LossConfig, TrainState, make_update, prepare
+from tests.train.echo_config import echo_config
 from tests.train.nonzero_adapters import nonzero_adapters
 
 ROWS, PROMPT, REPLY = 4, 8, 8
@@ -30,9 +34,17 @@ def _padded_batch(vocab):
 
 @pytest.mark.parametrize("n, T, width", [
     (96, 256, 96), (97, 256, 128), (1, 256, 32), (0, 256, 32), (256, 256, 256),
-    (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16)])
+    (200, 512, 256), (5, 12, 5), (12, 12, 12), (9, 64, 16), (48, 160, 48), (49, 160, 64),
+    (9, 96, 16), (3, 32, 4), (25, 224, 48)])
 def test_positions_width_rounds_up_to_an_eighth_of_the_length(n, T, width):
   assert positions_width(n, T) == width
+
+
+def test_positions_width_is_unchanged_at_the_row_lengths_before_row_length_step():
+  """At every T of step 64's rule (old checkpoints' batches), a multiple of T/8 as before."""
+  for T in sorted({row_length(n, 64) for n in range(1, 8193)}):
+    for n in range(T + 1):
+      assert positions_width(n, T) == min(-(-max(n, 1) // (T // 8)) * (T // 8), T), (n, T)
 
 
 @pytest.mark.parametrize("n, minimum, width", [
@@ -48,6 +60,53 @@ def test_bucket_length_pads_a_row_by_less_than_a_third_above_four_minimums():
   widths = [bucket_length(n) for n in range(257, 8193)]
   assert all(w >= n and (w - n) / w < 1 / 3 for n, w in zip(range(257, 8193), widths))
   assert len(set(widths)) == 2 * 5  # 384, 512, 768, ..., 8192: two an octave
+
+
+@pytest.mark.parametrize("step", ROW_LENGTH_STEPS)
+def test_row_length_is_the_next_multiple_of_the_step_then_two_widths_an_octave(step):
+  """Every n to 8192 against the definition: up to 256 the smallest multiple of `step` that
+  holds n; above, the smallest of 384, 512, 768, 1024, ... (2^k and 3·2^(k-1)) that does."""
+  octaves = sorted({w for k in range(8, 14) for w in (2 ** k, 3 * 2 ** (k - 1))})
+  for n in range(0, 8193):
+    want = (max(n, 1) + step - 1) // step * step if n <= 256 else \
+        next(w for w in octaves if w >= n)
+    assert row_length(n, step) == want, (n, step)
+
+
+def test_row_length_at_step_64_is_the_rule_before_the_key():
+  """Checkpoints written before optimizer.row_length_step resume with 64: the same rows."""
+  assert [row_length(n, 64) for n in range(8193)] == [bucket_length(n) for n in range(8193)]
+
+
+@pytest.mark.parametrize("step", [0, 24, 512, 33])
+def test_a_row_length_step_not_offered_is_refused_naming_the_key(step):
+  with pytest.raises(ValueError, match="row_length_step"):
+    row_length(100, step)
+  with pytest.raises(ValueError, match="row_length_step"):
+    echo_config(optimizer=OptimizerSection(row_length_step=step))
+
+
+def test_the_trainer_pads_rows_to_its_row_length_step(monkeypatch, tmp_path):
+  """loop.train's batch is `make_batch` at optimizer.row_length_step (the run stopped there):
+  step 128 pads the echo rows (under 64 tokens with every reply at its budget) to 128."""
+  from marft_jax.models import tiny
+  seen = []
+
+  def recording(episodes, *args, **kwargs):
+    longest = batching.budgeted_widths(episodes, kwargs.get("reply_budgets"))[0]
+    seen.append((longest, batching.make_batch(episodes, *args, **kwargs).tokens.shape[1]))
+    raise _Stop
+
+  monkeypatch.setattr(loop, "make_batch", recording)
+  config = echo_config(num_envs=2, iterations=1, optimizer=OptimizerSection(row_length_step=128))
+  with pytest.raises(_Stop):
+    loop.train(config, str(tmp_path), model=assembly.Model(*tiny.tiny_model()), progress=False)
+  [(longest, T)] = seen
+  assert T == 128 and row_length(longest, 32) <= 64, seen
+
+
+class _Stop(Exception):
+  pass
 
 
 def test_act_positions_lists_each_rows_decisions_then_padding():

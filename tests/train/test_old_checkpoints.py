@@ -35,13 +35,17 @@ FIXTURES = make.HERE
 # ("auto" is exact f32); a bf16 run before loss.behaviour_correction trained without it
 # ("auto" turns it on for bf16; its precision "auto" is the platform default, as it was).
 # Every f32 fixture predates loss.old_logp, whose "auto" reads π_old from the rollout in f32.
+# Every fixture predates optimizer.row_length_step (rows padded to 64 tokens, not 32: the
+# padding changes the f32 rounding).
+_ROWS = "optimizer.row_length_step"
 REFUSED = {"before_correction_f32": {"model.matmul_precision", "loss.old_logp",
-                                     "advantage.jit_whitening"},
-           "before_correction_bf16": {"loss.behaviour_correction", "advantage.jit_whitening"},
+                                     "advantage.jit_whitening", _ROWS},
+           "before_correction_bf16": {"loss.behaviour_correction", "advantage.jit_whitening",
+                                      _ROWS},
            "roles_before_precision_f32": {"model.matmul_precision", "loss.old_logp",
-                                          "advantage.jit_whitening"},
-           "roles_before_precision_bf16": {"advantage.jit_whitening"},
-           "every_key_f32": {"loss.old_logp"}}
+                                          "advantage.jit_whitening", _ROWS},
+           "roles_before_precision_bf16": {"advantage.jit_whitening", _ROWS},
+           "every_key_f32": {"loss.old_logp", _ROWS}}
 # Every fixture but every_key_f32 predates df0626f (2026-11-26 22:35), which jitted the
 # advantage whitening (its fused reductions round f32 advantages about 1e-7 apart): read as
 # advantage.jit_whitening=False, refused under today's True, bit for bit once set.

@@ -1,10 +1,11 @@
 """Padding rows (a batch padded to the most rows its team can fill) cost the update nothing and
 change nothing: minibatches are filled with real rows first, a slot of padding alone is
-skipped, and `prepare` and the values at rollout time skip blocks of padding rows.
+skipped, and `prepare` and the values at rollout time skip blocks of padding rows. Padding
+columns (a longer row length, `optimizer.row_length_step`) change only the rounding.
 
 Reference: the same update on the real rows alone, unpadded, with one minibatch (the padded
-batch's minibatch size), which trains exactly those rows in one step; and NumPy checks of
-each epoch's order.
+batch's minibatch size), which trains exactly those rows in one step; the same rows without
+the padding columns; and NumPy checks of each epoch's order.
 """
 
 import jax
@@ -18,7 +19,7 @@ from marft_jax.lora.config import LoraConfig
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train import critic as critic_lib
-from marft_jax.train.batching import TrainBatch, padding_fields, per_row_adapters
+from marft_jax.train.batching import PADDING, TrainBatch, padding_fields, per_row_adapters
 from marft_jax.train.update import (Extras, LossConfig, TrainState, make_update, minibatch_slots,
                                     prepare)
 from tests.train.nonzero_adapters import nonzero_adapters
@@ -51,7 +52,7 @@ def setup():
   batch = per_row_adapters(turn_batch(config.vocab_size, REAL, PROMPT, REPLY))
   loss = LossConfig(policy_level="action")
 
-  def run(batch, minibatches):
+  def run(batch, minibatches, loss=loss):
     """(extras, new state, metrics) of one epoch over `batch` in `minibatches`."""
     update = make_update(config, loss, policy_opt, critic_opt, values, 2, epochs=1,
                          minibatches=minibatches)
@@ -99,6 +100,45 @@ def test_padding_rows_train_exactly_like_the_real_rows_alone(setup, where):
               "first_ratio_max_dev", "nonfinite"):
     np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-4, atol=1e-6,
                                err_msg=key)
+
+
+def _widened(batch: TrainBatch, columns: int) -> TrainBatch:
+  """`batch` with `columns` more padding columns in every [B, T] field (per-row adapter ids,
+[B], unchanged)."""
+  B = batch.tokens.shape[0]
+  pad = padding_fields(B, columns, batch.turn_valid.shape[1], batch.act_positions.shape[1],
+                       pad_id=0)
+  wide = lambda name: np.concatenate([np.asarray(getattr(batch, name)), pad[name]], axis=1)
+  return batch.replace(**{name: wide(name) for name, (width, _, _) in PADDING.items()
+                          if width == "T" and np.ndim(getattr(batch, name)) == 2})
+
+
+def test_padding_columns_train_like_the_rows_without_them(setup):
+  """The rows padded to 3 times their length (as `optimizer.row_length_step`'s coarser steps
+  pad them) train as the rows without the padding columns, to f32 rounding: π_old and the
+  critic's inputs, the new adapters, critic and their moments, and the metrics. Token level:
+  its losses and values are [B, T] means (the action level's are [B, K])."""
+  loss = LossConfig(policy_level="token")
+  batch = setup["batch"]
+  T = batch.tokens.shape[1]
+  decisions = np.random.default_rng(0).normal(size=(2,) + batch.tokens.shape) * batch.act_mask
+  batch = batch.replace(act_advantage=decisions[0].astype(np.float32),
+                        act_return=decisions[1].astype(np.float32))  # token level's
+  want_extras, want, want_metrics = setup["run"](batch, 2, loss)
+  extras, got, metrics = setup["run"](_widened(batch, 2 * T), 2, loss)
+  close = lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5,
+                                                  atol=1e-6)
+  close(np.asarray(extras.old_logp)[:, :T], want_extras.old_logp)
+  close(np.asarray(extras.critic_hidden)[:, :T], want_extras.critic_hidden)
+  assert not np.any(np.asarray(extras.old_logp)[:, T:])
+  moved = max(float(jnp.max(jnp.abs(new - old))) for new, old in
+              zip(jax.tree.leaves(want.policy), jax.tree.leaves(setup["state"].policy)))
+  assert moved > 1e-4
+  # Adam divides a gradient by its own magnitude: a near-zero one's rounding moves its
+  # weight by up to about lr · 1e-4 (2.5e-6 seen).
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-5), got, want)
+  for key, value in want_metrics.items():
+    np.testing.assert_allclose(metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("real_rows, minibatches, taken", [
