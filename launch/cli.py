@@ -209,7 +209,10 @@ def _field_lines(cls: type, values: Any, prefix: str = "", skip: tuple = ()) -> 
                               skip=("name",))
       continue
     comment = comments.get(field.name)
-    lines.append(f"  {prefix}{field.name} = {value!r}" + (f"  # {comment}" if comment else ""))
+    # A section of named entries with none declared (no backbone) as {}: an empty
+    # ConfigDict's repr ends its line.
+    shown = "{}" if entry is not None else repr(value)
+    lines.append(f"  {prefix}{field.name} = {shown}" + (f"  # {comment}" if comment else ""))
   return lines
 
 

@@ -51,6 +51,7 @@ from marft_jax.envs import splits
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import assembly
+from marft_jax.train import backbones
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
@@ -107,7 +108,7 @@ def main(config: TrainConfig) -> None:
     assembly.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
-    model = assembly.load(config)
+    model = backbones.load_models(config)  # {name: Model} for a split team
   try:
     policy, step = ((None, 0) if _UNTUNED.value
                     else evaluate_lib.restore_policy(config, model, workdir))

@@ -27,7 +27,7 @@ from absl import flags
 from launch import cli
 from marft_jax import multihost, sharding
 from marft_jax.rollout.rewards import load_reward_fn
-from marft_jax.train import algorithms, assembly, workdir_lock
+from marft_jax.train import algorithms, assembly, backbones, workdir_lock
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
 from marft_jax.train.config import TrainConfig, check_processes
@@ -74,7 +74,7 @@ def main(config: TrainConfig) -> None:
       metrics = finished_run_metrics(config, _WORKDIR.value)  # a finished run: no model
       if metrics is None:
         with cli.one_line_errors(OSError, ValueError):
-          model = assembly.load(config)
+          model = backbones.load_models(config)  # {name: Model} for a split team
         metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
   except (CheckpointMismatchError, UnreadableCheckpointError,  # raised by the resume
           workdir_lock.WorkdirInUseError, WorkdirWriteError) as e:  # (a full disk)

@@ -157,7 +157,7 @@ def _row_id(row):
 def test_refused_before_the_model_loads_or_trains(row, tiny_model, tmp_path, monkeypatch):
   loads = []
 
-  def load(config):
+  def load(config, backbone=None):  # each backbone a role runs on (`backbones.load_models`)
     loads.append(config)
     return tiny_model
 
@@ -181,7 +181,7 @@ def test_refused_before_the_model_loads_or_trains(row, tiny_model, tmp_path, mon
   except Exception as e:
     raise AssertionError(f"{row}: failed {'after' if loads else 'before'} the model "
                          f"loaded: {e!r}") from e
-  assert len(loads) == 1
+  assert len(loads) == len(config.used_backbones)
   assert math.isfinite(metrics["reward"]) and math.isfinite(metrics["policy_loss"]), metrics
   if row["anonymous"]:
     _assert_anonymous(str(tmp_path), config_dict)

@@ -17,7 +17,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
 TYPED.update({name: ("marft_jax.train.config", "TrainConfig") for name in (
     "train.py", "marft_t.py", "grpo.py", "ppo.py", "math_2agents.py", "math_3agents.py",
-    "math_4agents.py", "code_2agents.py", "dag_3agents.py")})
+    "math_4agents.py", "code_2agents.py", "dag_3agents.py", "hetero_2agents.py")})
 
 
 def _load(path):
@@ -191,13 +191,14 @@ def test_rollout_max_context_is_the_models_positions_or_at_least_16():
 
 
 def _leaves(node, prefix=""):
-  """{dotted key: value} of every leaf of a ConfigDict, as `--config.<key>=` reaches it."""
+  """{dotted key: value} of every leaf of a ConfigDict, as `--config.<key>=` reaches it (an
+  empty section, e.g. no `model.backbones` declared, is one)."""
   out = {}
   for key, value in node.items():
-    if hasattr(value, "items"):
+    if hasattr(value, "items") and len(value):
       out.update(_leaves(value, f"{prefix}{key}."))
     else:
-      out[f"{prefix}{key}"] = value
+      out[f"{prefix}{key}"] = {} if hasattr(value, "items") else value
   return out
 
 
@@ -232,3 +233,26 @@ def test_help_documents_the_role_fields_and_the_fields_commented_above():
   assert comments["team.order = 'reasoner,actor'"].startswith("The roles' order, comma-sep")
   # A trailing comment wins.
   assert comments["team.max_new_tokens = 48"] == "per turn, every role but the last"
+
+
+def test_the_heterogeneous_example_trains_and_evaluates_on_tiny_models(tmp_path):
+  """launch/configs/hetero_2agents.py as a user launches it, one iteration: the planner on the
+  "tiny" backbone, the solver's main backbone a tiny Qwen2 folder; then launch.eval scores
+  the checkpoint. Each role's PEFT export names its own base."""
+  import json
+  from marft_jax.models import tiny
+  solver = tiny.save_tiny_model(tmp_path / "solver", "qwen2", seed=1)
+  workdir = tmp_path / "run"
+  flags = ["--config=launch/configs/hetero_2agents.py", f"--config.model.source={solver}",
+           "--config.rollout.num_envs=2", "--config.team.max_new_tokens=4",
+           "--config.team.last_max_new_tokens=4", "--config.optimizer.minibatches=1",
+           f"--workdir={workdir}"]
+  out = _launch("train", *flags, "--config.iterations=1")
+  assert out.returncode == 0, out.stderr[-3000:]
+  bases = {role: json.loads((workdir / "exports" / "step_1" / role / "adapter_config.json")
+                            .read_text())["base_model_name_or_path"]
+           for role in ("planner", "solver")}
+  assert bases == {"planner": "tiny", "solver": solver}
+  out = _launch("eval", *flags, "--problems=2")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads((workdir / "eval.json").read_text())["checkpoint_step"] == 1

@@ -13,11 +13,13 @@ from marft_jax.models.tokenizer import check_tokenizer_fits, gguf_tokenizer, loa
 from marft_jax.models.transformer import Params
 
 SMOLLM2 = "smollm2"
+TINY = "tiny"  # the random tiny test model (`models.tiny`): a placeholder backbone, no file
 
 
 def load_model(source: Union[str, os.PathLike],
                **config_overrides) -> tuple[Params, ModelConfig, object]:
-  """(params, config, tokenizer) from `"smollm2"`, a `.gguf` file or a Hugging Face folder.
+  """(params, config, tokenizer) from `"smollm2"`, a `.gguf` file, a Hugging Face folder, or
+  `"tiny"` (the random tiny test model, seed 0: a stand-in, e.g. for a small backbone).
 
   Everything is read from local files; nothing is downloaded.
 
@@ -33,6 +35,9 @@ def load_model(source: Union[str, os.PathLike],
   kind = source_kind(source)
   if kind == SMOLLM2:
     return load_smollm2(**config_overrides)
+  if kind == TINY:
+    from marft_jax.models import tiny  # noqa: PLC0415 (it trains a tokenizer: only when named)
+    return tiny.tiny_model(**config_overrides)
   path = os.fspath(source)
   if kind == "gguf":
     reader = open_gguf(path)
@@ -46,15 +51,16 @@ def load_model(source: Union[str, os.PathLike],
 
 
 def source_kind(source: Union[str, os.PathLike]) -> str:
-  """Which loader `source` names, "smollm2", "gguf" or "hf", from its name and what exists
-  on disk (nothing is read): a launch checks a second model's source before the first loads.
+  """Which loader `source` names, "smollm2", "tiny", "gguf" or "hf", from its name and what
+  exists on disk (nothing is read): a launch checks a second model's source before the first
+  loads.
 
   Raises:
     TypeError for a source that is neither a string nor a path; FileNotFoundError when it
     names none of the three.
   """
-  if source == SMOLLM2:
-    return SMOLLM2
+  if source in (SMOLLM2, TINY):
+    return source
   if not isinstance(source, (str, os.PathLike)):
     raise TypeError(f"load_model: source={source!r}: expected 'smollm2' or a path")
   path = os.fspath(source)

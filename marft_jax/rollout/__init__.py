@@ -2,11 +2,13 @@
 
   episode      TokenSequence / Episode records: exactly what was sampled, per token.
   context      the per-agent view and the shared stream: what each agent is conditioned on.
-  runner       rollout(envs, team, graph, params, ...): one episode per environment.
+  runner       rollout(envs, team, graph, params, ...): one episode per environment;
+               rollout_backbones: a team whose agents run on several base models.
   transcripts  a JSONL file of every episode's turns, for people.
 """
 
 from marft_jax.rollout.episode import ActionSpan, Episode, TokenSequence, Turn
-from marft_jax.rollout.runner import (CONTEXT_MODES, RolloutConfig, RolloutResult,
-                                     check_reply_budgets, reply_budgets, rollout)
+from marft_jax.rollout.runner import (CONTEXT_MODES, Backbone, RolloutConfig, RolloutResult,
+                                     check_reply_budgets, reply_budgets, rollout,
+                                     rollout_backbones)
 from marft_jax.rollout.transcripts import episode_record, write_transcripts

@@ -103,6 +103,18 @@ class RolloutResult:
   all_episodes: list = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class Backbone:
+  """One base model a team runs on (`rollout_backbones`): its weights (any layout), config,
+  tokenizer (with a chat template and an EOS token), and the stacked adapters of its agents
+  (None: they all speak as the base)."""
+
+  params: Any
+  model_config: ModelConfig
+  tokenizer: Any
+  lora: Optional[Adapters] = None
+
+
 class _Agents:
   """The team plus an orchestrator (if any), indexed by agent id."""
 
@@ -161,6 +173,51 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
   structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
   agents = _Agents(team, structure)
   check_team(team, None if lora is None else lora.num_adapters)
+  config = _checked(agents, structure, config, model_config)
+  runner = _Runner(envs, agents, structure, [Backbone(params, model_config, tokenizer, lora)],
+                   rng, config, policy_version, rows)
+  return runner.run()
+
+
+def rollout_backbones(envs: EnvBatch, team: Sequence[AgentProfile],
+                      structure: Union[AgentGraph, None], backbones: Sequence[Backbone],
+                      agent_backbone: Sequence[int], adapter_local: Sequence[int],
+                      rng: jax.Array, *, config: RolloutConfig = RolloutConfig(),
+                      policy_version: int = 0) -> RolloutResult:
+  """`rollout` of a team whose agents run on different base models (issue 41).
+
+  Text is the interface between backbones: each turn's prompt is built as text from what the
+  agent may see and tokenized with its own backbone's tokenizer and chat template; its reply
+  passes on as text; each turn's sequence keeps the token ids its backbone sampled, with the
+  team-wide agent and adapter ids. Every turn is one sampler call per backbone with an agent
+  acting (the other backbones' rows sit out), so agents on one backbone share its routed pass.
+  One process; the per-agent view only (a shared stream holds one vocabulary).
+
+  Args:
+    backbones: the base models; `agent_backbone[agent]` indexes it for each agent id.
+    adapter_local: each team-wide adapter id's index in its backbone's stacked adapters.
+  """
+  structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
+  agents = _Agents(team, structure)
+  check_team(team, len(adapter_local))
+  if len(agent_backbone) != len(agents.profiles):
+    raise ValueError(f"agent_backbone={tuple(agent_backbone)}: one backbone index per agent "
+                     f"({len(agents.profiles)})")
+  if config.context_mode != "per_agent":
+    raise ValueError(f"context_mode={config.context_mode!r}: a team on several backbones "
+                     "plays in the per-agent view (one stream holds one vocabulary)")
+  smallest = min((b.model_config for b in backbones),
+                 key=lambda c: c.max_position_embeddings)
+  config = _checked(agents, structure, config, smallest)
+  runner = _Runner(envs, agents, structure, list(backbones), rng, config, policy_version,
+                   agent_backbone=tuple(agent_backbone), adapter_local=tuple(adapter_local))
+  return runner.run()
+
+
+def _checked(agents: _Agents, structure, config: RolloutConfig,
+             model_config: ModelConfig) -> RolloutConfig:
+  """`config` with `max_context` decided (the model's positions), after refusing what the
+  rollout cannot play."""
   if config.context_mode == "shared_stream" and isinstance(structure, AgentGraph) and \
       not structure.is_sequential():
     raise ValueError("shared_stream needs a sequential schedule (a chain or an orchestrator): "
@@ -175,23 +232,24 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
   if config.max_context > model_config.max_position_embeddings:
     raise ValueError(f"max_context={config.max_context} exceeds the model's "
                      f"max_position_embeddings={model_config.max_position_embeddings}")
-  check_reply_budgets(team, structure, config.max_context)
-  runner = _Runner(envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
-                   policy_version, rows)
-  return runner.run()
+  check_reply_budgets(agents.team, structure, config.max_context)
+  return config
 
 
 class _Runner:
-  """The state of one rollout call (host side)."""
+  """The state of one rollout call (host side). `backbones`: the base models; each agent
+  runs on `backbones[agent_backbone[agent]]` (default: the first) with its adapter's index
+  there (`adapter_local`, default: its own)."""
 
-  def __init__(self, envs, agents, structure, params, model_config, tokenizer, rng, lora, config,
-               policy_version, rows=None):
+  def __init__(self, envs, agents, structure, backbones, rng, config, policy_version,
+               rows=None, agent_backbone=None, adapter_local=None):
     self.envs, self.agents, self.structure = envs, agents, structure
-    self.params, self.model_config, self.tokenizer = params, model_config, tokenizer
-    self.rng, self.lora, self.config = rng, lora, config
+    self.backbones = backbones
+    self.agent_backbone = agent_backbone or (0,) * len(agents.profiles)
+    self.adapter_local = adapter_local
+    self.tokenizer = backbones[0].tokenizer  # the shared stream's (one backbone)
+    self.rng, self.config = rng, config
     self.policy_version = int(policy_version)
-    self.eos = int(tokenizer.eos_token_id)
-    self.pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos)
     self.num_new = sampler_plan.bucket(
         max(p.sampling.max_new_tokens for p in agents.profiles),
         sampler_plan.MIN_NEW_TOKENS_BUCKET)
@@ -302,17 +360,30 @@ class _Runner:
 
   # --- one batched sampler call ---------------------------------------------------------------
 
+  def _eos(self, backbone: int) -> int:
+    return int(self.backbones[backbone].tokenizer.eos_token_id)
+
+  def _pad(self, backbone: int) -> int:
+    pad = self.backbones[backbone].tokenizer.pad_token_id
+    return self._eos(backbone) if pad is None else int(pad)
+
+  def _adapter(self, agent: int) -> int:
+    """The agent's adapter among its backbone's stacked adapters (-1: the base)."""
+    adapter = self.agents.adapter(agent)
+    return adapter if self.adapter_local is None or adapter < 0 else self.adapter_local[adapter]
+
   def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None,
-                prompt_width=None):
-    """One sampler call. prompts: per row a token list (or None: the row sits out);
-    prompt_adapters: optional per row per-token adapter ids of the prompt; prompt_width: a
+                prompt_width=None, backbone=0):
+    """One sampler call on `backbone`. prompts: per row a token list (or None: the row sits
+    out); prompt_adapters: optional per row per-token adapter ids of the prompt; prompt_width: a
     bound on the prompts' length from the budgets (`sampler.generate`'s).
 
     Returns ((tokens [B, N], logprobs [B, N], lengths [B]) of this process's rows, the new
     cache), or None (no call) when no row of any process samples."""
+    weights = self.backbones[backbone]
     rows = len(prompts)
     width = max([len(p) for p in prompts if p] + [1])
-    tokens = np.full((rows, width), self.pad, np.int32)
+    tokens = np.full((rows, width), self._pad(backbone), np.int32)
     lens = np.zeros((rows,), np.int32)
     max_new = np.zeros((rows,), np.int32)
     temperature = np.ones((rows,), np.float32)
@@ -327,7 +398,7 @@ class _Runner:
         token_adapters[r, :len(prompt)] = prompt_adapters[r]
       s = self.agents.profiles[agent].sampling
       max_new[r], temperature[r], top_p[r] = s.max_new_tokens, s.temperature, s.top_p
-      adapter_ids[r] = self.agents.adapter(agent)
+      adapter_ids[r] = self._adapter(agent)
     use_top_p = not np.all(top_p >= 1)
     if self.layout is None:
       if not any(prompts):
@@ -341,14 +412,14 @@ class _Runner:
     self.calls += 1
     start = time.perf_counter()
     out = sampler.generate(
-        self.params, tokens, self.model_config, rng=key, max_new_tokens=max_new,
+        weights.params, tokens, weights.model_config, rng=key, max_new_tokens=max_new,
         prompt_lens=lens, cache=cache,
-        lora=self.lora,
-        adapter_ids=adapter_ids if self.lora is not None else None,
-        prompt_adapter_ids=token_adapters if self.lora is not None else None,
+        lora=weights.lora,
+        adapter_ids=adapter_ids if weights.lora is not None else None,
+        prompt_adapter_ids=token_adapters if weights.lora is not None else None,
         temperature=temperature,
-        top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self.eos,
-        pad_id=self.pad, max_new_tokens_bucket=self.num_new, rows=self.layout,
+        top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self._eos(backbone),
+        pad_id=self._pad(backbone), max_new_tokens_bucket=self.num_new, rows=self.layout,
         prompt_width=prompt_width, compile_ahead=True)  # a run calls with every length
     read = multihost.to_host if self.layout is None else self.layout.get  # only its own rows
     result = tuple(read(x) for x in (out.tokens, out.logprobs, out.lengths))
@@ -358,8 +429,8 @@ class _Runner:
     self.metrics["turns"] += int((max_new > 0).sum())
     return result, out.cache
 
-  def _decode(self, tokens) -> str:
-    return self.tokenizer.decode(tokens, skip_special_tokens=True)
+  def _tokenizer(self, agent: int):
+    return self.backbones[self.agent_backbone[agent]].tokenizer
 
   # --- the per-agent view ---------------------------------------------------------------------
 
@@ -369,7 +440,7 @@ class _Runner:
     next_row = {}
     for j, (i, agent) in enumerate(jobs):
       profile = self.agents.profiles[agent]
-      prompt = context.per_agent_prompt(self.tokenizer, profile, self.agents.team,
+      prompt = context.per_agent_prompt(self._tokenizer(agent), profile, self.agents.team,
                                         observations[i], history[i],
                                         schedules[i].visible(agent))
       if len(prompt) + profile.sampling.max_new_tokens > self.config.max_context:
@@ -379,22 +450,29 @@ class _Runner:
       next_row[i] = next_row.get(i, 0) + 1
       prompts[row], agents[row] = prompt, agent
       placed.append((j, row))
-    bounds = [self._prompt_bound(jobs[j][0], len(prompts[row])) for j, row in placed]
-    generated = self._generate(prompts, agents, prompt_width=max(bounds, default=None))
-    if generated is None:
-      return texts
-    (tokens, logprobs, lengths), _ = generated
+    sampled = {}  # row -> (tokens [N], logprobs [N], length) its backbone's call sampled
+    for b in range(len(self.backbones)):  # one call per backbone with a row to sample
+      on_b = [(j, row) for j, row in placed if self.agent_backbone[jobs[j][1]] == b]
+      if not on_b and (b > 0 or placed):
+        continue
+      rows_b = {row for _, row in on_b}
+      bounds = [self._prompt_bound(jobs[j][0], len(prompts[row])) for j, row in on_b]
+      generated = self._generate([p if r in rows_b else None for r, p in enumerate(prompts)],
+                                 agents, prompt_width=max(bounds, default=None), backbone=b)
+      if generated is not None:
+        (tokens, logprobs, lengths), _ = generated
+        sampled.update({row: (tokens[row], logprobs[row], int(lengths[row])) for row in rows_b})
     for j, row in placed:
       i, agent = jobs[j]
-      n = int(lengths[row])
+      tokens, logprobs, n = sampled[row]
       sequence = TokenSequence()
-      adapter = self.agents.adapter(agent)
+      adapter = self.agents.adapter(agent)  # the team-wide id (the batch maps it back)
       sequence.add_context(prompts[row], adapter)
-      sequence.add_reply(tokens[row, :n], logprobs[row, :n], agent, adapter,
+      sequence.add_reply(tokens[:n], logprobs[:n], agent, adapter,
                          self.agents.profiles[agent].sampling.temperature,
                          len(self.episodes[i].turns), env_step)
       self.episodes[i].sequences.append(sequence)
-      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[row, :n])
+      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n])
     return texts
 
   def _prompt_bound(self, i: int, length: int) -> int:
@@ -406,11 +484,12 @@ class _Runner:
     return length + max(unused, 0)
 
   def _record_turn(self, i, agent, env_step, prompt, reply) -> str:
-    text = self._decode(reply)
-    stopped = len(reply) > 0 and int(reply[-1]) == self.eos
+    tokenizer = self._tokenizer(agent)
+    text = tokenizer.decode(reply, skip_special_tokens=True)
+    stopped = len(reply) > 0 and int(reply[-1]) == self._eos(self.agent_backbone[agent])
     self.episodes[i].turns.append(Turn(env_step=env_step, agent=agent,
                                        role=self.agents.profiles[agent].role,
-                                       prompt=self.tokenizer.decode(prompt), reply=text,
+                                       prompt=tokenizer.decode(prompt), reply=text,
                                        num_tokens=len(reply), stopped=stopped))
     return text
 
@@ -485,7 +564,7 @@ class _Runner:
         out.append(None)
         continue
       before = [] if self.streams[i] is None else list(self.streams[i].adapter_ids)
-      out.append(before + [self.agents.adapter(agents[i])] * len(chunk))
+      out.append(before + [self._adapter(agents[i])] * len(chunk))
     return out
 
 

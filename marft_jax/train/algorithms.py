@@ -123,8 +123,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
   _check_sampling(config.team)
   loss = async_rollout.resolve_loss(loss, config.rollout.max_staleness)
   async_rollout.check_split(config)
-  loss = update.resolve_behaviour_correction(loss, config.model.param_dtype)
-  loss = update.resolve_old_logp(loss, config.model.param_dtype, config.model.matmul_precision)
+  loss = update.resolve_behaviour_correction(loss, config.run_dtype)
+  loss = update.resolve_old_logp(loss, config.run_dtype, config.model.matmul_precision)
   critic = _resolve_critic(a, config)
   rollout = _resolve_rollout(a, config, pick)
   team = dataclasses.replace(config.team, num_roles=_team_size(a, config.team, pick))
@@ -132,6 +132,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
                                  rollout=rollout, team=team)
   _check_init_from(resolved)
   _check_read(resolved)
+  from marft_jax.train.backbones import check_backbones  # it imports this module
+  check_backbones(resolved)
   return resolved
 
 

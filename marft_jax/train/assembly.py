@@ -321,17 +321,20 @@ def rollout_settings(config: TrainConfig) -> RolloutConfig:
                        transition=config.team.transition or RolloutConfig.transition)
 
 
-def load(config: TrainConfig) -> Model:
+def load(config: TrainConfig, backbone: Optional[str] = None) -> Model:
+  """The base model of `backbone` (default: the roles' first, `used_backbones`; the main
+  one: model.source, param_dtype)."""
+  declared = config.model.backbone(backbone or config.used_backbones[0])
   params, model_config, tokenizer = loading.load_model(
-      config.model.source, param_dtype=config.model.param_dtype,
-      compute_dtype=config.model.param_dtype)
+      declared.source, param_dtype=declared.param_dtype, compute_dtype=declared.param_dtype)
   return Model(params, model_config, tokenizer)
 
 
-def rollout_model(model: Model, config: TrainConfig):
-  """(params, model config) in `model.rollout_layout`'s layout: what the sampler runs (a copy
-  of the weights in the decoding layout on CPU; made once per run)."""
-  choice = config.model.rollout_layout
+def rollout_model(model: Model, config: TrainConfig, backbone: Optional[str] = None):
+  """(params, model config) in `backbone`'s rollout_layout (default: the roles' first
+  backbone's; model.rollout_layout for the main one): what the sampler runs (a copy of the
+  weights in the decoding layout on CPU; made once per run)."""
+  choice = config.model.backbone(backbone or config.used_backbones[0]).rollout_layout
   layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
             "training": layout_lib.TRAINING}[choice]
   fast = model.config.replace(layout=layout)

@@ -67,7 +67,12 @@ def resolve_loss(loss, max_staleness: int):
 
 def check_split(config) -> None:
   """Refuses, naming the keys, an LLM judge beside a sampler on its own devices (the judge's
-  weights stay on the learner's, and the sampler thread runs it)."""
+  weights stay on the learner's, and the sampler thread runs it), and asynchronous rollouts
+  of a team on several backbones (its sampler thread would play every backbone's model)."""
+  if config.rollout.max_staleness and len(config.used_backbones) > 1:
+    raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} with team.roles on "
+                     f"the backbones {list(config.used_backbones)}: a team on several backbones "
+                     "trains synchronously; use rollout.max_staleness=0")
   if config.mesh.sampler_devices and config.reward.judge:
     raise ValueError(f"reward.judge=True with mesh.sampler_devices="
                      f"{config.mesh.sampler_devices}: the judge runs on the learner's mesh; "

@@ -400,7 +400,15 @@ class Checkpointer:
 
   def export_peft(self, step: int, adapters: Adapters, names: Sequence[str],
                   base_model_name_or_path: Optional[str] = None) -> str:
-    """Writes every agent's adapter as a PEFT folder `workdir/exports/step_<step>/<name>/`.
+    """Writes every agent's adapter as a PEFT folder `workdir/exports/step_<step>/<name>/`
+    (`export_peft_groups` of one group)."""
+    return self.export_peft_groups(step, [(adapters, names, base_model_name_or_path)])
+
+  def export_peft_groups(self, step: int,
+                         groups: Sequence[tuple[Adapters, Sequence[str], Optional[str]]]) -> str:
+    """Writes the adapters of each group (stacked adapters, their names, the base they
+    adapt: a team on several backbones has one group per backbone) as PEFT folders
+    `workdir/exports/step_<step>/<name>/`.
 
     The export is built in a hidden temporary folder and renamed into place, so
     `step_<step>` is complete or absent, and it lives outside the Orbax step folders: an
@@ -413,7 +421,7 @@ class Checkpointer:
       NonFiniteStateError: an adapter leaf holds a NaN or inf (nothing is written).
     """
     step = _check_step(step)
-    bad = first_non_finite(adapters)
+    bad = next(filter(None, (first_non_finite(adapters) for adapters, _, _ in groups)), None)
     if bad is not None:
       raise NonFiniteStateError(f"{self.exports_dir}: not exporting step {step}: the adapter "
                                 f"leaf {bad} holds a NaN or inf")
@@ -425,7 +433,8 @@ class Checkpointer:
       os.makedirs(self.exports_dir, exist_ok=True)
       os.mkdir(temp)
       try:
-        save_peft_adapters(temp, adapters, names, base_model_name_or_path)
+        for adapters, names, base_model_name_or_path in groups:
+          save_peft_adapters(temp, adapters, names, base_model_name_or_path)
         if os.path.exists(final):
           os.replace(final, old)
         os.replace(temp, final)

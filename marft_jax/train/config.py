@@ -43,11 +43,40 @@ def _default(section, key):
   return next(f.default for f in dataclasses.fields(section) if f.name == key)
 
 
+# The backbone the model section's own keys (source, param_dtype, rollout_layout) declare: the
+# first backbone, every role's unless it names another (`team.roles.<name>.backbone`).
+MAIN_BACKBONE = "main"
+_BACKBONE_KEYS = ("source", "param_dtype", "rollout_layout")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackboneSection:
+  """A further base model of a heterogeneous team (`model.backbones.<name>.<key>`): roles that
+  name it (`team.roles.<role>.backbone`) run on it, with their own adapters and critic
+  heads; roles on one backbone share its one routed pass. The keys mean what the model
+  section's own do."""
+
+  name: str
+  source: str = "smollm2"
+  param_dtype: str = "float32"
+  rollout_layout: str = "auto"
+
+  def __post_init__(self):
+    if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+      raise ValueError(f"{self.name!r}: a backbone name uses letters, digits, '-' or '_'")
+    _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
+  # The main backbone (MAIN_BACKBONE), every role's by default:
   source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
   param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators
   rollout_layout: str = "auto"  # "auto" (layout.decoding()), "decoding" or "training"
+  # Further backbones by name (`model.backbones.<name>.source`, ...), for roles that name one
+  # (`team.roles.<role>.backbone`); () = a team on the main backbone alone, as before.
+  backbones: tuple[BackboneSection, ...] = ()
   # The update recomputes each layer's activations in its backward pass instead of storing
   # them (models.layout.Layout.remat): far less memory, about one more forward of compute.
   remat: bool = False
@@ -60,6 +89,13 @@ class ModelSection:
     precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
+    object.__setattr__(self, "backbones", tuple(sorted(self.backbones, key=lambda b: b.name)))
+
+  def backbone(self, name: str) -> BackboneSection:
+    """The backbone `name` (MAIN_BACKBONE: the section's own keys)."""
+    if name == MAIN_BACKBONE:
+      return BackboneSection(name, **{k: getattr(self, k) for k in _BACKBONE_KEYS})
+    return next(b for b in self.backbones if b.name == name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +171,8 @@ class RoleSection:
   max_new_tokens: int = 0  # 0: team.max_new_tokens (team.last_max_new_tokens if last in order)
   temperature: float = -1.0  # < 0: team.temperature
   top_p: float = 0.0  # 0: team.top_p
+  # The base model it runs on: a name of model.backbones; "" = the main one (model.source)
+  backbone: str = ""
 
   def __post_init__(self):
     if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -442,6 +480,29 @@ class TrainConfig:
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
     _check_task_keys(self.task)
+    _check_backbone_names(self)
+
+  @property
+  def role_backbones(self) -> dict[str, str]:
+    """{role name: the backbone it runs on} of the declared roles (a shipped team's roles, and
+    an orchestrator, run on the main backbone)."""
+    return {r.name: r.backbone or MAIN_BACKBONE for r in self.team.roles}
+
+  @property
+  def run_dtype(self) -> str:
+    """"bfloat16" if a backbone the run loads is, else "float32": what the dtype-dependent
+    "auto" keys (loss.behaviour_correction, loss.old_logp, model.matmul_precision) follow."""
+    dtypes = {self.model.backbone(n).param_dtype for n in self.used_backbones}
+    return "bfloat16" if "bfloat16" in dtypes else "float32"
+
+  @property
+  def used_backbones(self) -> tuple[str, ...]:
+    """The backbones some role runs on, the main one first if used, then by name: the models
+    a run loads."""
+    used = set(self.role_backbones.values()) or {MAIN_BACKBONE}
+    if self.team.graph == "orchestrator":
+      used.add(MAIN_BACKBONE)
+    return tuple(sorted(used, key=lambda n: (n != MAIN_BACKBONE, n)))
 
   @property
   def init_from_folders(self) -> list[str]:
@@ -475,6 +536,32 @@ def _check_task_keys(task: TaskSection) -> None:
                        f"only, not task.name={task.name!r}")
 
 
+def _check_backbone_names(config: TrainConfig) -> None:
+  """Refuses a role naming a backbone that is not declared, and a declared backbone (or the
+  main one's keys, set) that no role runs on: a model loaded for nothing."""
+  model, team = config.model, config.team
+  declared = (MAIN_BACKBONE,) + tuple(b.name for b in model.backbones)
+  if MAIN_BACKBONE in declared[1:]:
+    raise ValueError(f"model.backbones.{MAIN_BACKBONE}: the name of the backbone model.source, "
+                     "model.param_dtype and model.rollout_layout declare; give a further "
+                     "backbone another name")
+  for role in team.roles:
+    if role.backbone and role.backbone not in declared:
+      raise ValueError(f"team.roles.{role.name}.backbone={role.backbone!r}: no such backbone; "
+                       f"declared: {list(declared)} (model.backbones.<name>, or "
+                       f"{MAIN_BACKBONE!r}: model.source's)")
+  used = config.used_backbones
+  for b in model.backbones:
+    if b.name not in used:
+      raise ValueError(f"model.backbones.{b.name}: no role runs on it (set "
+                       f"team.roles.<role>.backbone={b.name!r}, or remove it)")
+  if MAIN_BACKBONE not in used:
+    for key in _BACKBONE_KEYS:
+      if getattr(model, key) != _default(model, key):
+        raise ValueError(f"model.{key}={getattr(model, key)!r}: every role runs on a backbone "
+                         "of model.backbones, none on the main one this key sets")
+
+
 def preset(algorithm: str, **changes) -> TrainConfig:
   """The resolved `TrainConfig` of `algorithm` with `changes` (library use and tests; config
   files build an unresolved `TrainConfig(algorithm=...)`, so that `--config.algorithm`
@@ -500,6 +587,9 @@ def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
   if config.rollout.max_staleness:  # two threads' collectives would interleave
     raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness}: asynchronous "
                      "rollouts run in a single process; use 0 with several processes")
+  if len(config.used_backbones) > 1:
+    raise ValueError(f"team.roles on the backbones {config.used_backbones}: a team on several "
+                     "backbones trains in a single process")
   if config.reward.judge:
     raise ValueError("reward.judge=True: the LLM judge runs in a single process")
   if config.eval_every:

@@ -158,6 +158,8 @@ ADDED: tuple[Added, ...] = (
           "the synchronous loop: each iteration sampled with the policy it updated"),
     Added("mesh.sampler_devices", 0, "fdcca56", "2026-11-28 10:56",
           "the sampler shared the learner's mesh"),
+    Added("model.backbones", {}, "23fc851", "2026-11-28 11:15",
+          "one base model (model.source), every role on it"),
     Added("optimizer.row_length_step", 64, "5e545ff", "2026-11-28 11:20",
           "the update's rows were padded to a multiple of 64 tokens up to 256 (32 pads less, "
           "and the padding changes the f32 rounding of the real tokens' activations)"),
@@ -249,7 +251,7 @@ def fill_missing(saved: Mapping[str, Any]) -> dict:
   flat = flatten(saved)
   filled = copy.deepcopy(dict(saved))
   for entry in ADDED:
-    if entry.key in flat:
+    if entry.key in flat or any(k.startswith(entry.key + ".") for k in flat):  # a section's
       continue
     value = entry.before(flat) if callable(entry.before) else entry.before
     *sections, field = entry.key.split(".")

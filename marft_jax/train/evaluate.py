@@ -54,6 +54,7 @@ from marft_jax.configs import to_config_dict
 from marft_jax.envs.math_grading import FORMATTED, vote_key
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
+from marft_jax.train import backbones
 from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
                                         config_differences, under)
 from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
@@ -102,7 +103,7 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
     raise ValueError(f"samples={samples} at temperature {temperature}: greedy samples are all "
                      "the same; sample at a temperature > 0")
   team, structure = sampling_team(config, temperature)
-  params, model_config = rollout_weights or assembly.rollout_model(model, config)
+  play_all = _player(config, model, policy, team, structure, rollout_weights)
   batch_size = samples * max(1, min(batch_size, total * samples) // samples)
   # Groups of `samples` episodes per task (one greedy episode per task also for GRPO,
   # whose config insists on groups of rollouts).
@@ -118,11 +119,10 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
     from tqdm import tqdm
     bar = tqdm(total=total, desc="evaluating", unit="ep")
   try:
-    with precision.scope(config.model.matmul_precision, config.model.param_dtype):
+    with precision.scope(config.model.matmul_precision, config.run_dtype):
       key = jax.random.key(config.seed)
       while len(episodes) < total:
-        result = rollout(envs, team, structure, params, model_config, model.tokenizer,
-                         jax.random.fold_in(key, len(episodes)), lora=policy, config=settings)
+        result = play_all(envs, jax.random.fold_in(key, len(episodes)), settings)
         new = result.episodes[:total - len(episodes)]
         episodes += new
         if bar is not None:
@@ -132,6 +132,16 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
     if bar is not None:
       bar.close()
   return episodes
+
+
+def _player(config, model, policy, team, structure, rollout_weights):
+  """`fn(envs, rng, settings)`: one rollout of every environment by the team on its base, or
+  on its backbones (`model` {name: Model}, `policy` {name: adapters}: `train.backbones`)."""
+  if isinstance(model, dict):
+    return backbones.evaluation_player(config, model, policy, team, structure)
+  params, model_config = rollout_weights or assembly.rollout_model(model, config)
+  return lambda envs, rng, settings: rollout(envs, team, structure, params, model_config,
+                                             model.tokenizer, rng, lora=policy, config=settings)
 
 
 def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
@@ -249,12 +259,16 @@ def restore_policy(config: TrainConfig, model, workdir: str):
                               "evaluate the untuned model)")
     saved = _saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
     _check_same_adapters(saved, config, f"{workdir}: step {step}")
-    template = assembly.new_state(dataclasses.replace(saved, init_from=""), model)
+    start = dataclasses.replace(saved, init_from="")
+    template = (backbones.new_states(start, model) if isinstance(model, dict)
+                else assembly.new_state(start, model))
     state, _ = checkpointer.restore(template, step=step)
   changed = changed_settings(saved, config)
   if changed:
     logging.warning("%s: step %d is evaluated with settings other than it trained with: %s",
                     workdir, step, "; ".join(changed))
+  if isinstance(state, dict):  # {backbone: TrainState}
+    return {name: s.policy for name, s in state.items()}, step
   return state.policy, step
 
 
@@ -302,6 +316,9 @@ def _check_same_adapters(saved: TrainConfig, config: TrainConfig, where: str) ->
   get = lambda c, key: functools.reduce(getattr, key.split("."), c)
   differing = [f"{key}: saved {get(saved, key)!r}, now {get(config, key)!r}"
                for key in assembly.EVAL_MUST_MATCH if get(saved, key) != get(config, key)]
+  was, now = backbones.role_bases(saved), backbones.role_bases(config)
+  differing += [f"team.roles.{role}.backbone: saved {was[role]!r}, now {now[role]!r}"
+                for role in was if role in now and was[role] != now[role]]
   if not differing:
     for name, was, now in zip(("team roles (role, adapter)", "orchestrator adapter",
                                "adapters"), _team_shape(saved), _team_shape(config)):

@@ -35,7 +35,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
 from marft_jax.train import async_rollout
+from marft_jax.train import backbones
 from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
@@ -79,14 +80,16 @@ def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
 # --- the loop ----------------------------------------------------------------------------------
 
 
-def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
+def train(config: TrainConfig, workdir: str,
+          model: Union[Model, Mapping[str, Model], None] = None,
           progress: bool = True, on_iteration: Optional[Callable] = None,
           reward_fn: Optional[rewards_lib.RewardFn] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
-  tiny one); default: `config.model.source`. `reward_fn(episode, team)`: your reward on each
-  whole episode (`rollout.rewards`); default: the function `config.reward.fn` names. The config
-  is resolved first (`algorithms.resolve`: the algorithm's keys filled in, contradictions
-  refused)."""
+  tiny one), or {backbone name: its base} for a team on several backbones (issue 41,
+  `train.backbones`); default: loaded from `config.model`. `reward_fn(episode, team)`: your
+  reward on each whole episode (`rollout.rewards`); default: the function `config.reward.fn`
+  names. The config is resolved first (`algorithms.resolve`: the algorithm's keys filled in,
+  contradictions refused)."""
   config = algorithms.resolve(config)
   finished = finished_run_metrics(config, workdir)
   if finished is not None:
@@ -103,11 +106,30 @@ def train(config: TrainConfig, workdir: str, model: Optional[Model] = None,
     reward_fn = rewards_lib.load_reward_fn(config.reward.fn)
   os.makedirs(workdir, exist_ok=True)
   with workdir_lock.exclusive(workdir, multihost.is_primary(), multihost.any_process):
-    model = assembly.load(config) if model is None else model
-    with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision,
-                                             config.model.param_dtype):
-      return _train(config, workdir, mesh, _place_model(model, mesh), progress, on_iteration,
-                    reward_fn, resuming, sampler_mesh)
+    model = _models(config, model)
+    placed = {name: _place_model(m, mesh) for name, m in model.items()} \
+        if isinstance(model, dict) else _place_model(model, mesh)
+    with jax.set_mesh(mesh), precision.scope(config.model.matmul_precision, config.run_dtype):
+      return _train(config, workdir, mesh, placed, progress, on_iteration, reward_fn, resuming,
+                    sampler_mesh)
+
+
+def _models(config: TrainConfig, given) -> Union[Model, dict]:
+  """The run's base: one `Model` for a team on one backbone, else {name: Model} for each
+  backbone a role runs on; `given` (a Model, a mapping, or None: loaded) checked against
+  `config.used_backbones`."""
+  names = config.used_backbones
+  if given is None:
+    return backbones.load_models(config)
+  if isinstance(given, Model):
+    if len(names) > 1:
+      raise ValueError(f"model: one base for a team on the backbones {list(names)}: pass "
+                       "{name: Model} for each")
+    return given
+  if sorted(given) != sorted(names):
+    raise ValueError(f"model: bases for {sorted(given)}, but the roles run on the backbones "
+                     f"{sorted(names)}")
+  return given[names[0]] if len(names) == 1 else dict(given)
 
 
 def finished_run_metrics(config: TrainConfig, workdir: str) -> Optional[dict]:
@@ -149,15 +171,14 @@ class _Run:
 
   config: TrainConfig
   config_dict: dict  # `assembly.as_recorded(config)`: saved in checkpoints and config.json
-  model: Model  # the learner's base (training layout, placed on the mesh)
-  rollout_weights: tuple  # (params, model config) the sampler runs
   team: tuple  # the roles' profiles
-  structure: Any  # None (chain), an `envs.AgentGraph` (DAG) or an `envs.Orchestrator`
   envs: Any  # `envs.EnvBatch`: this process's environments
-  rows: Optional[multihost.ProcessRows]  # several processes: the rows each one owns
   judge: Optional[rewards_lib.Judge]
+  play: Callable  # (policy, key, version, weights=) -> `rollout.RolloutResult`
+  weights: Any  # the sampler's (params, model config); a split team: {backbone: ...}
   learn: Callable  # (state, kept episodes, iteration, key) -> (state, metrics)
   heldout: Callable  # (policy, step) -> "heldout/..." metrics
+  export: Callable  # (checkpointer, step, state): the PEFT exports
 
 
 def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resuming,
@@ -181,11 +202,10 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
     # --- the loop: rollout -> rewards -> update -> metrics, held-out scores, checkpoints ------
     metrics: dict = {}
     shown: dict = {}  # the latest held-out evaluation, kept on the progress bar
-    settings = assembly.rollout_settings(config)
     compiles = compile_stats.CompileCounter()  # per iteration: time/compiles, time/compile_s
     rollouts = None  # rollout.max_staleness >= 1: a sampler thread plays ahead
     if config.rollout.max_staleness:
-      rollouts = _start_async(cleanup, run, state, start, workdir, settings, mesh, sampler_mesh,
+      rollouts = _start_async(cleanup, run, state, start, workdir, mesh, sampler_mesh,
                               reward_fn)
     for iteration in range(start, config.iterations):
       key = jax.random.fold_in(jax.random.key(config.seed), iteration)
@@ -194,8 +214,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       shown.update(evaluated)
       t0 = time.perf_counter()
       if rollouts is None:
-        result, shaped = _play(run, settings, run.rollout_weights, reward_fn, iteration,
-                               state.policy, iteration)
+        result, shaped = _play_and_shape(run, reward_fn, iteration, _policy(state), iteration)
         staleness = {}
       else:
         result, shaped, staleness = rollouts.take(iteration)
@@ -244,20 +263,27 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
   return metrics
 
 
-def _play(run: _Run, settings, weights, reward_fn, iteration: int, policy, version: int
-          ) -> tuple:
+def _policy(state):
+  """The adapters a rollout samples with: `state.policy`; a split team's {backbone: policy}."""
+  if isinstance(state, TrainState):
+    return state.policy
+  return {name: backbone_state.policy for name, backbone_state in state.items()}
+
+
+def _play_and_shape(run: _Run, reward_fn, iteration: int, policy, version: int,
+                    weights=None) -> tuple:
   """Iteration `iteration`'s episodes, played with adapters `policy` (version `version`) and
-  the sampler's `weights`, and their rewards shaped: (RolloutResult, shaped metrics)."""
+  the sampler's `weights` (None: `run.weights`), and their rewards shaped: (RolloutResult,
+  shaped metrics)."""
   key = jax.random.fold_in(jax.random.key(run.config.seed), iteration)
-  result = rollout(run.envs, run.team, run.structure, *weights, run.model.tokenizer,
-                   jax.random.fold_in(key, 0), lora=policy, config=settings,
-                   policy_version=version, rows=run.rows)
+  result = run.play(policy, jax.random.fold_in(key, 0), version,
+                    weights=run.weights if weights is None else weights)
   shaped = _shape_rewards(result.episodes, run.team, run.judge, reward_fn,
                           jax.random.fold_in(key, 2))
   return result, shaped
 
 
-def _start_async(cleanup, run: _Run, state, start, workdir, settings, mesh, sampler_mesh,
+def _start_async(cleanup, run: _Run, state, start, workdir, mesh, sampler_mesh,
                  reward_fn) -> async_rollout.AsyncRollouts:
   """The sampler thread of rollout.max_staleness >= 1 (`async_rollout`), entered in
   `cleanup` (stopped before the environments close), with the versions a resume needs."""
@@ -267,17 +293,16 @@ def _start_async(cleanup, run: _Run, state, start, workdir, settings, mesh, samp
                                              max_to_keep=config.max_to_keep + 1))
   behind = None if start == 0 else async_rollout.restore_versions(saved, start, state.policy,
                                                                   eta)
-  weights = async_rollout.place_weights(run.rollout_weights, sampler_mesh)
+  weights = async_rollout.place_weights(run.weights, sampler_mesh)
 
   def scope():  # JAX's mesh and matmul precision are per thread
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(sampler_mesh or mesh))
-    stack.enter_context(precision.scope(config.model.matmul_precision,
-                                        config.model.param_dtype))
+    stack.enter_context(precision.scope(config.model.matmul_precision, config.run_dtype))
     return stack
 
   rollouts = async_rollout.AsyncRollouts(
-      functools.partial(_play, run, settings, weights, reward_fn), run.envs, eta, start,
+      functools.partial(_play_and_shape, run, reward_fn, weights=weights), run.envs, eta, start,
       config.iterations, async_rollout.initial_versions(state.policy, start, eta, behind),
       scope=scope, place=async_rollout.placer(sampler_mesh), saved=saved)
   return cleanup.enter_context(rollouts)
@@ -285,7 +310,10 @@ def _start_async(cleanup, run: _Run, state, start, workdir, settings, mesh, samp
 
 def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Run, TrainState]:
   """The run's pieces and the state it starts from (placed on the mesh; `resuming`: a
-  template the checkpoint restores into, `init_from` not read)."""
+  template the checkpoint restores into, `init_from` not read). A team on several
+  backbones: `_build_split`."""
+  if isinstance(model, dict):
+    return _build_split(config, mesh, model)
   model = _with_remat(model, config.model.remat)
   team, structure = assembly.build_team(config)
   rollout_weights = assembly.rollout_model(model, config)
@@ -321,11 +349,66 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
       pad_id=model.tokenizer.eos_token_id if pad is None else pad,
       # Every minibatch splits evenly over the batch shards (padding rows are all masked).
       num_rows=_round_up(batch_rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
-  run = _Run(config=config, config_dict=recorded, model=model, rollout_weights=rollout_weights,
-             team=team, structure=structure, envs=envs, rows=rows, judge=judge, learn=learn,
-             heldout=functools.partial(_heldout, config=config, model=model,
-                                       weights=rollout_weights))
+  play = functools.partial(_play, envs=envs, team=team, structure=structure, model=model,
+                           settings=assembly.rollout_settings(config), rows=rows)
+  run = _Run(config=config, config_dict=recorded, team=team, envs=envs, judge=judge, play=play,
+             weights=rollout_weights,
+             learn=learn, heldout=functools.partial(_heldout, config=config, model=model,
+                                                    weights=rollout_weights),
+             export=functools.partial(_export, config=config))
   return run, state
+
+
+def _play(policy, rng, version, *, envs, team, structure, model, weights, settings, rows):
+  """One rollout of the team through the sampler's copy of the base (`weights`), with the
+  adapters `policy` (policy version `version`)."""
+  return rollout(envs, team, structure, *weights, model.tokenizer, rng, lora=policy,
+                 config=settings, policy_version=version, rows=rows)
+
+
+def _export(checkpointer, step, state, *, config):
+  """The adapters as PEFT folders, one per adapter (a collective: every process takes part,
+  process 0 writes)."""
+  names = teams.adapter_names(config.team, config.task.name)
+  adapters = multihost.to_host(state.policy)
+  if multihost.is_primary():
+    source = config.model.backbone(config.used_backbones[0]).source
+    checkpointer.export_peft(step, adapters, names, source)
+
+
+def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
+  """`_build` of a team on several backbones (`train.backbones`; one process, no judge, no
+  held-out evaluation during training: `backbones.check_backbones`): one state, learner and
+  sampler copy per backbone. The state is {backbone name: TrainState}."""
+  models = {name: _with_remat(m, config.model.remat) for name, m in models.items()}
+  team, structure = assembly.build_team(config)
+  split = backbones.split_team(config, team)
+  policy_optimizer, critic_optimizer = assembly.optimizers(config)
+  state = backbones.init_states(config, models, split, policy_optimizer, critic_optimizer)
+  state_shardings = {name: lora_lib.follow_adapters(mesh, s) for name, s in state.items()}
+  state = jax.device_put(state, state_shardings)
+  learners = backbones.learners(config, models, split, mesh, policy_optimizer,
+                                critic_optimizer, config.task.horizon, state_shardings)
+  envs = assembly.build_envs(config, team, seed=config.seed)
+  learn = functools.partial(
+      _learn_split, config=config, split=split, learners=learners, mesh=mesh, envs=envs,
+      num_roles=len(team), agent_sees=envs_lib.agent_sees(structure, team),
+      reply_budgets=reply_budgets(team, structure))
+  weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
+  play = functools.partial(backbones.play, envs=envs, team=team, structure=structure,
+                           models=models, split=split, settings=assembly.rollout_settings(config))
+  run = _Run(config=config, config_dict=to_config_dict(assembly.as_recorded(config)).to_dict(),
+             team=team, envs=envs, judge=None, play=play, weights=weights, learn=learn, heldout=None,
+             export=functools.partial(backbones.export, config=config, split=split))
+  return run, state
+
+
+def _learn_split(state, kept, iteration, key, *, config, **pieces):
+  """`backbones.learn`, with the update's summary metrics (`_update_summary`)."""
+  state, metrics, batch, kl = backbones.learn(state, kept, iteration, key, config=config,
+                                              active=active_adapters(config, iteration),
+                                              **pieces)
+  return state, _update_summary(metrics, config, kl, batch, None)
 
 
 def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: str
@@ -386,6 +469,12 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
       state, model.params, placed(batch), extras, jnp.asarray(active),
       jnp.asarray(iteration >= config.critic.warmup_iterations), key)
   metrics = {k: float(v) for k, v in metrics.items()}
+  return state, _update_summary(metrics, config, kl, batch, layout)
+
+
+def _update_summary(metrics, config, kl, batch, layout) -> dict:
+  """The update's metrics with the trainer's: the KL reward, the sampler-learner gap, the
+  tokens trained."""
   if kl is not None:  # this process's mean KL reward per trained token
     metrics["kl_reward"] = float(kl.sum() / max(batch.act_mask.sum(), 1))
   tokens = float(batch.mask.sum())
@@ -399,7 +488,7 @@ def _learn(state, kept, iteration, key, *, pad_id, model, config, update, critic
       config.loss.old_logp != "rollout" else _log_gap(metrics["behaviour/first_ratio_max_dev"])
   # Tokens through the learner's forward + backward: every real token, every epoch.
   metrics["update_tokens"] = tokens * config.optimizer.epochs
-  return state, metrics
+  return metrics
 
 
 def _log_gap(ratio_dev: float) -> float:
@@ -478,11 +567,9 @@ def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir, rollouts=
           "policy_version": step, "changes_known": config_history.CHANGES_KNOWN}
   meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
-  names = teams.adapter_names(config.team, config.task.name)
-  adapters = multihost.to_host(state.policy)  # collective: every process takes part
+  run.export(checkpointer, step, state)  # collective: every process takes part
   if not multihost.is_primary():
     return
-  checkpointer.export_peft(step, adapters, names, config.model.source)
   writer.flush()
   with writing(workdir, "learning_curve.png"):
     plot_learning_curves(os.path.join(workdir, "metrics.jsonl"),
