@@ -84,10 +84,11 @@ def check_backbones(config: TrainConfig) -> None:
   if len(used) == 1:
     return
   where = f"with the roles on backbones {used}"
-  if config.rollout.context_mode != "per_agent":
-    raise ValueError(f"rollout.context_mode={config.rollout.context_mode!r} "
-                     f"(algorithm={config.algorithm!r}) {where}: one token stream cannot hold "
-                     "two vocabularies; use an algorithm of the per-agent view")
+  if config.rollout.context_mode != "per_agent":  # named first: the split is the file's choice
+    raise ValueError(f"model.backbones={sorted(config.model.backbones)} {where}, but "
+                     f"rollout.context_mode={config.rollout.context_mode!r} (algorithm="
+                     f"{config.algorithm!r}): one token stream cannot hold two vocabularies; "
+                     "use an algorithm of the per-agent view")
   if config.team.graph == "orchestrator":
     raise ValueError(f"team.graph='orchestrator' {where}: not supported (a chain or a DAG)")
   if config.team.shared_adapter:
