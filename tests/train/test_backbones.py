@@ -96,6 +96,9 @@ def test_backbones_are_read_from_the_command_line_and_named_in_order():
     ({"team.graph": "orchestrator"}, "team.graph='orchestrator'"),
     ({"team.roles.planner.adapter": "base"}, "backbone 'smol'"),
     ({"eval_every": 1}, "eval_every"),
+    ({"rollout.max_staleness": 1, "loss.behaviour_correction": "auto",  # one sampler thread
+      "loss.old_logp": "auto"},
+     "rollout.max_staleness=1 with team.roles"),
 ])
 def test_what_a_split_team_cannot_run_is_refused_naming_the_key(dotted, named):
   with pytest.raises(ValueError) as e:
