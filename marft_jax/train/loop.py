@@ -209,7 +209,8 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
                               reward_fn)
     for iteration in range(start, config.iterations):
       key = jax.random.fold_in(jax.random.key(config.seed), iteration)
-      # Held-out accuracy of the policy this iteration samples with (at 0: the untuned team).
+      # Held-out accuracy of the learner's policy before this iteration's update (at 0: the
+      # untuned team); with rollout.max_staleness = η it sampled iteration k + η.
       evaluated = run.heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
       shown.update(evaluated)
       t0 = time.perf_counter()
