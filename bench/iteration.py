@@ -217,16 +217,16 @@ def run(config: TrainConfig, model: assembly.Model) -> tuple[list[dict], list[fl
     seen.append(dict(metrics, wall_s=now - last[0]))  # the first: from the start of train
     last[0] = now
 
-  real_prepare, real_make_update, real_checkpoint = (loop.prepare, loop.make_update,
+  real_prepare, real_make_update, real_checkpoint = (loop.prepare, assembly.make_update,
                                                      loop._checkpoint)
-  loop.prepare, loop.make_update = probe.prepare(real_prepare), probe.make_update(
+  loop.prepare, assembly.make_update = probe.prepare(real_prepare), probe.make_update(
       real_make_update)
   loop._checkpoint = probe.checkpoint(real_checkpoint)
   try:
     with tempfile.TemporaryDirectory() as workdir:
       loop.train(config, workdir, model=model, progress=False, on_iteration=on_iteration)
   finally:
-    loop.prepare, loop.make_update = real_prepare, real_make_update
+    loop.prepare, assembly.make_update = real_prepare, real_make_update
     loop._checkpoint = real_checkpoint
   # An iteration's checkpoint follows its callback: the last one's is not in any interval.
   return [dict(m, **p) for m, p in zip(seen, probe.rows)], probe.checkpoint_s

@@ -23,6 +23,7 @@ import optax
 
 from marft_jax import envs as envs_lib
 from marft_jax import lora as lora_lib
+from marft_jax import sharding
 from marft_jax.architecture import precision
 from marft_jax.configs import from_config_dict, to_config_dict
 from marft_jax.models import layout as layout_lib
@@ -38,7 +39,7 @@ from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
 from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
-from marft_jax.train.update import TrainState
+from marft_jax.train.update import TrainState, make_update
 
 
 def as_recorded(config: TrainConfig) -> TrainConfig:
@@ -379,6 +380,38 @@ def new_state(config: TrainConfig, model: Model) -> TrainState:
   adapters (`init_from`'s, if given), the critic for the team `build_team` makes, and the
   optimizers' states."""
   return init_state(config, model, num_agents(*build_team(config)), *optimizers(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class Learner:
+  """One base's learner: its base (training layout), update and critic functions."""
+
+  name: str  # its backbone
+  model: Model
+  update: Any  # `update.make_update`'s
+  critic_hidden: Any  # `critic.value_fns`' hidden, or None
+  old_values: Any  # `critic.batch_values_fn`, or None
+  num_rows: int  # its batch's rows, rounded up so every minibatch splits over the shards
+  pad_id: int
+
+
+def make_learner(config: TrainConfig, name: str, model: Model, num_adapters: int, rows: int,
+                 mesh, policy_optimizer, critic_optimizer, state_shardings) -> Learner:
+  """The `Learner` of `model` (backbone `name`) training `num_adapters` adapters over
+  batches of `rows` rows (padding rows added, all masked, so every minibatch splits evenly
+  over the batch shards); its update keeps `state_shardings` (`lora.follow_adapters`)."""
+  values, hidden = critic_lib.value_fns(critic_config(config), model.config)
+  update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer, values,
+                       num_adapters, config.optimizer.epochs, config.optimizer.minibatches,
+                       out_shardings=(state_shardings, sharding.replicated(mesh)))
+  multiple = config.optimizer.minibatches * sharding.batch_shards(mesh)
+  pad = model.tokenizer.pad_token_id
+  return Learner(
+      name=name, model=model, update=update, critic_hidden=hidden,
+      old_values=None if values is None else critic_lib.batch_values_fn(
+          values, config.optimizer.minibatches),
+      num_rows=-(-rows // multiple) * multiple,
+      pad_id=model.tokenizer.eos_token_id if pad is None else pad)
 
 
 def optimizers(config: TrainConfig):

@@ -40,7 +40,7 @@ from marft_jax.train.advantages import compute_advantages, kl_rewards
 from marft_jax.train.batching import PADDING, TrainBatch, make_batch, padding_fields
 from marft_jax.train.batching import per_row_adapters
 from marft_jax.train.config import MAIN_BACKBONE, TrainConfig
-from marft_jax.train.update import TrainState, make_update, prepare
+from marft_jax.train.update import TrainState, prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,47 +251,21 @@ def scatter_rows(into: np.ndarray, rows: np.ndarray, values) -> np.ndarray:
 # --- learning ------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Learner:
-  """One backbone's learner: its base (training layout), update and critic functions."""
-
-  name: str
-  model: assembly.Model
-  update: Any  # `update.make_update`'s
-  critic_hidden: Any  # `critic.value_fns`' hidden, or None
-  old_values: Any  # `critic.batch_values_fn`, or None
-  num_rows: int  # its batch's rows (its agents' turns in a full batch, rounded up)
-  pad_id: int
-
-
 def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split, mesh,
              policy_optimizer, critic_optimizer, turns_per_agent: int,
-             state_shardings: Mapping[str, Any]) -> list[Learner]:
-  """A `Learner` per backbone, in `split.names` order. `turns_per_agent`: the rows one agent
-  fills in an episode (its turns: one per env step); `state_shardings`: each backbone's
-  state's (`lora.follow_adapters`), kept by its update."""
-  out = []
-  multiple = config.optimizer.minibatches * sharding.batch_shards(mesh)
-  for b, name in enumerate(split.names):
-    model = models[name]
-    values, hidden = critic_lib.value_fns(assembly.critic_config(config), model.config)
-    update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer, values,
-                         len(split.adapters(b)), config.optimizer.epochs,
-                         config.optimizer.minibatches,
-                         out_shardings=(state_shardings[name], sharding.replicated(mesh)))
-    rows = config.rollout.num_envs * turns_per_agent * len(split.agents(b))
-    pad = model.tokenizer.pad_token_id
-    out.append(Learner(
-        name=name, model=model, update=update, critic_hidden=hidden,
-        old_values=None if values is None else critic_lib.batch_values_fn(
-            values, config.optimizer.minibatches),
-        num_rows=-(-rows // multiple) * multiple,
-        pad_id=model.tokenizer.eos_token_id if pad is None else pad))
-  return out
+             state_shardings: Mapping[str, Any]) -> list[assembly.Learner]:
+  """An `assembly.Learner` per backbone, in `split.names` order. `turns_per_agent`: the rows
+  one agent fills in an episode (its turns: one per env step); `state_shardings`: each
+  backbone's state's (`lora.follow_adapters`), kept by its update."""
+  return [assembly.make_learner(
+      config, name, models[name], len(split.adapters(b)),
+      config.rollout.num_envs * turns_per_agent * len(split.agents(b)), mesh,
+      policy_optimizer, critic_optimizer, state_shardings[name])
+      for b, name in enumerate(split.names)]
 
 
 def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
-          learners: Sequence[Learner], mesh, envs, num_roles: int, agent_sees, reply_budgets,
+          learners: Sequence[assembly.Learner], mesh, envs, num_roles: int, agent_sees, reply_budgets,
           active: np.ndarray):
   """One update of every backbone from the team's `kept` episodes.
 

@@ -54,7 +54,6 @@ from marft_jax.train import assembly
 from marft_jax.train import async_rollout
 from marft_jax.train import backbones
 from marft_jax.train import config_history
-from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
 from marft_jax.train import teams
@@ -66,7 +65,7 @@ from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
 from marft_jax.train.config import TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves, read_metrics
-from marft_jax.train.update import TrainState, make_update, prepare
+from marft_jax.train.update import TrainState, prepare
 from marft_jax.train.write_failures import writing
 
 def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
@@ -325,12 +324,10 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
                               policy_optimizer, critic_optimizer)
   state_shardings = lora_lib.follow_adapters(mesh, state)
   state = jax.device_put(state, state_shardings)
-  critic_values, critic_hidden = critic_lib.value_fns(assembly.critic_config(config),
-                                                      model.config)
-  update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer,
-                       critic_values, config.num_adapters, config.optimizer.epochs,
-                       config.optimizer.minibatches,
-                       out_shardings=(state_shardings, sharding.replicated(mesh)))
+  learner = assembly.make_learner(
+      config, config.used_backbones[0], model, config.num_adapters,
+      config.rollout.num_envs * _turns_per_episode(config, structure), mesh, policy_optimizer,
+      critic_optimizer, state_shardings)
   recorded = to_config_dict(assembly.as_recorded(config)).to_dict()
   # The environments come last: they start grading workers or sandboxes, which `_train`
   # closes once it holds them (nothing after this may fail and leave them running).
@@ -338,18 +335,13 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
   rows = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
   envs = assembly.build_envs(config, team, seed=config.seed,
                              owned=None if rows is None else rows.block(config.rollout.num_envs))
-  pad = model.tokenizer.pad_token_id
-  batch_rows = config.rollout.num_envs * _turns_per_episode(config, structure)
   learn = functools.partial(
-      _learn, model=model, config=config, update=update, critic_hidden=critic_hidden,
-      old_values_fn=None if critic_values is None else critic_lib.batch_values_fn(
-          critic_values, config.optimizer.minibatches),
+      _learn, model=model, config=config, update=learner.update,
+      critic_hidden=learner.critic_hidden, old_values_fn=learner.old_values,
       envs=envs, num_roles=len(team), mesh=mesh, layout=rows,
       agent_sees=envs_lib.agent_sees(structure, team),
-      reply_budgets=reply_budgets(team, structure),
-      pad_id=model.tokenizer.eos_token_id if pad is None else pad,
-      # Every minibatch splits evenly over the batch shards (padding rows are all masked).
-      num_rows=_round_up(batch_rows, config.optimizer.minibatches * sharding.batch_shards(mesh)))
+      reply_budgets=reply_budgets(team, structure), pad_id=learner.pad_id,
+      num_rows=learner.num_rows)
   play = functools.partial(_play, envs=envs, team=team, structure=structure, model=model,
                            settings=assembly.rollout_settings(config), rows=rows)
   run = _Run(config=config, config_dict=recorded, team=team, envs=envs, judge=judge, play=play,
@@ -607,10 +599,6 @@ def _drop_reasons(episodes) -> str:
   hint = " (raise rollout.max_context or lower max_new_tokens)" if "context_overflow" in counts \
       else ""
   return ", ".join(f"{n} {reason}" for reason, n in counts.items()) + hint
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
 
 
 def _iteration_metrics(result, update_metrics, team, t0, t1, t2) -> dict:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from marft_jax.rollout.episode import Episode, TokenSequence
-from marft_jax.train import loop, teams
+from marft_jax.train import assembly, loop, teams
 from marft_jax.train.advantages import NORMALIZE_EPS, AdvantageConfig, compute_advantages
 from marft_jax.train.batching import act_positions, make_batch, trained_masks
 from marft_jax.train.config import OptimizerSection, RoleSection, TeamSection, TrainConfig
@@ -241,7 +241,7 @@ def test_one_iteration_trains_only_the_trained_roles(tiny_model, tmp_path, monke
   ids = teams.adapter_ids(config.team, roles)[0]
   active = loop.active_adapters(config, 0)
   seen = {}
-  real_make_update = loop.make_update
+  real_make_update = assembly.make_update
 
   def recording_make_update(*args, **kwargs):
     update = real_make_update(*args, **kwargs)
@@ -261,7 +261,7 @@ def test_one_iteration_trains_only_the_trained_roles(tiny_model, tmp_path, monke
     seen["raw"] = jax.device_get(raw)
     return compute_advantages(batch, episodes, advantage, *args, **kwargs)
 
-  monkeypatch.setattr(loop, "make_update", recording_make_update)
+  monkeypatch.setattr(assembly, "make_update", recording_make_update)
   monkeypatch.setattr(loop, "compute_advantages", recording_advantages)
   metrics = loop.train(config, str(tmp_path), model=tiny_model, progress=False)
   batch = seen["batch"]
