@@ -90,7 +90,8 @@ def test_backbones_are_read_from_the_command_line_and_named_in_order():
     ({"team.roles.planner.backbone": "big"}, "team.roles.planner.backbone='big'"),
     ({"team.roles.planner.backbone": ""}, "model.backbones.smol"),  # declared, unused
     ({"team.roles.solver.backbone": "smol", "model.source": "other"}, "model.source"),
-    ({"critic.mode": "shared"}, "critic.mode='shared'"),
+    ({"critic.mode": "shared", "critic.backbone": "big"}, "critic.backbone='big'"),
+    ({"critic.backbone": "smol"}, "critic.backbone='smol' is read with critic.mode='shared'"),
     ({"algorithm": "shared_stream_ppo", "critic.mode": "auto"}, "rollout.context_mode"),
     ({"team.shared_adapter": True}, "team.shared_adapter"),
     ({"team.graph": "orchestrator"}, "team.graph='orchestrator'"),
