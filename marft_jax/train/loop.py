@@ -380,12 +380,12 @@ def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
   state = backbones.init_states(config, models, split, policy_optimizer, critic_optimizer)
   state_shardings = {name: lora_lib.follow_adapters(mesh, s) for name, s in state.items()}
   state = jax.device_put(state, state_shardings)
-  learners = backbones.learners(config, models, split, mesh, policy_optimizer,
-                                critic_optimizer, config.task.horizon, state_shardings)
+  learners, critic = backbones.learners(config, models, split, mesh, policy_optimizer,
+                                        critic_optimizer, config.task.horizon, state_shardings)
   envs = assembly.build_envs(config, team, seed=config.seed)
   learn = functools.partial(
-      _learn_split, config=config, split=split, learners=learners, mesh=mesh, envs=envs,
-      num_roles=len(team), agent_sees=envs_lib.agent_sees(structure, team),
+      _learn_split, config=config, split=split, learners=learners, critic=critic, mesh=mesh,
+      envs=envs, num_roles=len(team), agent_sees=envs_lib.agent_sees(structure, team),
       reply_budgets=reply_budgets(team, structure))
   weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
   play = functools.partial(backbones.play, envs=envs, team=team, structure=structure,
