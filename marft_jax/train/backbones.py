@@ -107,8 +107,8 @@ def check_backbones(config: TrainConfig) -> None:
     if all(r.adapter == "base" for r in roles):
       raise ValueError(f"team.roles {[r.name for r in roles]}: every role on backbone "
                        f"{name!r} has adapter='base': nothing on it would train")
-  unsupported = (("init_from", config.init_from, ""), ("reward.judge", config.reward.judge, False),
-                 ("eval_every", config.eval_every, 0))
+  unsupported = (("init_from", config.init_from, ""),
+                 ("reward.judge", config.reward.judge, False))
   for key, value, off in unsupported:
     if value != off:
       raise ValueError(f"{key}={value!r} {where}: not supported yet (issue 41)")
@@ -205,9 +205,11 @@ def player(models: Mapping[str, assembly.Model], policies, team, structure, spli
 
 
 def evaluation_player(config: TrainConfig, models: Mapping[str, assembly.Model], policies,
-                      team, structure):
-  """`player` for `evaluate.play`: the sampler's weights made here."""
-  weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
+                      team, structure, weights: Optional[Mapping[str, tuple]] = None):
+  """`player` for `evaluate.play`: the sampler's `weights` ({backbone: its
+  `assembly.rollout_model`}; None: made here)."""
+  if weights is None:
+    weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
   return player(models, policies, team, structure, split_team(config, team), weights)
 
 

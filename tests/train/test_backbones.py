@@ -96,7 +96,6 @@ def test_backbones_are_read_from_the_command_line_and_named_in_order():
     ({"team.shared_adapter": True}, "team.shared_adapter"),
     ({"team.graph": "orchestrator"}, "team.graph='orchestrator'"),
     ({"team.roles.planner.adapter": "base"}, "backbone 'smol'"),
-    ({"eval_every": 1}, "eval_every"),
     ({"rollout.max_staleness": 1, "loss.behaviour_correction": "auto",  # one sampler thread
       "loss.old_logp": "auto"},
      "rollout.max_staleness=1 with team.roles"),

@@ -23,6 +23,7 @@ from marft_jax.train import algorithms, assembly, backbones, loop, shared_critic
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
+from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.update import LossConfig
 from tests.train.test_advantages import TurnSpec
 from tests.train.test_backbones import smol_tokenizer  # noqa: F401 (a fixture, found by name)
@@ -77,13 +78,14 @@ def shared_config(algorithm="marft_t", **changes):
 
 @pytest.fixture(scope="module")
 def trained(smol_tokenizer, tmp_path_factory):
-  """2 iterations of token-level MARFT with a checkpoint after each; iteration 0's team
-  batch, episodes, advantages and critic batch recorded."""
+  """2 iterations of token-level MARFT with a checkpoint after each and a held-out
+  evaluation before each and at the end; iteration 0's team batch, episodes, advantages and
+  critic batch recorded, and the policies each evaluation scored."""
   models = _trainer_models(smol_tokenizer)
-  config = shared_config()
-  seen, rows, targets = [], [], []
+  config = shared_config(eval_every=1, eval_episodes=4)
+  seen, rows, targets, evaluated = [], [], [], []
   real_advantages, real_rows = backbones.compute_advantages, shared_critic.critic_batch
-  real_targets = shared_critic.with_targets
+  real_targets, real_evaluate = shared_critic.with_targets, evaluate_lib.evaluate
 
   def record(batch, episodes, *args, **kwargs):
     seen.append((batch, episodes, real_advantages(batch, episodes, *args, **kwargs)))
@@ -97,14 +99,19 @@ def trained(smol_tokenizer, tmp_path_factory):
     targets.append(real_targets(*args, **kwargs))
     return targets[-1]
 
+  def record_evaluation(config, model, policy, **kwargs):
+    evaluated.append((policy, real_evaluate(config, model, policy, **kwargs)))
+    return evaluated[-1][1]
+
   workdir = str(tmp_path_factory.mktemp("shared"))
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(backbones, "compute_advantages", record)
     patch.setattr(shared_critic, "critic_batch", record_rows)
     patch.setattr(shared_critic, "with_targets", record_targets)
+    patch.setattr(evaluate_lib, "evaluate", record_evaluation)
     metrics = loop.train(config, workdir, model=models, progress=False)
   return dict(config=config, models=models, workdir=workdir, metrics=metrics, seen=seen,
-              rows=rows, targets=targets)
+              rows=rows, targets=targets, evaluated=evaluated)
 
 
 def _team(config):
@@ -260,6 +267,25 @@ def test_the_critic_trains_on_its_backbone_alone_and_resumes_bit_for_bit(trained
       jax.tree.leaves(template["smol"].critic), jax.tree.leaves(restored[0]["smol"].critic))]
   assert all(moved)
   assert trained["metrics"]["value_loss"] > 0 and trained["metrics"]["critic_grad_norm"] > 0
+
+
+def test_held_out_evaluation_scores_the_split_teams_policy_of_each_iteration(trained):
+  """eval_every on a split team: before iteration 0 (the fresh adapters), before iteration 1
+  (those of checkpoint 1) and at the end (checkpoint 2), each backbone's adapters; the final
+  scores are the run's heldout/ metrics."""
+  config, models, workdir = trained["config"], trained["models"], trained["workdir"]
+  template = backbones.new_states(config, models)
+  with checkpoint_lib.Checkpointer(workdir) as checkpointer:
+    states = [template] + [checkpointer.restore(template, step=s)[0] for s in (1, 2)]
+  assert len(trained["evaluated"]) == 3
+  for (policy, _), state in zip(trained["evaluated"], states):
+    assert set(policy) == {"main", "smol"}
+    for name in policy:
+      for a, b in zip(jax.tree.leaves(policy[name]), jax.tree.leaves(state[name].policy)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  final = trained["evaluated"][-1][1]
+  assert final["episodes"] == 4
+  assert {k: trained["metrics"][f"heldout/{k}"] for k in final} == pytest.approx(final)
 
 
 def test_the_critic_update_fits_its_targets_at_the_value_positions(smol_tokenizer):
