@@ -434,12 +434,14 @@ def test_agent_by_agent_trains_one_adapter_an_iteration_across_the_backbones(tra
 def test_grpo_normalises_the_team_chains_returns_per_role_across_backbones(trained):
   """GRPO on the split team (one group of 4 episodes of one task): each turn's advantage is
   its Monte Carlo return along the team's chain (the reference with every value 0, λ = 1),
-  normalised over its role's turns in the group; both backbones train."""
+  normalised over its role's turns in the group; both backbones train. Each role is credited
+  its own reward (`varied_reward`'s differ by role), so pooling the roles would differ."""
   base = trained["config"]
   config = split_config(
       "grpo", rollout=dataclasses.replace(base.rollout, num_envs=4, group_size=0),
       iterations=1, checkpoint_every=1000, team=base.team,
-      optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=0))
+      optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=0),
+      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, credit="per_step"))
   seen = []
   real = backbones.compute_advantages
 
