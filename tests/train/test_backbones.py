@@ -475,3 +475,53 @@ def test_grpo_normalises_the_team_chains_returns_per_role_across_backbones(train
   np.testing.assert_allclose(got, expected, atol=1e-4)
   assert metrics["backbone/smol/policy_grad_norm"] > 0
   assert metrics["backbone/main/policy_grad_norm"] > 0
+
+
+def test_kl_in_reward_and_per_agent_lora_critics_on_their_own_backbones(trained, tmp_path):
+  """MARFT-A with advantage.kl_reward_coef and critic.mode='per_agent_lora' on the split team,
+  2 iterations. Iteration 1 (adapters and critics of checkpoint 1, LoRA factors no longer
+  zero): each decision's KL reward is −β k3 of its own backbone's π_old (its adapter) and its
+  own backbone's frozen base; each row's value is its own backbone's critic, its LoRA routed
+  by the row's agent among that backbone's agents."""
+  models, base = trained["models"], trained["config"]
+  config = split_config(
+      "marft_a", rollout=dataclasses.replace(base.rollout, num_envs=2), iterations=2,
+      checkpoint_every=1, team=base.team,
+      critic=dataclasses.replace(base.critic, mode="per_agent_lora", lora_rank=4),
+      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, kl_reward_coef=0.1))
+  seen = []
+  real = backbones.compute_advantages
+
+  def record(batch, episodes, *args, **kwargs):
+    seen.append((batch, episodes, kwargs["kl_reward"]))
+    return real(batch, episodes, *args, **kwargs)
+
+  workdir = str(tmp_path)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(backbones, "compute_advantages", record)
+    loop.train(config, workdir, model=models, progress=False)
+  batch, episodes, kl = seen[1]
+  with checkpoint_lib.Checkpointer(workdir) as checkpointer:
+    states = checkpointer.restore(backbones.new_states(config, models), step=1)[0]
+  split = backbones.split_team(config, assembly.build_team(config)[0])
+  owner = backbones.row_backbones(episodes, split)
+  critic_config = assembly.critic_config(config)
+  for b, name in enumerate(split.names):
+    rows = np.flatnonzero(owner == b)
+    model, state = models[name], states[name]
+    assert np.abs(np.asarray(jax.tree.leaves(state.critic["lora"].layers)[0])).max() > 0
+    sub = jax.tree.map(jnp.asarray, backbones.sub_batch(batch, rows, len(rows),
+                                                        model.tokenizer.pad_token_id, split))
+    old, _ = update.token_logp_and_entropy(model.params, state.policy, sub, model.config, False)
+    ref, _ = update.token_logp_and_entropy(model.params, None, sub, model.config, False)
+    log_r = np.asarray(ref - old, np.float64)
+    decided = batch.act_mask[rows]
+    want = -0.1 * (np.exp(log_r) - 1 - log_r)
+    np.testing.assert_allclose(kl[rows][decided], want[decided], atol=1e-5)
+    local = np.asarray(split.agent_local + (-1,))[batch.act_agent[rows]]  # action frame
+    token_agents = np.concatenate([np.full_like(local[:, :1], -1), local[:, :-1]], axis=1)
+    values = critic_lib.values(state.critic, model.params, sub.tokens, model.config,
+                               critic_config, mask=sub.mask, agent_ids=jnp.asarray(token_agents))
+    np.testing.assert_allclose(np.asarray(values)[decided], batch.act_old_value[rows][decided],
+                               atol=1e-5)
+  assert np.abs(kl[batch.act_mask]).max() > 1e-6  # the adapters moved off their base
