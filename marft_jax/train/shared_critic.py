@@ -198,8 +198,16 @@ class SharedCritic:
   minibatches: int
 
   def batch(self, episodes, batch: TrainBatch, owner: np.ndarray) -> CriticBatch:
-    return critic_batch(episodes, batch, owner, self.index, self.tokenizers, self.num_rows,
+    """`critic_batch`, refused (naming critic.backbone) where a re-tokenized turn is longer
+    than the critic's model reads."""
+    rows = critic_batch(episodes, batch, owner, self.index, self.tokenizers, self.num_rows,
                         self.pad_id, self.row_length_step)
+    longest, limit = int(rows.mask.sum(axis=1).max()), self.model.config.max_position_embeddings
+    if longest > limit:
+      raise ValueError(f"critic.backbone={self.name!r}: a turn re-tokenized in its vocabulary "
+                       f"is {longest} tokens, more than its model's {limit} positions; put the "
+                       "critic on another backbone, or shorten the turns")
+    return rows
 
   def extras(self, critic, placed: CriticBatch) -> CriticExtras:
     """The frozen base's hidden states, once a batch (None with a critic LoRA)."""

@@ -205,6 +205,21 @@ def test_the_values_the_advantages_read_are_the_critics_at_each_decisions_state(
   assert np.abs(want[batch.act_mask]).min() > 0  # every decision valued
 
 
+def test_a_turn_longer_than_the_critics_positions_is_refused_naming_the_key(trained):
+  batch, episodes, _ = trained["seen"][0]
+  config, models = trained["config"], trained["models"]
+  split = backbones.split_team(config, _team(config))
+  smol = models["smol"]
+  short = dataclasses.replace(smol, config=smol.config.replace(max_position_embeddings=40))
+  critic = shared_critic.SharedCritic(
+      name="smol", index=1, model=short, tokenizers=(models["main"].tokenizer, smol.tokenizer),
+      hidden=None, values=None, update=None, num_rows=16, pad_id=0, row_length_step=32,
+      minibatches=1)
+  with pytest.raises(ValueError, match=r"critic.backbone='smol': a turn re-tokenized .* "
+                                       r"more than its model's 40 positions"):
+    critic.batch(episodes, batch, backbones.row_backbones(episodes, split))
+
+
 def test_the_token_level_backups_match_the_numpy_reference(trained):
   """A turn's last token bootstraps from its successor's first-token value: the shared
   critic's at the successor's prompt, on whichever backbone the successor samples."""
