@@ -313,12 +313,8 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
       ref_logp = scatter_rows(ref, rows, read(extras.ref_logp))
     parts.append((rows, sub, extras))
   if critic is not None:
-    critic_state = states[critic.name]
-    critic_rows = critic.batch(kept, batch, owner)
-    critic_extras = critic.extras(critic_state.critic, placed(critic_rows))
-    values = shared_critic.team_values(read(critic.values(
-        critic_state.critic, critic.model.params, placed(critic_rows), critic_extras)),
-        critic_rows, batch)
+    critic_rows, critic_extras, values = _value_shared(critic, states[critic.name].critic,
+                                                       kept, batch, owner, placed)
   batch = batch.replace(act_old_value=values)
   kl = kl_rewards(old_logp, ref_logp, batch.act_mask, config.advantage) if with_ref else None
   groups = [envs.group(e.env_index) for e in kept]
@@ -351,6 +347,16 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
     merged.update(critic_metrics)
     merged["nonfinite"] += critic_metrics["critic_nonfinite"]
   return states, merged, batch, kl
+
+
+def _value_shared(critic: shared_critic.SharedCritic, params, kept, batch: TrainBatch,
+                  owner: np.ndarray, placed):
+  """The shared critic (parameters `params`) over every turn of the team `batch`: (its
+  `CriticBatch`, its extras, [B, T] the team's values at rollout time)."""
+  rows = critic.batch(kept, batch, owner)
+  extras = critic.extras(params, placed(rows))
+  values = critic.values(params, critic.model.params, placed(rows), extras)
+  return rows, extras, shared_critic.team_values(multihost.to_host(values), rows, batch)
 
 
 def _train_critic(critic: shared_critic.SharedCritic, state: TrainState, rows, extras, batch,
