@@ -19,7 +19,7 @@ import pytest
 
 from marft_jax import envs
 from marft_jax.rollout import context
-from marft_jax.train import algorithms, assembly, backbones, loop, shared_critic
+from marft_jax.train import assembly, backbones, loop, shared_critic
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
