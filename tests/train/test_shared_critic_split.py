@@ -340,14 +340,16 @@ def test_the_critic_update_fits_its_targets_at_the_value_positions(smol_tokenize
 
 def test_at_the_action_level_the_default_critic_values_each_turn_at_its_prompt(
     smol_tokenizer, tmp_path):
-  """MARFT-A, critic.backbone unset: the critic lives on the roles' first backbone ("main",
-  the tiny BPE), reads the planner's SmolLM2 turns as text in its own vocabulary, and each
-  turn's value is its value at the last token of the turn's prompt there."""
+  """MARFT-A, critic.backbone unset, a critic LoRA: the critic lives on the roles' first
+  backbone ("main", the tiny BPE), reads the planner's SmolLM2 turns as text in its own
+  vocabulary, and each turn's value is its value at the last token of the turn's prompt
+  there; its LoRA trains."""
   models = _trainer_models(smol_tokenizer)
   base = shared_config()
   config = shared_config(
-      algorithm="marft_a", iterations=1, checkpoint_every=1000,
-      critic=dataclasses.replace(base.critic, backbone=""), loss=config_lib.TrainConfig().loss,
+      algorithm="marft_a", iterations=1,
+      critic=dataclasses.replace(base.critic, backbone="", lora_rank=4),
+      loss=config_lib.TrainConfig().loss, checkpoint_every=1,
       advantage=dataclasses.replace(config_lib.TrainConfig().advantage, normalize=False))
   assert config.critic_backbone == "main" and config.advantage.level == "action"
   seen = []
@@ -380,3 +382,7 @@ def test_at_the_action_level_the_default_critic_values_each_turn_at_its_prompt(
           float(v[0, len(prompt) - 1]), abs=1e-5)
       r += 1
   assert metrics["value_loss"] > 0
+  with checkpoint_lib.Checkpointer(str(tmp_path)) as checkpointer:
+    after = checkpointer.restore(backbones.new_states(config, models), step=1)[0]
+  assert after["smol"].critic is None
+  assert np.abs(np.asarray(jax.tree.leaves(after["main"].critic["lora"].layers)[1])).max() > 0
