@@ -127,6 +127,9 @@ def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: i
   rows, positions = [], []
   for episode in episodes:
     for sequence in episode.sequences:
+      if len(sequence.spans) != 1:  # `backbones.check_backbones` refuses the shared stream
+        raise ValueError("the shared critic of a split team reads one turn a row (the "
+                         f"per-agent view); a row holds {len(sequence.spans)}")
       r, span = len(rows), sequence.spans[0]
       ids = np.asarray(sequence.tokens, np.int32)
       if owner[r] == critic_index:
