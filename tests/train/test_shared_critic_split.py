@@ -301,6 +301,12 @@ def test_held_out_evaluation_scores_the_split_teams_policy_of_each_iteration(tra
   final = trained["evaluated"][-1][1]
   assert final["episodes"] == 4
   assert {k: trained["metrics"][f"heldout/{k}"] for k in final} == pytest.approx(final)
+  # launch.eval's restore of the checkpoint (the critic on smol alone) gives the same adapters
+  policies, step = evaluate_lib.restore_policy(config, models, workdir)
+  assert step == 2
+  for name in policies:
+    for a, b in zip(jax.tree.leaves(policies[name]), jax.tree.leaves(states[2][name].policy)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_critic_update_fits_its_targets_at_the_value_positions(smol_tokenizer):
