@@ -406,15 +406,18 @@ def make_learner(config: TrainConfig, name: str, model: Model, num_adapters: int
   batches of `rows` rows (padding rows added, all masked, so every minibatch splits evenly
   over the batch shards); its update keeps `state_shardings` (`lora.follow_adapters`)."""
   values, hidden = critic_lib.value_fns(critic_config(config), model.config)
+  minibatches = config.optimizer.minibatches
+  one_device = -(-rows // minibatches) * minibatches
+  multiple = minibatches * sharding.batch_shards(mesh)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer, values,
-                       num_adapters, config.optimizer.epochs, config.optimizer.minibatches,
-                       out_shardings=(state_shardings, sharding.replicated(mesh)))
-  multiple = config.optimizer.minibatches * sharding.batch_shards(mesh)
+                       num_adapters, config.optimizer.epochs, minibatches,
+                       out_shardings=(state_shardings, sharding.replicated(mesh)),
+                       logical_rows=one_device)
   pad = model.tokenizer.pad_token_id
   return Learner(
       name=name, model=model, update=update, critic_hidden=hidden,
       old_values=None if values is None else critic_lib.batch_values_fn(
-          values, config.optimizer.minibatches),
+          values, minibatches),
       num_rows=-(-rows // multiple) * multiple,
       pad_id=model.tokenizer.eos_token_id if pad is None else pad)
 

@@ -196,6 +196,10 @@ CHANGED: tuple[tuple[str, str, str], ...] = (
      "turns of a role not trained (a 'base' role; under the agent-by-agent schedule, the "
      "adapters not trained that iteration) leave the advantage whitening and the policy "
      "loss and metrics (25d1793, 2026-11-28)"),
+    ("mesh_minibatches", "mesh.data",
+     "on several batch shards (mesh.data x mesh.fsdp) the minibatches are those of one device "
+     "(2026-11-28): a mesh that padded the batch beyond one device's rows, or several "
+     "processes' blocks, no longer change which rows train together"),
 )
 CHANGES_KNOWN = len(CHANGED)  # what this version records
 
@@ -239,7 +243,8 @@ def changed_since(known: Optional[int], config) -> list[tuple[str, str]]:
   alters = {"dag_credit": team.graph == "dag" and layer_successors(
                 team.role_order, team.edge_pairs) != reach_successors(team.role_order,
                                                                       team.edge_pairs),
-            "untrained_roles": untrained}
+            "untrained_roles": untrained,
+            "mesh_minibatches": config.mesh.data * config.mesh.fsdp != 1}  # -1: every device
   return [(key, f"{why}; this checkpoint may predate it, and its run trains otherwise now")
           for name, key, why in CHANGED[known or 0:] if alters[name]]
 

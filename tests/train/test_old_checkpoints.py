@@ -269,6 +269,20 @@ def _team_config(roles, adapters, **team):
                                               order=",".join(roles), **team))
 
 
+@pytest.mark.parametrize("data,fsdp", [(1, 1), (2, 1), (1, 2), (-1, 1), (3, 2)])
+def test_a_checkpoint_trained_on_several_batch_shards_before_mesh_minibatches_is_refused(
+    data, fsdp):
+  """Before mesh_minibatches a mesh of several batch shards drew its minibatches over the
+  rows it padded (and several processes over their blocks): a checkpoint without the record
+  whose mesh had more than one shard (-1: every device) is refused naming mesh.data."""
+  config = dataclasses.replace(_team_config(["a", "b"], ["own", "own"]),
+                               mesh=dataclasses.replace(TrainConfig().mesh, data=data,
+                                                        fsdp=fsdp))
+  refused = [key for key, _ in config_history.changed_since(None, config)]
+  assert refused == ([] if data * fsdp == 1 else ["mesh.data"])
+  assert config_history.changed_since(config_history.CHANGES_KNOWN, config) == []
+
+
 @pytest.mark.parametrize("interval", [0, 2])
 @pytest.mark.parametrize("shared_adapter", [False, True])
 def test_a_checkpoint_from_before_untrained_roles_is_refused_where_a_role_trained_nothing(
