@@ -16,6 +16,7 @@ import pytest
 
 from marft_jax.train import config as config_lib
 from marft_jax.train import loop
+from marft_jax.train import update
 from marft_jax.train.update import minibatch_slots
 from tests.fixtures.old_checkpoints import make
 from tests.train.echo_config import echo_config, tiny_trainer_model
@@ -38,7 +39,7 @@ def _cases(count: int, seed: int = 0):
     yield L, B, minibatches, processes, real, int(rng.integers(1, 4))
 
 
-@pytest.mark.parametrize("case", list(_cases(40)))
+@pytest.mark.parametrize("case", list(_cases(30)))
 def test_a_padded_batch_trains_the_same_rows_together_as_one_device(case):
   """For every layout a mesh makes (any team rows, minibatches, shards, processes, real rows
   per process), each minibatch holds exactly the real rows, in order, of one device's
@@ -51,8 +52,9 @@ def test_a_padded_batch_trains_the_same_rows_together_as_one_device(case):
     physical[p * block:p * block + r] = True
   compact = np.arange(L) < sum(real)
   key = jax.random.key(sum(real) * 7 + B)
-  reference, reference_taken = minibatch_slots(key, jnp.asarray(compact), epochs, minibatches)
-  got, taken = minibatch_slots(key, jnp.asarray(physical), epochs, minibatches, logical_rows=L)
+  slots = jax.jit(update.minibatch_slots, static_argnums=(2, 3, 4))  # one compile, not ~40 ops
+  reference, reference_taken = slots(key, jnp.asarray(compact), epochs, minibatches, None)
+  got, taken = slots(key, jnp.asarray(physical), epochs, minibatches, L)
   got, reference = np.asarray(got), np.asarray(reference)
   assert got.shape == (epochs * minibatches, B // minibatches)
   real_rows = np.flatnonzero(physical)  # the i-th real row of the padded batch
