@@ -220,12 +220,13 @@ class SharedCritic:
 
 def make_critic_update(model_config, critic_config: critic_lib.CriticConfig, loss: LossConfig,
                        critic_optimizer, epochs: int, minibatches: int,
-                       out_shardings: Any = None):
+                       out_shardings: Any = None, logical_rows: Optional[int] = None):
   """The jitted `update(critic, critic_opt, params, batch, extras, rng)` of the shared
   critic alone: epochs × minibatches steps (`update.minibatch_slots`) of value_coef × the value
   loss (`update.LossConfig`: clipped, Huber or squared) at `CriticBatch.value_pos`, its gradient
   clipped to critic_max_grad_norm; a minibatch of padding alone, or with a loss or gradient
-  not finite, changes nothing. Returns (critic, critic_opt, metrics: value_loss and
+  not finite, changes nothing. `logical_rows`: the batch's rows on one device
+  (`minibatch_slots`: the mesh does not change which rows train together). Returns (critic, critic_opt, metrics: value_loss and
   critic_grad_norm averaged over the trained minibatches, critic_nonfinite counted)."""
   values, _ = critic_lib.value_fns(critic_config, model_config)
 
@@ -237,7 +238,8 @@ def make_critic_update(model_config, critic_config: critic_lib.CriticConfig, los
   grad_fn = jax.value_and_grad(value_loss, has_aux=True)
 
   def update(critic, critic_opt, params, batch, extras, rng):
-    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches)
+    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches,
+                                     logical_rows)
 
     def step(carry, xs):
       critic, opt = carry
@@ -287,7 +289,8 @@ def make_shared_critic(config, split, models, mesh, critic_optimizer, rows: int,
   update = make_critic_update(
       model.config, critic_config, config.loss, critic_optimizer, o.epochs, o.minibatches,
       out_shardings=(state_sharding.critic, state_sharding.critic_opt,
-                     sharding.replicated(mesh)))
+                     sharding.replicated(mesh)),
+      logical_rows=-(-rows // o.minibatches) * o.minibatches)
   multiple = o.minibatches * sharding.batch_shards(mesh)
   pad = model.tokenizer.pad_token_id
   return SharedCritic(
