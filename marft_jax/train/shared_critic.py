@@ -12,16 +12,19 @@ critic reads each turn's state as text in its own vocabulary:
             re-tokenized may be split otherwise than it was sampled).
   values    the critic's value at its position u is V(tokens[:u+1]) (`critic.values`' action
             frame). The policy's decision j of a reply (it emits reply token j) is valued at
-            the state before token j: the prompt, then the reply's text up to c_j, the
-            character where token j starts (how much of the reply's text decode(reply[:j])
-            gives). Its critic position is the last one whose text ends there or before:
+            the state before token j: the prompt, then the reply's text up to c_j, the whole
+            characters decode(reply[:j]) gives. Its critic position is the last one whose
+            text ends there or before:
 
                 u_j = prompt_len − 1 + #{i : e_i ≤ c_j}
 
-            with e_i the end of the critic's reply token i (`value_positions`). A critic token
-            that straddles c_j is left out: the value of a decision must not read any of the
-            token being decided (a baseline that sees the action is biased); its state then
-            holds a few characters less than the policy's. Decision 0, the turn's
+            with e_i the characters the critic's reply tokens up to i reach
+            (`value_positions`, `agreed_lengths`). A critic token that straddles c_j is left
+            out: the value of a decision must not read any of the token being decided (a
+            baseline that sees the action is biased); its state then holds a few characters
+            less than the policy's. Characters are counted whole: a multi-byte character
+            split between tokens counts in c_j only once the policy has written all of it,
+            and in e_i as soon as a critic token holds any byte of it. Decision 0, the turn's
             action-level value, sits on the critic prompt's last token, so a successor's
             first-token value, which its predecessors bootstrap from, is the critic's at the
             successor's own prompt in the critic's tokens.
@@ -77,12 +80,18 @@ class CriticExtras:
 # --- the critic's view of each turn (host) ------------------------------------------------------
 
 
-def agreed_lengths(tokenizer, prefixes: Sequence[Sequence[int]], text: str) -> np.ndarray:
-  """[n] how many characters of `text` each prefix of token ids decodes to (the common
-  prefix of its decoding and `text`: a prefix that ends inside a multi-byte character decodes
-  to a replacement character there), non-decreasing."""
+def agreed_lengths(tokenizer, prefixes: Sequence[Sequence[int]], text: str,
+                   reach: bool = False) -> np.ndarray:
+  """[n] how many whole characters of `text` each prefix of token ids gives, non-decreasing.
+
+  A prefix that ends inside a multi-byte character decodes to a replacement character there
+  (its decoding then leaves `text` after their common prefix, k characters): it gives k
+  characters, or with `reach` k + 1 (it holds bytes of character k: it reaches into it)."""
   decoded = tokenizer.batch_decode([list(p) for p in prefixes], skip_special_tokens=True)
-  lengths = [len(os.path.commonprefix([d, text])) for d in decoded]
+  lengths = []
+  for d in decoded:
+    k = len(os.path.commonprefix([d, text]))
+    lengths.append(k + 1 if reach and k < len(d) else k)
   return np.maximum.accumulate(np.asarray(lengths, np.int64)) if lengths else \
       np.zeros((0,), np.int64)
 
@@ -113,7 +122,8 @@ def critic_row(turn, reply_ids: Sequence[int], policy_tokenizer, tokenizer
   reply = tokenizer(turn.reply, add_special_tokens=False)["input_ids"]
   starts = agreed_lengths(policy_tokenizer, [reply_ids[:j] for j in range(len(reply_ids))],
                           turn.reply)
-  ends = agreed_lengths(tokenizer, [reply[:i + 1] for i in range(len(reply))], turn.reply)
+  ends = agreed_lengths(tokenizer, [reply[:i + 1] for i in range(len(reply))], turn.reply,
+                        reach=True)
   return list(prompt) + list(reply), value_positions(len(prompt), starts, ends)
 
 

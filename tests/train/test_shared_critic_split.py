@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from marft_jax import envs
+from marft_jax.models import tiny
 from marft_jax.rollout import context
 from marft_jax.train import assembly, backbones, loop, shared_critic
 from marft_jax.train import checkpoint as checkpoint_lib
@@ -45,16 +46,71 @@ def test_a_decision_is_valued_at_the_last_critic_token_ending_before_it():
       shared_critic.value_positions(3, np.array([0, 2, 3]), np.array([2, 3, 6])), [2, 3, 4])
 
 
-def test_agreed_lengths_stop_before_a_character_split_between_tokens(smol_tokenizer):
-  """"é" is two bytes: a prefix ending between them decodes to a replacement character, which
-  agrees with none of the text."""
+def test_agreed_lengths_count_a_character_split_between_tokens_whole(smol_tokenizer):
+  """"é" is two bytes: a prefix ending between them has not written it (1 character), but
+  reaches into it (2)."""
   text = "aé b"
-  ids = smol_tokenizer(text, add_special_tokens=False)["input_ids"]
   byte_ids = [smol_tokenizer.convert_tokens_to_ids(t) for t in ("a", "Ã", "©", "Ġb")]
-  assert smol_tokenizer.decode(byte_ids) == text and len(ids) <= len(byte_ids)
-  lengths = shared_critic.agreed_lengths(smol_tokenizer,
-                                         [byte_ids[:i] for i in range(5)], text)
-  np.testing.assert_array_equal(lengths, [0, 1, 1, 2, 4])
+  assert smol_tokenizer.decode(byte_ids) == text
+  prefixes = [byte_ids[:i] for i in range(5)]
+  np.testing.assert_array_equal(shared_critic.agreed_lengths(smol_tokenizer, prefixes, text),
+                                [0, 1, 1, 2, 4])
+  np.testing.assert_array_equal(
+      shared_critic.agreed_lengths(smol_tokenizer, prefixes, text, reach=True), [0, 1, 2, 2, 4])
+
+
+def _byte_decoder():
+  """GPT-2's byte-level alphabet, inverted: the character a vocabulary writes for each byte."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+               + list(range(ord("®"), ord("ÿ") + 1)))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+def _byte_ends(tokenizer, ids) -> np.ndarray:
+  """[n + 1] how many bytes ids[:i] write, i = 0..n (from the vocabulary's byte alphabet)."""
+  decoder = _byte_decoder()
+  pieces = tokenizer.convert_ids_to_tokens(list(ids))
+  assert all(ch in decoder for t in pieces for ch in t)
+  return np.concatenate([[0], np.cumsum([len(t) for t in pieces])]).astype(int)
+
+
+def test_positions_follow_the_rule_in_bytes_on_drawn_texts(smol_tokenizer):
+  """Texts drawn from ASCII and 2- to 4-byte characters, tokenized by either vocabulary as the
+  policy's and re-tokenized by the other as the critic's: u_j from `agreed_lengths` and
+  `value_positions` equals the rule computed on the tokens' bytes (whole characters the
+  policy wrote before token j; characters each critic prefix touches), and no critic state
+  holds a byte the policy had not written."""
+  vocabularies = (tiny.tiny_tokenizer(), smol_tokenizer)
+  alphabet = list("abcdefghij klmnop 0123456789 .,!?\n") + ["é", "ß", "中", "文", "😀", "→"]
+  rng = np.random.default_rng(0)
+  checked = 0
+  for _ in range(60):
+    text = "".join(rng.choice(alphabet, rng.integers(1, 30)))
+    starts_b = [len(text[:k].encode()) for k in range(len(text))]
+    ends_b = [len(text[:k + 1].encode()) for k in range(len(text))]
+    for policy, critic in (vocabularies, vocabularies[::-1]):
+      p = policy(text, add_special_tokens=False)["input_ids"]
+      c = critic(text, add_special_tokens=False)["input_ids"]
+      p_bytes, c_bytes = _byte_ends(policy, p), _byte_ends(critic, c)
+      assert p_bytes[-1] == len(text.encode()) == c_bytes[-1]
+      starts = shared_critic.agreed_lengths(policy, [p[:j] for j in range(len(p))], text)
+      ends = shared_critic.agreed_lengths(critic, [c[:i + 1] for i in range(len(c))], text,
+                                          reach=True)
+      u = shared_critic.value_positions(1, starts, ends)  # a 1-token prompt: u_j = count
+      touched = [sum(s < c_bytes[i + 1] for s in starts_b) for i in range(len(c))]
+      for j in range(len(p)):
+        whole = sum(end <= p_bytes[j] for end in ends_b)
+        assert u[j] == sum(t <= whole for t in touched), (text, j)
+        assert c_bytes[u[j]] <= p_bytes[j]  # no byte of token j or later
+        checked += 1
+  assert checked > 1000
 
 
 # --- a trained split team with a shared critic -----------------------------------------------
@@ -155,10 +211,12 @@ def test_the_critic_reads_each_turn_as_its_text_in_the_critics_tokens(trained):
 def _reference_positions(policy_tokenizer, critic_tokenizer, reply_ids, critic_ids,
                          prompt_len, text):
   """u_j from the definition: the critic prompt's last token, plus the most critic reply
-  tokens whose text is a prefix of what the policy had written before its token j."""
+  tokens whose text is a prefix of the whole characters the policy had written before its
+  token j (a character it had begun decodes to a replacement character: left out)."""
   out = []
   for j in range(len(reply_ids)):
     before = policy_tokenizer.decode(reply_ids[:j], skip_special_tokens=True)
+    before = text[:len(os.path.commonprefix([before, text]))]
     count = 0
     for i in range(1, len(critic_ids) + 1):
       if before.startswith(critic_tokenizer.decode(critic_ids[:i], skip_special_tokens=True)):
