@@ -102,8 +102,10 @@ def value_positions(prompt_len: int, reply_starts: np.ndarray, critic_ends: np.n
 
   Args:
     prompt_len: the critic's prompt tokens (≥ 1).
-    reply_starts: [n] c_j, the character of the reply text where the policy's token j starts.
-    critic_ends: [m] e_i, the character where the critic's reply token i ends (non-decreasing).
+    reply_starts: [n] c_j, the whole characters of the reply text the policy wrote before its
+      token j (`agreed_lengths`).
+    critic_ends: [m] e_i, the characters the critic's reply tokens up to i reach
+      (`agreed_lengths(reach=True)`; non-decreasing).
   Returns:
     [n] int32 critic positions.
   """
