@@ -352,6 +352,12 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
   """Each turn's token advantages = the reference's GAE along the chain (a turn's last token
   bootstraps from its successor's first-token value, valued on the successor's backbone)."""
   batch, episodes, out = trained["seen"][0]
+  assert_chain_backups(batch, episodes, out, batch.act_old_value)
+
+
+def assert_chain_backups(batch, episodes, out, values):
+  """`out`'s token advantages of the planner → checker → solver chain (one row a turn) equal
+  the NumPy reference's from `values` [B, T] (the critic's at each decision)."""
   sees = closure(3, [(0, 1), (1, 2)])
   rows = iter(range(batch.tokens.shape[0]))
   for episode in episodes:
@@ -360,7 +366,7 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
       row, span = next(rows), sequence.spans[0]
       positions = list(range(span.start - 1, span.end - 1))
       turns.append(TurnSpec(span.env_step, span.agent, len(positions),
-                            list(batch.act_old_value[row, positions])))
+                            list(values[row, positions])))
       places.append((row, positions))
     want = reference_advantages(turns, sees, episode.rewards, episode.dones, "equal", "token",
                                 hops=dict(HOPS, credit_discount=0.5))
@@ -368,7 +374,9 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
       np.testing.assert_allclose(out.act_advantage[row, positions], expected, atol=1e-5)
 
 
-def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(trained, tmp_path):
+def assert_resumes_bit_for_bit(trained, tmp_path):
+  """`trained`'s run resumed from checkpoint 1 trains its second iteration as it did
+  (adapters, metrics, every leaf of the step-2 state): (the fresh state, the step-2 state)."""
   config, models, straight = trained["config"], trained["models"], trained["workdir"]
   resumed = str(tmp_path / "resumed")
   shutil.copytree(straight, resumed)
@@ -388,6 +396,12 @@ def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(train
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored[0]),
                           jax.tree.leaves(restored[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  return template, restored
+
+
+def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(trained, tmp_path):
+  straight = trained["workdir"]
+  template, restored = assert_resumes_bit_for_bit(trained, tmp_path)
   assert set(restored[0]) == {"main", "smol"}
   assert not np.array_equal(*(np.asarray(jax.tree.leaves(s["smol"].policy)[0])
                               for s in (template, restored[0])))  # it trained

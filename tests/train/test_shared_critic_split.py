@@ -10,7 +10,6 @@ before the decided token); test_dag_credit's NumPy backups.
 
 import dataclasses
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +25,9 @@ from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.update import LossConfig
-from tests.train.test_advantages import TurnSpec
 from tests.train.test_backbones import smol_tokenizer  # noqa: F401 (a fixture, found by name)
-from tests.train.test_backbones import HOPS, _digest, _trainer_models, split_config
-from tests.train.test_dag_credit import closure, reference_advantages
+from tests.train.test_backbones import (HOPS, _trainer_models, assert_chain_backups,
+                                        assert_resumes_bit_for_bit, split_config)
 
 
 # --- the position rule --------------------------------------------------------------------------
@@ -282,21 +280,7 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
   """A turn's last token bootstraps from its successor's first-token value: the shared
   critic's at the successor's prompt, on whichever backbone the successor samples."""
   batch, episodes, out = trained["seen"][0]
-  values = _reference_values(trained, batch, episodes)
-  sees = closure(3, [(0, 1), (1, 2)])
-  rows = iter(range(batch.tokens.shape[0]))
-  for episode in episodes:
-    turns, places = [], []
-    for sequence in episode.sequences:
-      row, span = next(rows), sequence.spans[0]
-      positions = list(range(span.start - 1, span.end - 1))
-      turns.append(TurnSpec(span.env_step, span.agent, len(positions),
-                            list(values[row, positions])))
-      places.append((row, positions))
-    want = reference_advantages(turns, sees, episode.rewards, episode.dones, "equal", "token",
-                                hops=dict(HOPS, credit_discount=0.5))
-    for (row, positions), expected in zip(places, want):
-      np.testing.assert_allclose(out.act_advantage[row, positions], expected, atol=1e-5)
+  assert_chain_backups(batch, episodes, out, _reference_values(trained, batch, episodes))
 
 
 def test_the_critic_trains_on_every_turns_decisions_toward_their_returns(trained):
@@ -316,26 +300,9 @@ def test_the_critic_trains_on_every_turns_decisions_toward_their_returns(trained
 
 
 def test_the_critic_trains_on_its_backbone_alone_and_resumes_bit_for_bit(trained, tmp_path):
-  config, models, straight = trained["config"], trained["models"], trained["workdir"]
-  resumed = str(tmp_path / "resumed")
-  shutil.copytree(straight, resumed)
-  shutil.rmtree(os.path.join(resumed, "checkpoints", "2"))
-  shutil.rmtree(os.path.join(resumed, "exports", "step_2"))
-  with open(os.path.join(resumed, "metrics.jsonl")) as f:
-    lines = f.readlines()
-  with open(os.path.join(resumed, "metrics.jsonl"), "w") as f:
-    f.writelines(lines[:1])
-  metrics = loop.train(config, resumed, model=models, progress=False)
-  assert _digest(resumed, metrics) == _digest(straight, trained["metrics"])
-  template = backbones.new_states(config, models)
+  template, restored = assert_resumes_bit_for_bit(trained, tmp_path)
   assert template["main"].critic is None and template["smol"].critic is not None
-  restored = []
-  for workdir in (straight, resumed):
-    with checkpoint_lib.Checkpointer(workdir) as checkpointer:
-      restored.append(checkpointer.restore(template, step=2)[0])
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored[0]),
-                          jax.tree.leaves(restored[1])):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  assert restored[0]["main"].critic is None
   moved = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
       jax.tree.leaves(template["smol"].critic), jax.tree.leaves(restored[0]["smol"].critic))]
   assert all(moved)
