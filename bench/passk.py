@@ -2,6 +2,8 @@
 
   python -m bench.passk            # SmolLM2-135M f32, untuned, the code_2agents team
   python -m bench.passk --problems=2 --eval_batch=20 --tiny   # the smoke run (figures mean nothing)
+  python -m bench.passk --nocompare --samples_per_problem=20 --throughput=40,80,160
+                                   # where sampled evaluation's time goes, per sampler call
 
 `evaluate.play` on HumanEval's first --problems problems (the code_2agents team: planner up
 to 128 new tokens, coder up to 256, max_context 2048), as launch.eval plays them, in four arms:
@@ -24,6 +26,20 @@ shapes), then all --problems timed. Prints name=value lines:
   passk_n1_tokens_per_problem, passk_n<n>_tokens_per_problem   tokens the agents generated
   passk_n1_pass1, passk_n<n>_pass1   pass@1 of the coder on these problems (small samples!)
   machine_load_avg_1m_start, machine_load_avg_1m_end   others' work on a shared host
+
+--throughput=B1,B2,... (n samples at T = 0.8, --problems problems, --eval_batch B each, after
+one compiling call's worth; --nocompare skips the four arms above) times every sampler call
+(`sampler.generate`, its outputs read back) and prints for each B:
+
+  passk_b<B>_s_per_sample      wall seconds per sample (grading included)
+  passk_b<B>_sampler_share     the sampler calls' share of that wall time
+  passk_b<B>_tok_s             generated tokens per second of sampler call
+  passk_b<B>_calls             sampler calls (one per agent turn of each batch)
+  passk_b<B>_steps_share       decode steps run over the steps the budgets allow: each call
+                               runs until its longest row stops, so 1 means every call ran
+                               to its max_new_tokens
+  passk_b<B>_rows_at_budget    share of rows that used their whole max_new_tokens (no EOS)
+  passk_b<B>_prompt_tokens     mean real prompt tokens of a row (its prefill)
   peak_rss_gb                  this process's peak resident memory
 """
 
@@ -34,12 +50,15 @@ import os
 import resource
 import time
 
+import json
+
+import numpy as np
 from absl import app, flags, logging
 
 from bench.common import emit
 from launch.configs import code_2agents
 from marft_jax.configs import from_config_dict
-from marft_jax.models import tiny
+from marft_jax.models import sampler, tiny
 from marft_jax.train import algorithms, assembly
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.config import TaskSection, TrainConfig
@@ -50,6 +69,12 @@ _SAMPLES = flags.DEFINE_integer("samples_per_problem", 10, "n of the sampled arm
                                 lower_bound=2)
 _EVAL_BATCH = flags.DEFINE_integer("eval_batch", 40, "episodes per sampler call in the "
                                    "batched arms (launch.eval's --eval_batch)", lower_bound=1)
+_COMPARE = flags.DEFINE_bool("compare", True, "time the four arms (greedy and n samples, one "
+                             "problem a call and --eval_batch a call)")
+_THROUGHPUT = flags.DEFINE_list("throughput", [], "eval batches whose sampler calls are timed "
+                                "one by one (n samples at T = 0.8)")
+_CALLS_OUT = flags.DEFINE_string("calls_out", None, "a JSON Lines file for --throughput's "
+                                 "per-call records (batch, rows, prompt tokens, steps, seconds)")
 
 
 def make_config(tiny_run: bool) -> TrainConfig:
@@ -61,37 +86,75 @@ def make_config(tiny_run: bool) -> TrainConfig:
   return config
 
 
-def timed_play(config, model, weights, problems, samples, temperature, batch):
+def timed_play(config, model, weights, problems, samples, temperature, batch,
+               after_compile=lambda: None):
   """(seconds, episodes) of `problems` problems at `batch` episodes a call, after one call's
-  worth of them has compiled the shapes."""
+  worth of them has compiled the shapes (then `after_compile()` runs)."""
   run = lambda count: evaluate_lib.play(config, model, None, num_problems=count,
                                         rollout_weights=weights, samples=samples,
                                         temperature=temperature, batch_size=batch)
   run(min(problems, max(1, batch // samples)))
+  after_compile()
   start = time.perf_counter()
   episodes = run(problems)
   return time.perf_counter() - start, episodes
+
+
+class CallRecorder:
+  """Stands in for `sampler.generate` (the rollout calls it through the module): times each
+  call with its outputs read back, and records its rows, prompt and decode steps."""
+
+  def __init__(self, generate):
+    self.generate, self.calls = generate, []
+
+  def __call__(self, params, tokens, config, *, max_new_tokens, prompt_lens, **kwargs):
+    start = time.perf_counter()
+    out = self.generate(params, tokens, config, max_new_tokens=max_new_tokens,
+                        prompt_lens=prompt_lens, **kwargs)
+    lengths = np.asarray(out.lengths)  # [B] valid new tokens; waits for the call
+    budget = np.asarray(max_new_tokens)
+    busy = budget > 0
+    self.calls.append(dict(
+        seconds=time.perf_counter() - start, rows=int(busy.sum()), batch=len(budget),
+        prompt_tokens=[int(n) for n in np.asarray(prompt_lens)[busy]],
+        steps=int(lengths.max()), budget=int(budget.max()),
+        at_budget=int((lengths[busy] >= budget[busy]).sum()),
+        new_tokens=int(lengths.sum())))
+    return out
+
+
+def throughput(config, model, weights, problems, samples, batch):
+  """(figures, per-call records) of `problems` problems, `samples` each at T = 0.8, `batch`
+  episodes a call, after one compiling call's worth (see the module docstring)."""
+  recorder = CallRecorder(sampler.generate)
+  sampler.generate = recorder
+  try:
+    elapsed, episodes = timed_play(config, model, weights, problems, samples, 0.8, batch,
+                                   after_compile=recorder.calls.clear)
+  finally:
+    sampler.generate = recorder.generate
+  timed = recorder.calls
+  seconds = sum(c["seconds"] for c in timed)
+  prompts = [n for c in timed for n in c["prompt_tokens"]]
+  figures = {
+      "s_per_sample": elapsed / len(episodes),
+      "sampler_share": seconds / elapsed,
+      "tok_s": sum(c["new_tokens"] for c in timed) / seconds,
+      "calls": len(timed),
+      "steps_share": sum(c["steps"] for c in timed) / sum(c["budget"] for c in timed),
+      "rows_at_budget": sum(c["at_budget"] for c in timed) / sum(c["rows"] for c in timed),
+      "prompt_tokens": float(np.mean(prompts)),
+  }
+  return figures, timed
 
 
 def _replies(episode) -> tuple:
   return tuple(t.reply for t in episode.turns)
 
 
-def main(argv):
-  del argv
-  logging.set_verbosity(logging.WARNING)
-  config = make_config(_TINY.value)
-  if _TINY.value:
-    model = assembly.Model(*tiny.tiny_model(max_position_embeddings=4096))
-  else:
-    model = assembly.load(config)
-  weights = assembly.rollout_model(model, config)
-  team = evaluate_lib.greedy_team(config)[0]
-  problems, n, batch = _PROBLEMS.value, _SAMPLES.value, _EVAL_BATCH.value
-  emit("machine_load_avg_1m_start", os.getloadavg()[0])
-  emit("passk_problems", problems)
-  emit("passk_samples", n)
-  emit("passk_eval_batch", batch)
+def compare(config, model, weights, team, problems, n, batch):
+  """The four arms of the module docstring: greedy and n samples, one problem a call and
+  `batch` episodes a call."""
   seconds, greedy = {}, {}
   for samples, temperature in ((1, 0.0), (n, 0.8)):
     for name, per_call in (("_one_problem_per_call", samples), ("", batch)):
@@ -110,6 +173,36 @@ def main(argv):
   emit("passk_n1_same_replies", sum(a == b for a, b in zip(*greedy.values())) / problems)
   emit(f"passk_n{n}_s_per_sample", seconds[n, ""] / n)
   emit(f"passk_n{n}_over_n1", seconds[n, ""] / seconds[1, ""])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  try:
+    batches = [int(b) for b in _THROUGHPUT.value]
+  except ValueError:
+    raise app.UsageError(f"--throughput={','.join(_THROUGHPUT.value)}: a list of ints")
+  config = make_config(_TINY.value)
+  if _TINY.value:
+    model = assembly.Model(*tiny.tiny_model(max_position_embeddings=4096))
+  else:
+    model = assembly.load(config)
+  weights = assembly.rollout_model(model, config)
+  team = evaluate_lib.greedy_team(config)[0]
+  problems, n, batch = _PROBLEMS.value, _SAMPLES.value, _EVAL_BATCH.value
+  emit("machine_load_avg_1m_start", os.getloadavg()[0])
+  emit("passk_problems", problems)
+  emit("passk_samples", n)
+  emit("passk_eval_batch", batch)
+  if _COMPARE.value:
+    compare(config, model, weights, team, problems, n, batch)
+  for b in batches:
+    figures, calls = throughput(config, model, weights, problems, n, b)
+    for name, value in figures.items():
+      emit(f"passk_b{b}_{name}", value)
+    if _CALLS_OUT.value:
+      with open(_CALLS_OUT.value, "a") as f:
+        f.writelines(json.dumps(dict(call, eval_batch=b)) + "\n" for call in calls)
   emit("machine_load_avg_1m_end", os.getloadavg()[0])
   emit("peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
