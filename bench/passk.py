@@ -4,6 +4,7 @@
   python -m bench.passk --problems=2 --eval_batch=20 --tiny   # the smoke run (figures mean nothing)
   python -m bench.passk --nocompare --samples_per_problem=20 --throughput=40,80,160
                                    # where sampled evaluation's time goes, per sampler call
+  python -m bench.passk --nocompare --split=40,80,160   # the sampler's prefill and decode step
 
 `evaluate.play` on HumanEval's first --problems problems (the code_2agents team: planner up
 to 128 new tokens, coder up to 256, max_context 2048), as launch.eval plays them, in four arms:
@@ -40,6 +41,14 @@ one compiling call's worth; --nocompare skips the four arms above) times every s
                                to its max_new_tokens
   passk_b<B>_rows_at_budget    share of rows that used their whole max_new_tokens (no EOS)
   passk_b<B>_prompt_tokens     mean real prompt tokens of a row (its prefill)
+
+--split=B1,B2,... times `sampler.generate` alone on B random prompts of --split_prompt tokens at
+T = 0.8 with no stop token (every row runs to its budget), the median of --split_repeats calls
+with 1 and with --split_new new tokens, and prints for each B:
+
+  passk_split_b<B>_prefill_s   a call with 1 new token (the prompt's encoding)
+  passk_split_b<B>_step_s      each further decode step: (long call - prefill) / (split_new - 1)
+  passk_split_b<B>_tok_s       new tokens per second of the long call (B * split_new / its s)
   peak_rss_gb                  this process's peak resident memory
 """
 
@@ -52,13 +61,14 @@ import time
 
 import json
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
 from bench.common import emit
 from launch.configs import code_2agents
 from marft_jax.configs import from_config_dict
-from marft_jax.models import sampler, tiny
+from marft_jax.models import sampler, sampler_plan, tiny
 from marft_jax.train import algorithms, assembly
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.config import TaskSection, TrainConfig
@@ -73,6 +83,12 @@ _COMPARE = flags.DEFINE_bool("compare", True, "time the four arms (greedy and n 
                              "problem a call and --eval_batch a call)")
 _THROUGHPUT = flags.DEFINE_list("throughput", [], "eval batches whose sampler calls are timed "
                                 "one by one (n samples at T = 0.8)")
+_SPLIT = flags.DEFINE_list("split", [], "rows of the prefill / decode timing of sampler.generate")
+_SPLIT_PROMPT = flags.DEFINE_integer("split_prompt", 176, "--split's prompt tokens", lower_bound=1)
+_SPLIT_NEW = flags.DEFINE_integer("split_new", 129, "--split's long call's new tokens",
+                                  lower_bound=2)
+_SPLIT_REPEATS = flags.DEFINE_integer("split_repeats", 2, "--split's timed calls of each kind",
+                                      lower_bound=1)
 _CALLS_OUT = flags.DEFINE_string("calls_out", None, "a JSON Lines file for --throughput's "
                                  "per-call records (batch, rows, prompt tokens, steps, seconds)")
 
@@ -148,6 +164,27 @@ def throughput(config, model, weights, problems, samples, batch):
   return figures, timed
 
 
+def prefill_and_decode(weights, rows, prompt, new, repeats):
+  """(prefill s, s a decode step, new tokens/s) of `sampler.generate` on `rows` random prompts
+  of `prompt` tokens: the median of `repeats` calls with 1 and with `new` new tokens each, after
+  one of each has compiled."""
+  params, model_config = weights
+  tokens = np.random.default_rng(0).integers(100, model_config.vocab_size, (rows, prompt))
+
+  def call(count):
+    start = time.perf_counter()
+    out = sampler.generate(params, tokens.astype(np.int32), model_config, rng=jax.random.key(0),
+                           max_new_tokens=count, temperature=0.8, share_prefix=False,
+                           max_new_tokens_bucket=sampler_plan.bucket(new, 16))
+    np.asarray(out.lengths)  # waits for the call
+    return time.perf_counter() - start
+
+  call(1), call(new)
+  short = float(np.median([call(1) for _ in range(repeats)]))
+  long = float(np.median([call(new) for _ in range(repeats)]))
+  return short, (long - short) / (new - 1), rows * new / long
+
+
 def _replies(episode) -> tuple:
   return tuple(t.reply for t in episode.turns)
 
@@ -175,13 +212,17 @@ def compare(config, model, weights, team, problems, n, batch):
   emit(f"passk_n{n}_over_n1", seconds[n, ""] / seconds[1, ""])
 
 
+def _ints(flag) -> list:
+  try:
+    return [int(b) for b in flag.value]
+  except ValueError:
+    raise app.UsageError(f"--{flag.name}={','.join(flag.value)}: a list of ints") from None
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  try:
-    batches = [int(b) for b in _THROUGHPUT.value]
-  except ValueError:
-    raise app.UsageError(f"--throughput={','.join(_THROUGHPUT.value)}: a list of ints")
+  batches, split = (_ints(flag) for flag in (_THROUGHPUT, _SPLIT))
   config = make_config(_TINY.value)
   if _TINY.value:
     model = assembly.Model(*tiny.tiny_model(max_position_embeddings=4096))
@@ -203,6 +244,11 @@ def main(argv):
     if _CALLS_OUT.value:
       with open(_CALLS_OUT.value, "a") as f:
         f.writelines(json.dumps(dict(call, eval_batch=b)) + "\n" for call in calls)
+  for b in split:
+    figures = prefill_and_decode(weights, b, _SPLIT_PROMPT.value, _SPLIT_NEW.value,
+                                 _SPLIT_REPEATS.value)
+    for name, value in zip(("prefill_s", "step_s", "tok_s"), figures):
+      emit(f"passk_split_b{b}_{name}", value)
   emit("machine_load_avg_1m_end", os.getloadavg()[0])
   emit("peak_rss_gb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
 
