@@ -55,11 +55,10 @@ with 1 and with --split_new new tokens, and prints for each B:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import resource
 import time
-
-import json
 
 import jax
 import numpy as np
