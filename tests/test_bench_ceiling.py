@@ -70,3 +70,12 @@ def test_dense_rates_refuse_positions_without_a_next_token():
   policy = lora_lib.init_adapters(LoraConfig(rank=2), config, jax.random.key(1), 1)
   with pytest.raises(ValueError, match="P=8"):
     ceiling.dense_rates(params, config, policy, rows=2, T=8, P=8, repeats=1)
+
+
+def test_ceiling_command_prints_its_fractions(capsys):
+  """`python -m bench.ceiling --tiny`: each figure printed, rates positive."""
+  ceiling.main(["--tiny", "--rounds=1", "--rows=2", "--length=16", "--positions=4"])
+  figures = dict(line.split("=") for line in capsys.readouterr().out.split())
+  for name in ("machine_matmul_2048_gflop_s", "dense_fwd_bwd_s", "dense_fwd_bwd_fraction",
+               "dense_fwd_s", "dense_fwd_fraction"):
+    assert float(figures[name]) > 0, (name, figures)
