@@ -91,6 +91,7 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration --old_logp=recompute         # π_old recomputed, as before
     python -m bench.iteration --compare                    # both, in one process: the ratios
     python -m bench.iteration --row_length_step=64         # rows padded as before
+    python -m bench.iteration --ceiling                    # + the dense passes' rates
     python -m bench.iteration --tiny                       # seconds; the figures mean nothing
     python -m bench.iteration --task=code --max_staleness=1   # sync vs async, code task
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
