@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import datetime
 import math
 import shutil
 from typing import Any, Collection, Mapping, Optional
@@ -55,20 +56,24 @@ def as_recorded(config: TrainConfig) -> TrainConfig:
   return dataclasses.replace(config, team=team)
 
 
-def read_saved_config(saved: Mapping[str, Any], where: str) -> TrainConfig:
+def read_saved_config(saved: Mapping[str, Any], where: str,
+                      written_at: Optional[datetime.datetime] = None) -> TrainConfig:
   """A checkpoint's saved config (meta["config"]) as this version of the library reads it:
   keys added since it was written take the values that reproduce the code that wrote it
-  (`config_history.fill_missing`: e.g. loss.behaviour_correction "off", not "auto"), then
+  (`config_history.fill_missing`: e.g. loss.behaviour_correction "off", not "auto"; its
+  write time `written_at`, `Checkpointer.written_at`, decides where keys cannot), then
   `as_recorded`, so that it compares equal to the config that trains today as it did.
   `where` (e.g. "runs/x: step 8") prefixes a `CheckpointMismatchError`."""
   try:
-    return as_recorded(from_config_dict(TrainConfig, config_history.fill_missing(saved)))
+    return as_recorded(from_config_dict(TrainConfig,
+                                        config_history.fill_missing(saved, written_at)))
   except ValueError as e:
     raise CheckpointMismatchError(f"{where}: its saved config does not load: {e}") from None
 
 
 def read_for_resume(saved: Mapping[str, Any], where: str,
-                    changes_known: Optional[int] = None) -> dict:
+                    changes_known: Optional[int] = None,
+                    written_at: Optional[datetime.datetime] = None) -> dict:
   """A checkpoint's saved config as a resumed run compares it with its own (`resume_view` of
   `read_saved_config`). A behaviour of the run that wrote it that no value of today's keys
   reproduces (`config_history.unreproducible`, and the changes without a key after
@@ -76,14 +81,14 @@ def read_for_resume(saved: Mapping[str, Any], where: str,
   `CheckpointMismatchError` naming the key."""
   refused = config_history.unreproducible(saved)
   if not refused:
-    config = read_saved_config(saved, where)
+    config = read_saved_config(saved, where, written_at)
     refused = config_history.changed_since(changes_known, config)
   if refused:
     reasons = "; ".join(f"{key}: {why}" for key, why in refused)
     raise CheckpointMismatchError(
         f"{where} was written by an earlier version that this one cannot continue as it "
         f"trained ({reasons}). Resume it with that version, or start again in a fresh workdir")
-  return resume_view(to_config_dict(read_saved_config(saved, where)).to_dict())
+  return resume_view(to_config_dict(read_saved_config(saved, where, written_at)).to_dict())
 
 
 def resume_view(config: Mapping[str, Any]) -> dict:
@@ -401,15 +406,18 @@ def make_learner(config: TrainConfig, name: str, model: Model, num_adapters: int
   batches of `rows` rows (padding rows added, all masked, so every minibatch splits evenly
   over the batch shards); its update keeps `state_shardings` (`lora.follow_adapters`)."""
   values, hidden = critic_lib.value_fns(critic_config(config), model.config)
+  minibatches = config.optimizer.minibatches
+  one_device = -(-rows // minibatches) * minibatches
+  multiple = minibatches * sharding.batch_shards(mesh)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer, values,
-                       num_adapters, config.optimizer.epochs, config.optimizer.minibatches,
-                       out_shardings=(state_shardings, sharding.replicated(mesh)))
-  multiple = config.optimizer.minibatches * sharding.batch_shards(mesh)
+                       num_adapters, config.optimizer.epochs, minibatches,
+                       out_shardings=(state_shardings, sharding.replicated(mesh)),
+                       logical_rows=one_device)
   pad = model.tokenizer.pad_token_id
   return Learner(
       name=name, model=model, update=update, critic_hidden=hidden,
       old_values=None if values is None else critic_lib.batch_values_fn(
-          values, config.optimizer.minibatches),
+          values, minibatches),
       num_rows=-(-rows // multiple) * multiple,
       pad_id=model.tokenizer.eos_token_id if pad is None else pad)
 

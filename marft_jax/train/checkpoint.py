@@ -29,6 +29,7 @@ and exits 0.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -205,6 +206,18 @@ class Checkpointer:
     with self._reading(step, steps):
       meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
     return dict(meta["meta"])
+
+  def written_at(self, step: int) -> Optional[datetime.datetime]:
+    """When `step` was committed (UTC), as Orbax records it in the step's metadata; None
+    where the record is missing or unreadable (a checkpoint's era is then read from its
+    config's keys alone: `config_history`)."""
+    try:
+      nanoseconds = self._manager.metadata(step).commit_timestamp_nsecs
+    except (OSError, ValueError, KeyError, AttributeError):
+      return None
+    if not nanoseconds:
+      return None
+    return datetime.datetime.fromtimestamp(nanoseconds / 1e9, datetime.timezone.utc)
 
   # --- save ---
 

@@ -14,7 +14,9 @@ and a behaviour change is refused naming the key.
 Some old behaviour no value of today's keys reproduces (the task's prompts were reworded;
 a file task trained on every problem before a part was held out). `unreproducible` names
 the key and says why, and a resume is refused. The era of a saved config is read from the
-keys it lacks: a config without key K was written before K's commit.
+keys it lacks: a config without key K was written before K's commit. Where two commits of
+one key era behaved otherwise (df0626f), the time Orbax recorded for the checkpoint decides:
+code that did not exist yet cannot have written it.
 
 The list was made from the repository's history (`git log -p` of the config, update, loss
 and team files, and each commit's `TrainConfig()` and shipped teams compared with the
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as _JUDGE_PROMPT
@@ -43,7 +46,8 @@ _FILE_TASKS = ("math_jsonl", "code")
 @dataclasses.dataclass(frozen=True)
 class Added:
   """`key` (dotted) was added by `commit` at `date` (UTC); before it the code behaved as
-  `before` does today (a value, or a function of the flat saved config giving one)."""
+  `before` does today (a value, or a function of the flat saved config and the checkpoint's
+  write time, None if unknown, giving one)."""
 
   key: str
   before: Union[Any, Callable[[Mapping[str, Any]], Any]]
@@ -92,19 +96,27 @@ def _orchestrator_sampling(saved: Mapping[str, Any]) -> Optional[str]:
             "(19d683f) it samples at team.top_p")
   return None
 
-def _whitening_before(saved: Mapping[str, Any]) -> bool:
-  # df0626f (2026-11-26 22:35) fell between 3821d0b (16:45, lora.dropout_rate) and the next
-  # key (8880145, 2026-11-28): a config without lora.dropout_rate predates it (op by op); one
-  # with it but no task.sandbox keys was written in those 39 hours, 6 of them before it, and
-  # cannot be told apart: it reads as jitted (set advantage.jit_whitening=False for the bits
-  # of a run written on 2026-11-26 between 16:45 and 22:35).
-  return not _lacks(saved, "lora.dropout_rate")
+# df0626f's commit time: no code that jitted the whitening existed before it.
+WHITENING_JITTED = datetime.datetime(2026, 11, 26, 22, 35, 40, tzinfo=datetime.timezone.utc)
+
+
+def _whitening_before(saved: Mapping[str, Any],
+                      written_at: Optional[datetime.datetime]) -> bool:
+  # df0626f fell between 3821d0b (16:45, lora.dropout_rate) and the next key (8880145,
+  # 2026-11-28): a config without lora.dropout_rate predates it (op by op). One with it was
+  # written in those 39 hours, 6 of them before df0626f; the keys cannot tell them apart, the
+  # checkpoint's write time can. Written after it (or at an unknown time) reads as jitted: a
+  # run of code older than df0626f written after it (a checkout not yet updated) is the one
+  # case misread (its resume differs by rounding, ~1e-7; set advantage.jit_whitening=False).
+  if _lacks(saved, "lora.dropout_rate"):
+    return False
+  return written_at is None or written_at >= WHITENING_JITTED
 
 
 ADDED: tuple[Added, ...] = (
     Added("task.echo_high", 10, "72fe3f6", "2026-11-24 15:11", "the echo task drew from [0, 10)"),
     Added("team.orchestrator_max_new_tokens",  # read (and so refused otherwise) by one only
-          lambda saved: 64 if saved.get("team.graph") == "orchestrator" else 32,
+          lambda saved, _: 64 if saved.get("team.graph") == "orchestrator" else 32,
           "19d683f", "2026-11-24 15:28", "the orchestrator's routing turns had 64 tokens"),
     Added("mesh.data", 1, "511a526", "2026-11-25 08:22", "one device"),
     Added("mesh.fsdp", 1, "511a526", "2026-11-25 08:22", "one device"),
@@ -184,6 +196,10 @@ CHANGED: tuple[tuple[str, str, str], ...] = (
      "turns of a role not trained (a 'base' role; under the agent-by-agent schedule, the "
      "adapters not trained that iteration) leave the advantage whitening and the policy "
      "loss and metrics (25d1793, 2026-11-28)"),
+    ("mesh_minibatches", "mesh.data",
+     "on several batch shards (mesh.data x mesh.fsdp) the minibatches are those of one device "
+     "(2026-11-28): a mesh that padded the batch beyond one device's rows, or several "
+     "processes' blocks, no longer change which rows train together"),
 )
 CHANGES_KNOWN = len(CHANGED)  # what this version records
 
@@ -227,7 +243,8 @@ def changed_since(known: Optional[int], config) -> list[tuple[str, str]]:
   alters = {"dag_credit": team.graph == "dag" and layer_successors(
                 team.role_order, team.edge_pairs) != reach_successors(team.role_order,
                                                                       team.edge_pairs),
-            "untrained_roles": untrained}
+            "untrained_roles": untrained,
+            "mesh_minibatches": config.mesh.data * config.mesh.fsdp != 1}  # -1: every device
   return [(key, f"{why}; this checkpoint may predate it, and its run trains otherwise now")
           for name, key, why in CHANGED[known or 0:] if alters[name]]
 
@@ -244,16 +261,18 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
   return flat
 
 
-def fill_missing(saved: Mapping[str, Any]) -> dict:
+def fill_missing(saved: Mapping[str, Any],
+                 written_at: Optional[datetime.datetime] = None) -> dict:
   """`saved` (a nested saved config) with every key of `ADDED` it lacks set to the value that
-  reproduces the behaviour of the code that wrote it. Keys not listed keep their absence
-  (the reader fills today's default)."""
+  reproduces the behaviour of the code that wrote it (`written_at`: when its checkpoint was
+  written, UTC, if known). Keys not listed keep their absence (the reader fills today's
+  default)."""
   flat = flatten(saved)
   filled = copy.deepcopy(dict(saved))
   for entry in ADDED:
     if entry.key in flat or any(k.startswith(entry.key + ".") for k in flat):  # a section's
       continue
-    value = entry.before(flat) if callable(entry.before) else entry.before
+    value = entry.before(flat, written_at) if callable(entry.before) else entry.before
     *sections, field = entry.key.split(".")
     node = filled
     for section in sections:

@@ -412,9 +412,10 @@ def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: 
     return state, 0
   where = f"{workdir}: step {checkpointer.latest_step()}"
   known = checkpointer.read_meta(checkpointer.latest_step()).get("changes_known")
+  written = checkpointer.written_at(checkpointer.latest_step())
   state, meta = checkpointer.restore(
       state, config=assembly.resume_view(run.config_dict), may_differ=assembly.RESUME_MAY_DIFFER,
-      read_config=lambda saved: assembly.read_for_resume(saved, where, known))
+      read_config=lambda saved: assembly.read_for_resume(saved, where, known, written))
   start = int(meta["iteration"])
   run.envs.load_state_dict(meta["envs"])
   logging.warning("Resuming %s from its checkpoint after iteration %d of %d",

@@ -398,13 +398,17 @@ def _finite(tree) -> jax.Array:
 
 def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                 critic_optimizer, critic_values: Optional[Callable], num_adapters: int,
-                epochs: int, minibatches: int, out_shardings: Any = None):
+                epochs: int, minibatches: int, out_shardings: Any = None,
+                logical_rows: Optional[int] = None):
   """The jitted update `update(state, params, batch, extras, active, train_policy, rng)`.
 
   `critic_values(critic, params, batch, extras, positions=None)`: the critic's [B, T] values,
   or [B, K] at the decisions `positions` [B, K] (`critic.value_fns` makes it); None: no critic.
   `out_shardings`: (state's shardings, metrics' sharding) to keep the state where it was
   placed on a mesh (`lora.follow_adapters`); None lets the compiler choose.
+  `logical_rows`: the rows the batch has on one device (the team's, rounded up to the
+  minibatches); a mesh pads B beyond it to split every minibatch over its shards, and those
+  rows only pad the minibatches `minibatch_slots` draws over `logical_rows` (None: B).
 
   Args (of the returned function):
     state: TrainState. params: the frozen base. batch: B rows (B divisible by minibatches;
@@ -489,7 +493,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                                 critic_opt=critic_opt, step=state.step + 1)
       return (new_state, stopped), _step_metrics(aux, loss, finite, too_far, norms, critic_norm)
 
-    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches)
+    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches,
+                                     logical_rows)
     dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
     (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)),
                                        (indices, dropout_keys, taken))
@@ -506,8 +511,8 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   return jax.jit(update, out_shardings=out_shardings)
 
 
-def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatches: int
-                    ) -> tuple[jax.Array, jax.Array]:
+def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatches: int,
+                    logical_rows: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
   """Each epoch's minibatches: ([epochs·minibatches, B/minibatches] row indices, [E·M] bool:
   the slot holds at least one real row and is trained; the others are skipped).
 
@@ -518,17 +523,35 @@ def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatch
   (an orchestrator's call budget); spread at random, the padding rows cost a full forward
   and backward in every minibatch, and a minibatch of one real row took a step as large as
   one of many. A full batch (R = B) keeps the plain shuffle.
+
+  The mesh must not change which rows train together: the shuffle and the minibatches are
+  drawn over L = `logical_rows` slots (the batch on one device; None: B), the i-th real row
+  in the batch's order standing in slot i and padding in slots R..L-1, exactly as on one
+  device, wherever the rows lie (several processes' blocks each end in their padding). A
+  mesh pads the batch to B > L rows so that each minibatch splits over its shards: the
+  B − L extra padding rows fill each minibatch from L/M to B/M rows, and change nothing but
+  the rounding.
   """
   B = real_rows.shape[0]
-  if B % minibatches:
-    raise ValueError(f"{B} rows do not split into {minibatches} minibatches")
+  L = B if logical_rows is None else logical_rows
+  if B % minibatches or L % minibatches or L > B:
+    raise ValueError(f"{B} rows ({L} on one device) do not split into {minibatches} "
+                     "minibatches")
 
-  def order(key):
-    shuffled = jax.random.permutation(key, B)
-    return shuffled[jnp.argsort(~real_rows[shuffled], stable=True)]
+  def order(key, real):
+    shuffled = jax.random.permutation(key, L)
+    return shuffled[jnp.argsort(~real[shuffled], stable=True)]
 
-  indices = jax.vmap(order)(jax.random.split(rng, epochs))
-  indices = indices.reshape(epochs * minibatches, B // minibatches)
+  # Slot -> row: the real rows in the batch's order, then its padding rows (the identity for
+  # one device's batch, real rows first; several processes' blocks each end in padding).
+  row_of_slot = jnp.argsort(~real_rows, stable=True)
+  real_slots = jnp.arange(L) < jnp.sum(real_rows)
+  slots = jax.vmap(order, (0, None))(jax.random.split(rng, epochs), real_slots)
+  slots = slots.reshape(epochs * minibatches, -1)
+  extra = (B - L) // minibatches  # each minibatch's own padding slots among L..B-1
+  fill = L + jnp.arange(minibatches * extra).reshape(minibatches, extra)
+  slots = jnp.concatenate([slots, jnp.tile(fill, (epochs, 1))], axis=1)
+  indices = row_of_slot[slots]
   return indices, jnp.any(real_rows[indices], axis=1)
 
 

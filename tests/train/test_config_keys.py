@@ -313,8 +313,10 @@ NO_EFFECT = {
     "model.remat": _LAYOUTS + "test_remat_gives_the_same_gradient_in_less_memory",
     "model.matmul_precision":
         "tests/test_precision.py::test_the_scope_sets_the_precision_of_every_traced_matmul",
-    "mesh.data": "tests/test_sharding.py::test_sharded_forward_equals_single_device",
-    "mesh.fsdp": "tests/test_sharding.py::test_sharded_forward_equals_single_device",
+    "mesh.data": "tests/train/test_mesh_minibatches.py::"
+                 "test_a_run_on_six_batch_shards_trains_as_on_one_device",
+    "mesh.fsdp": "tests/train/test_mesh_minibatches.py::"
+                 "test_a_padded_batch_trains_the_same_rows_together_as_one_device",
     "mesh.tensor": "tests/test_sharding.py::test_sharded_forward_equals_single_device",
     # The whitening jitted or op by op (about 1e-7 apart): old checkpoints' bits.
     "advantage.jit_whitening": "tests/train/test_old_checkpoints.py::"

@@ -13,7 +13,6 @@ turn hops to the earliest later turn of its env step whose prompt holds its repl
 the next env step), and which adapter each token was sampled with.
 """
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np

@@ -47,7 +47,9 @@ REFUSED = {"before_correction_f32": {"model.matmul_precision", "loss.old_logp",
            "roles_before_precision_bf16": {"advantage.jit_whitening", _ROWS},
            "every_key_f32": {"loss.old_logp", _ROWS},
            # main just before rollout.max_staleness (resumed at its 0): only the rows
-           "before_async_f32": {_ROWS}}
+           "before_async_f32": {_ROWS},
+           # the keys of a run written after df0626f, its write time before it (op by op)
+           "window_f32": {"loss.old_logp", "advantage.jit_whitening", _ROWS}}
 # Every fixture but every_key_f32 predates df0626f (2026-11-26 22:35), which jitted the
 # advantage whitening (its fused reductions round f32 advantages about 1e-7 apart): read as
 # advantage.jit_whitening=False, refused under today's True, bit for bit once set.
@@ -59,7 +61,7 @@ REDEFINED = ("logp/sampler_learner_max_gap",)
 
 def _saved_config(workdir):
   with Checkpointer(workdir, read_only=True) as checkpointer:
-    return checkpointer.read_meta(1)["config"]
+    return checkpointer.read_meta(1)["config"], checkpointer.written_at(1)
 
 
 def _todays_command(saved: dict, iterations: int) -> TrainConfig:
@@ -83,7 +85,7 @@ def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
     expected = json.load(f)
   workdir = str(tmp_path / "run")
   shutil.copytree(os.path.join(FIXTURES, name, "workdir"), workdir)
-  saved = _saved_config(workdir)
+  saved, written_at = _saved_config(workdir)
   config = _todays_command(saved, iterations=expected["step"])
   model = models[config.model.param_dtype]
 
@@ -96,7 +98,7 @@ def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
     assert named == REFUSED[name], str(refusal.value)
     # The user sets the saved values the refusal names.
     changes = {key: config_history.flatten(
-        to_config_dict(assembly.read_saved_config(saved, "")).to_dict())[key]
+        to_config_dict(assembly.read_saved_config(saved, "", written_at)).to_dict())[key]
         for key in REFUSED[name]}
     config = _with(config, changes)
   loop.train(config, workdir, model=model, progress=False)
@@ -166,7 +168,7 @@ def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
   entries = {entry.key: entry for entry in config_history.ADDED}
   for key in _today_keys() - era:
     before = entries[key].before
-    assert filled[key] == (before(config_history.flatten(saved)) if callable(before) else
+    assert filled[key] == (before(config_history.flatten(saved), None) if callable(before) else
                            before), key
   assert_loads = assembly.read_saved_config(saved, "era " + commit)
   assert assert_loads.model.matmul_precision == ("default" if "model.matmul_precision" not in era
@@ -267,6 +269,20 @@ def _team_config(roles, adapters, **team):
                                               order=",".join(roles), **team))
 
 
+@pytest.mark.parametrize("data,fsdp", [(1, 1), (2, 1), (1, 2), (-1, 1), (3, 2)])
+def test_a_checkpoint_trained_on_several_batch_shards_before_mesh_minibatches_is_refused(
+    data, fsdp):
+  """Before mesh_minibatches a mesh of several batch shards drew its minibatches over the
+  rows it padded (and several processes over their blocks): a checkpoint without the record
+  whose mesh had more than one shard (-1: every device) is refused naming mesh.data."""
+  config = dataclasses.replace(_team_config(["a", "b"], ["own", "own"]),
+                               mesh=dataclasses.replace(TrainConfig().mesh, data=data,
+                                                        fsdp=fsdp))
+  refused = [key for key, _ in config_history.changed_since(None, config)]
+  assert refused == ([] if data * fsdp == 1 else ["mesh.data"])
+  assert config_history.changed_since(config_history.CHANGES_KNOWN, config) == []
+
+
 @pytest.mark.parametrize("interval", [0, 2])
 @pytest.mark.parametrize("shared_adapter", [False, True])
 def test_a_checkpoint_from_before_untrained_roles_is_refused_where_a_role_trained_nothing(
@@ -316,6 +332,35 @@ def test_the_resume_reads_the_checkpoints_record_of_changes(models, tmp_path, re
     loop.train(config, workdir, model=models["float32"], progress=False)
   assert ("team.edges: DAG credit" in str(refused.value)) != recorded, str(refused.value)
   assert ("another number of agents" in str(refused.value)) == recorded, str(refused.value)
+
+
+@pytest.mark.parametrize("when,jitted", [("2026-11-26 16:50", False), ("2026-11-26 22:35", False),
+                                         ("2026-11-26 22:36", True), ("2026-11-27 09:00", True),
+                                         (None, True)])
+def test_a_checkpoint_of_the_jit_whitening_keys_era_is_dated_by_its_write_time(
+    tmp_path, when, jitted):
+  """window_f32's keys are those of every config written between 3821d0b (2026-11-26 16:45)
+  and 8880145 (2026-11-28 08:07); df0626f (22:35:40) jitted the whitening in between. Its
+  write time as Orbax recorded it decides (no record: read as jitted, as before)."""
+  workdir = str(tmp_path / "run")
+  shutil.copytree(os.path.join(FIXTURES, "window_f32", "workdir"), workdir)
+  if when is None:
+    path = os.path.join(workdir, "checkpoints", "1", "_CHECKPOINT_METADATA")
+    with open(path) as f:
+      record = json.load(f)
+    del record["init_timestamp_nsecs"], record["commit_timestamp_nsecs"]
+    with open(path, "w") as f:
+      json.dump(record, f)
+  else:
+    make.set_written_at(workdir, 1, when)
+  saved, written_at = _saved_config(workdir)
+  assert (written_at is None) == (when is None)
+  if when is not None:
+    assert written_at.strftime("%Y-%m-%d %H:%M") == when
+  assert assembly.read_saved_config(saved, "", written_at).advantage.jit_whitening == jitted
+  # A config of the era before (no lora.dropout_rate) is op by op at any time.
+  before = {**saved, "lora": {k: v for k, v in saved["lora"].items() if k != "dropout_rate"}}
+  assert not assembly.read_saved_config(before, "", written_at).advantage.jit_whitening
 
 
 @pytest.mark.parametrize("commit", sorted(_keys_history()))
