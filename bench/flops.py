@@ -20,14 +20,35 @@ def matmul_params(params, model_config) -> tuple[int, int]:
 def useful_flops(config: TrainConfig, n_layers: int, n_head: int, tokens: float,
                  decisions: float) -> float:
   """The update's FLOPs the algorithm needs (the module docstring's formula)."""
+  return sum(useful_flops_by_pass(config, n_layers, n_head, tokens, decisions))
+
+
+def useful_flops_by_pass(config: TrainConfig, n_layers: int, n_head: int, tokens: float,
+                         decisions: float) -> tuple[float, float]:
+  """`useful_flops` split by the kind of pass that does them: (FLOPs in passes with a
+  backward: the policy's epochs, a critic LoRA's training steps; FLOPs in forward-only
+  passes: the frozen critic's hidden states, a critic LoRA's values at rollout time, the
+  base's log-probs for a KL term). The two run at different rates (`update_ceiling`)."""
   epochs = config.optimizer.epochs
-  flops = epochs * (4 * n_layers * tokens + 4 * n_head * decisions)
+  trained = epochs * (4 * n_layers * tokens + 4 * n_head * decisions)
+  forward = 0.0
   if config.uses_critic:
-    lora = config.critic.lora_rank > 0
-    flops += (4 * epochs + 2 if lora else 2) * n_layers * tokens
+    if config.critic.lora_rank > 0:
+      trained += 4 * epochs * n_layers * tokens
+    forward += 2 * n_layers * tokens
   if config.loss.kl_coef > 0 or config.advantage.kl_reward_coef > 0:
-    flops += 2 * (n_layers * tokens + n_head * decisions)
-  return flops
+    forward += 2 * (n_layers * tokens + n_head * decisions)
+  return trained, forward
+
+
+def update_ceiling(trained_flops: float, forward_flops: float, fwd_bwd_rate: float,
+                   fwd_rate: float) -> float:
+  """The seconds an update needs at the dense rates: its trained FLOPs at `fwd_bwd_rate`
+  (FLOP/s of a bare forward + backward over rows with no padding) and its forward-only
+  FLOPs at `fwd_rate` (of a bare forward). Useful FLOPs ÷ (this × the matmul peak) is the
+  highest `update_useful_fraction` a trainer with no padding and no work but these passes
+  reaches on the machine."""
+  return trained_flops / fwd_bwd_rate + forward_flops / fwd_rate
 
 
 def shared_prefix_tokens(batch) -> tuple[int, int]:

@@ -28,6 +28,18 @@ averaged over the iterations after the first `--warmup` (which compile):
   update_useful_fraction    useful FLOPs ÷ (update_s × the matmul peak measured in this run)
   update_jit_useful_fraction  the same over the jitted update's time alone
 
+`--ceiling` adds what the same machine reaches with no padding and nothing around the passes
+(`bench/ceiling.py`: a bare loss's forward + backward w.r.t. the adapters, and the base's
+forward, over dense rows of the run's minibatch shape: B/minibatches rows of T tokens, P
+scored positions), against the peak of the same run:
+
+  dense_fwd_bwd_fraction    the bare forward + backward's FLOP/s ÷ the peak
+  dense_fwd_fraction        the bare forward's
+  update_useful_ceiling     useful FLOPs ÷ (the seconds they take at those two rates, trained
+                            and forward-only passes apart: `flops.update_ceiling`) ÷ the peak:
+                            the highest update_useful_fraction on this machine
+  update_useful_ceiling_padded  the same × update_fill: the highest with the batch's padding
+
 Asynchronous rollouts (`rollout.max_staleness`, train/async_rollout.py): `--max_staleness=η`
 (η >= 1) runs the same iterations synchronously first (prefix `sync_`), then with η
 (`async_`), and prints for both
@@ -79,6 +91,7 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration --old_logp=recompute         # π_old recomputed, as before
     python -m bench.iteration --compare                    # both, in one process: the ratios
     python -m bench.iteration --row_length_step=64         # rows padded as before
+    python -m bench.iteration --ceiling                    # + the dense passes' rates
     python -m bench.iteration --tiny                       # seconds; the figures mean nothing
     python -m bench.iteration --task=code --max_staleness=1   # sync vs async, code task
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
@@ -98,7 +111,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from bench.common import emit, matmul_peak
-from bench.flops import matmul_params, shared_prefix_tokens, useful_flops
+from bench.flops import (matmul_params, shared_prefix_tokens, update_ceiling, useful_flops,
+                         useful_flops_by_pass)
 from marft_jax import host_allocator
 from marft_jax.configs import from_config_dict
 from marft_jax.train import algorithms, assembly, loop
@@ -126,6 +140,9 @@ _SAMPLER_DEVICES = flags.DEFINE_integer("sampler_devices", 0, "n > 0 (with --max
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "team.max_new_tokens (0: the config's)")
 _LAST_MAX_NEW = flags.DEFINE_integer("last_max_new_tokens", 0,
                                      "team.last_max_new_tokens (0: the config's)")
+_CEILING = flags.DEFINE_bool("ceiling", False, "also time a bare forward + backward and a bare "
+                             "forward over dense rows of the minibatch's shape: the "
+                             "update_useful_ceiling figures")
 
 
 def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
@@ -188,6 +205,7 @@ class Probe:
       shared, tokens = shared_prefix_tokens(batch)
       self.rows.append(dict(prepare_s=time.perf_counter() - start, tokens=tokens,
                             row_length=batch.tokens.shape[1], slots=batch.tokens.size,
+                            positions=batch.act_positions.shape[1],
                             decisions=float(np.asarray(batch.act_mask).sum()),
                             shared_prefix=shared))
       return extras
@@ -263,6 +281,12 @@ def figures(config: TrainConfig, model: assembly.Model) -> dict:
       "update_decisions": mean("decisions"), "update_useful_gflop": flops / 1e9,
       # the batch's row length T and its share of real tokens (the rest is padding)
       "update_row_length": mean("row_length"), "update_fill": mean("tokens") / mean("slots"),
+      "update_positions": max(r["positions"] for r in rows),
+      "update_rows": mean("slots") / mean("row_length"),
+      # (FLOPs in passes with a backward, in forward-only passes): `--ceiling`'s rates
+      **dict(zip(("update_trained_gflop", "update_forward_gflop"), np.mean(
+          [useful_flops_by_pass(config, n_layers, n_head, r["tokens"], r["decisions"])
+           for r in rows], axis=0) / 1e9)),
       "update_useful_fraction": flops / update_s,
       "update_jit_useful_fraction": flops / jit_s,
       "shared_prefix_fraction": mean("shared_prefix") / mean("tokens"),
@@ -286,6 +310,30 @@ def _async_figures(rows: list[dict], wall: float) -> dict:
           "sampler_rollout_s": mean("async/sampler_rollout_s"),
           "rollout_host_s": mean("async/sampler_rollout_s") - mean("sampler_s"),
           "version_gap": mean("async/version_gap")}
+
+
+def dense_rates_of(config: TrainConfig, model: assembly.Model, run_figures: dict,
+                   repeats: int) -> tuple[float, float]:
+  """`ceiling.dense_rates` at the run's minibatch shape, with fresh adapters of the config."""
+  from bench import ceiling  # noqa: PLC0415
+  from marft_jax import lora as lora_lib  # noqa: PLC0415
+  policy = lora_lib.init_adapters(config.lora, model.config, jax.random.key(0),
+                                  max(config.num_adapters, 1))
+  rows = int(round(run_figures["update_rows"])) // config.optimizer.minibatches
+  T = int(round(run_figures["update_row_length"]))
+  return ceiling.dense_rates(model.params, model.config, policy, max(rows, 1), T,
+                             min(int(run_figures["update_positions"]), T - 1), repeats)
+
+
+def emit_ceiling(run_figures: dict, fwd_bwd_rate: float, fwd_rate: float, peak: float) -> None:
+  """The `--ceiling` figures (the module docstring)."""
+  useful = (run_figures["update_trained_gflop"] + run_figures["update_forward_gflop"]) * 1e9
+  seconds = update_ceiling(run_figures["update_trained_gflop"] * 1e9,
+                           run_figures["update_forward_gflop"] * 1e9, fwd_bwd_rate, fwd_rate)
+  emit("dense_fwd_bwd_fraction", fwd_bwd_rate / peak)
+  emit("dense_fwd_fraction", fwd_rate / peak)
+  emit("update_useful_ceiling", useful / seconds / peak)
+  emit("update_useful_ceiling_padded", useful / seconds / peak * run_figures["update_fill"])
 
 
 def _staleness_runs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
@@ -330,6 +378,8 @@ def main(argv):
   else:
     runs.append(("", config))
   measured = [(prefix, c, figures(c, model)) for prefix, c in runs]
+  if _CEILING.value:  # the last run's shapes (the default job's, with --compare)
+    rates = dense_rates_of(runs[-1][1], model, measured[-1][2], repeats)
   peak = max(peak, matmul_peak(repeats, **probe))
   emit("machine_load_avg_1m_end", os.getloadavg()[0])
   emit("machine_matmul_2048_gflop_s", peak / 1e9)
@@ -338,6 +388,8 @@ def main(argv):
     emit(f"{prefix}row_length_step", c.optimizer.row_length_step)
     for name, value in f.items():
       emit(prefix + name, value / peak if "useful_fraction" in name else value)
+  if _CEILING.value:
+    emit_ceiling(measured[-1][2], *rates, peak)
   if _COMPARE.value:
     emit("iteration_net_ratio_vs_recompute", measured[1][2]["iteration_net_s"]
          / measured[0][2]["iteration_net_s"])

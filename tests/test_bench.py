@@ -22,6 +22,16 @@ EXPECTED = {
                         "machine_matmul_2048_gflop_s"],
     "bench.lora": ["multi_adapter_cost_ratio_2_agents", "multi_adapter_cost_ratio_4_agents",
                    "ratio_routed4_vs_single_median"],
+    "bench.passk": ["passk_problems", "passk_samples", "passk_eval_batch",
+                    *(f"passk_{arm}_{name}" for arm in ("n1", "n2") for name in (
+                        "s_per_problem", "one_problem_per_call_s_per_problem",
+                        "batching_speedup", "tokens_per_problem", "pass1")),
+                    "passk_n1_same_replies", "passk_n2_s_per_sample", "passk_n2_over_n1",
+                    *(f"passk_b4_{name}" for name in (
+                        "s_per_sample", "sampler_share", "tok_s", "calls", "steps_share",
+                        "rows_at_budget", "prompt_tokens")),
+                    *(f"passk_split_b4_{name}" for name in ("prefill_s", "step_s", "tok_s")),
+                    "machine_load_avg_1m_start", "machine_load_avg_1m_end", "peak_rss_gb"],
     "bench.rollout": [f"{prefix}{name}" for prefix in ("", "shared_stream_") for name in (
         "rollout_tok_s", "rollout_fraction_of_sampler", "rollout_ratio_vs_torch")],
     "bench.update": ["update_fraction_of_matmul_peak", "update_ratio_vs_torch",
@@ -32,8 +42,16 @@ EXPECTED = {
 # bench.rollout's re-encoding arm is `rollout(reencode=True)` (test_rollout checks it equals
 # the cache continuation) timed like the others; its compiles were a third of the smoke run.
 # bench.iteration: one iteration, its compiles included (two took 38 s on a loaded host).
+# bench.passk: 2 HumanEval problems, n = 2, 4 episodes a call; every arm and one throughput
+# batch (its smallest run prints every figure it has).
 FLAGS = {"bench.rollout": ["--noreencode"],
-         "bench.iteration": ["--iterations=1", "--warmup=0"]}
+         "bench.iteration": ["--iterations=1", "--warmup=0"],
+         "bench.passk": ["--problems=2", "--samples_per_problem=2", "--eval_batch=4",
+                         "--throughput=4", "--split=4", "--split_new=65", "--split_repeats=1"]}
+# The benches whose smoke run prints exactly the figures listed, no other.
+EXACT = {"bench.passk"}
+# Differences of two timings: on the tiny model both are mostly dispatch, the sign is noise.
+SIGNED = {"passk_split_b4_step_s"}
 
 
 @pytest.mark.parametrize("module", sorted(EXPECTED))
@@ -45,7 +63,9 @@ def test_benchmark_smoke_run_prints_its_figures(module):
   figures = dict(re.findall(r"^(\w+)=(\S+)$", out.stdout, re.M))
   for name in EXPECTED[module]:
     assert name in figures, f"{module} did not print {name}=:\n{out.stdout}"
-    assert float(figures[name]) >= 0, (name, figures[name])
+    assert name in SIGNED or float(figures[name]) >= 0, (name, figures[name])
+  if module in EXACT:
+    assert sorted(figures) == sorted(EXPECTED[module]), out.stdout
 
 
 def test_iteration_counts_the_useful_flops_of_the_formula():

@@ -18,9 +18,10 @@ Every rate is over all episodes played: a dropped episode counts as wrong.
 
 Sampled evaluation (`play(samples=n, temperature=T)`, launch.eval's --samples_per_problem):
 each problem's n episodes are one group of the batch (`EnvBatch(group_size=n)`), so they
-are decoded together in the same sampler calls, and a batch of `batch_size` episodes holds
-batch_size // n problems' groups (launch.eval's --eval_batch): on 2 CPU cores a call of 40
-rows decoded 3.1 times the samples per second of one of 10 (`bench/passk.py`). For a
+are decoded together in the same sampler calls, and a call holds at most batch_size // n
+problems' groups (launch.eval's --eval_batch), the problems spread evenly over the fewest
+calls (`problems_per_call`: few episodes beyond those asked for are played): on 2 CPU cores a
+call of 40 rows decoded 3.1 times the samples per second of one of 10 (`bench/passk.py`). For a
 problem file the problems and their order do not depend on the batch (`EnvBatch`'s epoch
 order; generated arithmetic's do: its task seeds hash the env's group); the sampled replies
 do (the sampler draws one key per call for all its rows), greedy ones only through float
@@ -89,8 +90,11 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played by the config's team with `policy` (None: adapters off): greedily, or `samples`
   episodes per task at `temperature`, each task's decoded together in one group.
-  `batch_size`: episodes per rollout call, rounded down to a multiple of `samples` (at least
-  one task's): the samples of several tasks decode together.
+  `batch_size`: episodes per rollout call at most, rounded down to a multiple of `samples`
+  (at least one task's): the samples of several tasks decode together, and the tasks are
+  spread evenly over the fewest calls (`problems_per_call`), so that the last call plays few
+  tasks beyond those asked for (each call's shape is the same: no compile for a last,
+  smaller one).
   `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
   `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
   of the held-out problems."""
@@ -104,13 +108,18 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
                      "the same; sample at a temperature > 0")
   team, structure = sampling_team(config, temperature)
   play_all = _player(config, model, policy, team, structure, rollout_weights)
-  batch_size = samples * max(1, min(batch_size, total * samples) // samples)
+  most = max(1, batch_size // samples)  # problems a call
   # Groups of `samples` episodes per task (one greedy episode per task also for GRPO,
   # whose config insists on groups of rollouts).
-  envs = assembly.build_envs(config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test",
-                             num_envs=batch_size, group_size=samples, trained=trained)
+  build = lambda problems: assembly.build_envs(
+      config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test", group_size=samples,
+      num_envs=samples * problems_per_call(problems, most), trained=trained)
+  envs = build(total)
   if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
     total = envs.num_tasks
+    if samples * problems_per_call(total, most) != len(envs):  # a file smaller than asked
+      envs.close()
+      envs = build(total)
   total *= samples
   settings = assembly.rollout_settings(config)
   episodes = []
@@ -132,6 +141,15 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
     if bar is not None:
       bar.close()
   return episodes
+
+
+def problems_per_call(problems: int, most: int) -> int:
+  """Problems in each of the fewest calls of at most `most` that play `problems`, spread
+  evenly: ceil(problems / calls), calls = ceil(problems / most). The calls play fewer than
+  `calls` problems beyond `problems` (164 HumanEval problems at most 40 a call: 5 calls of
+  33, one extra, where calls of 40 would play 36 extra; 2 a call: 82 calls, none extra)."""
+  calls = -(-problems // most)
+  return -(-problems // calls)
 
 
 def _player(config, model, policy, team, structure, rollout_weights):

@@ -280,14 +280,30 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
   assert not os.path.exists(os.path.join(workdir, "nothing"))  # read only: nothing created
 
 
-def _launch_eval(workdir, config, *flags):
+# `python -m launch.eval` as a user runs it, each rollout call's number of episodes printed
+# first as "rollout_call=<n>": what --eval_batch must reach.
+_COUNTING_EVAL = """
+import runpy, sys
+from marft_jax.train import evaluate
+real = evaluate.rollout
+def counting(envs, *args, **kwargs):
+  print(f"rollout_call={len(envs)}", flush=True)
+  return real(envs, *args, **kwargs)
+evaluate.rollout = counting
+sys.argv[0] = "launch/eval.py"
+runpy.run_module("launch.eval", run_name="__main__")
+"""
+
+
+def _launch_eval(workdir, config, *flags, count_calls=False):
   """`python -m launch.eval` on `workdir`'s checkpoint with the tests' short replies (a
   `--config=` file among `flags` must come before the overrides): (the finished process, its
-  eval.json)."""
+  eval.json); `count_calls`: through `_COUNTING_EVAL`."""
   flags = [f"--workdir={workdir}", *flags, f"--config.model.source={config.model.source}",
            "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
            "--config.rollout.max_context=256"]
-  out = subprocess.run([sys.executable, "-m", "launch.eval", *flags], capture_output=True,
+  script = ["-c", _COUNTING_EVAL] if count_calls else ["-m", "launch.eval"]
+  out = subprocess.run([sys.executable, *script, *flags], capture_output=True,
                        text=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))  # one device, as a user's
   assert out.returncode == 0, out.stderr[-3000:]
@@ -311,9 +327,12 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
                                + "\n" for g in golds) +
                        "".join(json.dumps({"question": q, "answer": "#### 5"}) + "\n"
                                for q in seen))
-  out, written = _launch_eval(workdir, config, "--config.task.name=math_jsonl",
-                              f"--config.task.test_path={test_file}",
-                              "--samples_per_problem=3", "--temperature=0.05", "--pass_at=1,3")
+  on_file = ("--config.task.name=math_jsonl", f"--config.task.test_path={test_file}")
+  # --eval_batch=7: at most 2 problems' 3 samples a call, so the 4 problems take 2 calls.
+  out, written = _launch_eval(workdir, config, *on_file, "--samples_per_problem=3",
+                              "--temperature=0.05", "--pass_at=1,3", "--eval_batch=7",
+                              count_calls=True)
+  assert _calls(out) == [6, 6]
   assert written["episodes"] == 12 and written["checkpoint_step"] == 3  # the file, 3 times
   assert written["problems"] == 4 and written["decoding"] == "n=3 T=0.05"
   # The scripted replies hold at T = 0.05 (logit gap 10 / 0.05): every sample alike.
@@ -322,6 +341,26 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   assert f"pass@3/actor={golds.count(0) / 4:.4g}" in out.stdout.splitlines()
   assert written["training_problems_dropped"] == 2
   assert "training_problems_dropped=2" in out.stdout.splitlines()
+  # Greedy, one episode a call: the same problems in the same order, the same replies (the
+  # script's at T = 0.05 too) and scores.
+  sampled = _transcripts(workdir)
+  out, greedy = _launch_eval(workdir, config, *on_file, "--eval_batch=1", count_calls=True)
+  assert _calls(out) == [1, 1, 1, 1] and greedy["decoding"] == "greedy"
+  assert _transcripts(workdir) == sampled[::3]
+  assert greedy["accuracy/actor"] == written["accuracy/actor"]
+
+
+def _calls(out) -> list:
+  """The episodes of each rollout call of a `count_calls` launch."""
+  return [int(line.split("=")[1]) for line in out.stdout.splitlines()
+          if line.startswith("rollout_call=")]
+
+
+def _transcripts(workdir) -> list:
+  """(task, the replies) of each episode of the workdir's eval_transcripts.jsonl."""
+  with open(os.path.join(workdir, "eval_transcripts.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  return [(r["task"], [(t["role"], t["reply"]) for t in r["turns"]]) for r in records]
 
 
 def test_an_eval_given_only_a_test_file_leaves_out_what_the_checkpoint_trained_on(run, tmp_path,

@@ -165,15 +165,17 @@ def test_summarize_samples_reports_maj_at_n_beside_the_mean_accuracy():
   assert not any(k.startswith("maj@") for k in evaluate_lib.summarize_samples(code, team, 3, 0.8))
 
 
-def test_eval_batch_puts_several_problems_samples_in_one_call_with_the_same_problems(
-    monkeypatch, tmp_path):
-  """--eval_batch: a call holds batch // n problems' groups (rounded down to whole groups);
-  a problem file's problems and their order do not depend on it. The rollout is a stand-in
-  that only starts each environment's episode (no model: the batching is `play`'s)."""
+def _problem_file(tmp_path, count):
   path = tmp_path / "test.jsonl"
   path.write_text("".join(json.dumps({"question": f"What is {n} + 0?", "answer": f"#### {n}"})
-                          + "\n" for n in range(5)))
-  config = _config(name="math_jsonl", test_path=str(path))
+                          + "\n" for n in range(count)))
+  return _config(name="math_jsonl", test_path=str(path))
+
+
+@pytest.fixture
+def starting_rollout(monkeypatch):
+  """A stand-in rollout that only starts each environment's episode (no model: the batching
+  is `play`'s); returns the list of its calls' sizes."""
   calls = []
 
   def starting(envs, *args, **kwargs):
@@ -184,14 +186,54 @@ def test_eval_batch_puts_several_problems_samples_in_one_call_with_the_same_prob
                 infos=[]) for i, seed, observation in started])
 
   monkeypatch.setattr(evaluate_lib, "rollout", starting)
+  return calls
+
+
+def _play_file(config, problems, batch, samples=2):
+  return evaluate_lib.play(config, types.SimpleNamespace(tokenizer=None),
+                           num_problems=problems, batch_size=batch, samples=samples,
+                           temperature=0.8, rollout_weights=(None, None))
+
+
+def test_eval_batch_puts_several_problems_samples_in_one_call_with_the_same_problems(
+    tmp_path, starting_rollout):
+  """--eval_batch: a call holds at most batch // n problems' groups (whole groups), spread
+  evenly over the fewest calls; a problem file's problems and their order do not depend on
+  it."""
+  config, calls = _problem_file(tmp_path, 5), starting_rollout
   played = {}
-  for batch, expected_calls in ((3, [2] * 5), (9, [8, 8]), (40, [10])):
+  # batch 9, n = 2: at most 4 problems a call; 5 problems take 2 calls, so 3 each (calls of
+  # 4 would play 8 problems, 3 of them padding).
+  for batch, expected_calls in ((3, [2] * 5), (9, [6, 6]), (40, [10])):
     calls.clear()
-    episodes = evaluate_lib.play(config, types.SimpleNamespace(tokenizer=None), num_problems=5,
-                                 batch_size=batch, samples=2, temperature=0.8,
-                                 rollout_weights=(None, None))
+    episodes = _play_file(config, 5, batch)
     assert calls == expected_calls and len(episodes) == 10, (batch, calls)
     played[batch] = [e.task for e in episodes]
   assert played[3] == played[9] == played[40]
   assert len(set(played[3])) == 5 and all(played[3][i] == played[3][i + 1]
                                           for i in range(0, 10, 2))
+
+
+def test_a_file_smaller_than_asked_is_spread_over_its_own_problems(tmp_path, starting_rollout):
+  """HumanEval's case: 300 problems asked (task.eval_problems), the file holds fewer: the
+  calls are sized for the file's count, not the count asked for. 41 problems at most 10 a
+  call: 5 calls of 9 (4 extra), not 5 calls of 10 (9 extra); greedy and n = 2."""
+  config, calls = _problem_file(tmp_path, 41), starting_rollout
+  for samples in (1, 2):
+    calls.clear()
+    episodes = _play_file(config, 300, 10 * samples, samples)
+    assert calls == [9 * samples] * 5 and len(episodes) == 41 * samples
+    assert len({e.task for e in episodes}) == 41
+
+
+def test_problems_per_call_takes_the_fewest_calls_then_the_least_padding():
+  """Against a search over every size a call may have, for every count up to 170 problems
+  and up to 60 a call: fewest calls first, then fewest problems played beyond those asked."""
+  calls = lambda problems, size: -(-problems // size)
+  for most in range(1, 61):
+    for problems in range(1, 171):
+      best = min(range(1, most + 1), key=lambda size: (
+          calls(problems, size), calls(problems, size) * size - problems))
+      assert evaluate_lib.problems_per_call(problems, most) == best, (problems, most)
+  assert evaluate_lib.problems_per_call(164, 40) == 33  # 5 calls, 1 extra (not 36)
+  assert evaluate_lib.problems_per_call(164, 2) == 2  # n = 20 at 40 episodes a call: none
