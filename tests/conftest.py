@@ -99,7 +99,7 @@ _SLOW_FILES_FIRST = (
     "tests/train/test_multihost.py", "tests/test_bench.py", "tests/train/test_evaluate.py",
     "tests/train/test_async_rollout.py",  # 44 s alone at load average 2.6, 85 s at 9
     "tests/train/test_graphs_end_to_end.py", "tests/train/test_process_split.py",
-    "tests/train/test_backbones.py",
+    "tests/train/test_backbones.py", "tests/train/test_shared_critic_split.py",
     "tests/train/test_update_behaviour.py", "tests/rollout/test_rollout.py",
     "tests/envs/test_sandbox.py", "tests/models/test_sampler.py",
     "tests/models/test_transformer.py", "tests/test_launch.py", "tests/train/test_teams.py",

@@ -25,6 +25,7 @@ def get_config():
   )
   team = TeamSection(roles=roles, order="planner,solver", max_new_tokens=24)
   model = ModelSection(backbones=(BackboneSection("small", source="tiny"),))
-  # A critic per role, each on its role's backbone (a shared one would need one vocabulary).
+  # A critic per role, each on its role's backbone (critic.mode='shared' puts one critic on
+  # critic.backbone, reading every role's turns re-tokenized in its own vocabulary).
   critic = CriticSection(mode="per_agent_head")
   return to_config_dict(TrainConfig(algorithm="marft_a", model=model, team=team, critic=critic))

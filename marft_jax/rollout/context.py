@@ -55,7 +55,18 @@ def _role(team: Sequence[AgentProfile], agent: int) -> str:
 def per_agent_prompt(tokenizer, profile: AgentProfile, team: Sequence[AgentProfile],
                      observation: Observation, earlier_steps: Sequence[Sequence[tuple[int, str]]],
                      visible: Sequence[tuple[int, str]]) -> list[int]:
-  """Token ids of one agent's prompt in the per-agent view (see the module docstring).
+  """Token ids of one agent's prompt in the per-agent view (see the module docstring):
+  `per_agent_messages` through `chat_prompt`."""
+  return chat_prompt(tokenizer, per_agent_messages(profile, team, observation, earlier_steps,
+                                                   visible))
+
+
+def per_agent_messages(profile: AgentProfile, team: Sequence[AgentProfile],
+                       observation: Observation,
+                       earlier_steps: Sequence[Sequence[tuple[int, str]]],
+                       visible: Sequence[tuple[int, str]]) -> tuple[dict, ...]:
+  """The chat messages of one agent's prompt in the per-agent view: its text, before any
+  tokenizer (a turn keeps them, so another backbone can re-tokenize its state).
 
   Args:
     earlier_steps: per earlier env step, its replies [(agent, text)]; observation.feedback
@@ -68,9 +79,14 @@ def per_agent_prompt(tokenizer, profile: AgentProfile, team: Sequence[AgentProfi
     if step < len(observation.feedback):
       parts.append(f"Feedback: {observation.feedback[step].strip()}")
   parts += _history_lines(team, visible)
-  messages = [{"role": "system", "content": profile.system_prompt},
-              {"role": "user", "content": "\n\n".join(parts)}]
-  text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  return ({"role": "system", "content": profile.system_prompt},
+          {"role": "user", "content": "\n\n".join(parts)})
+
+
+def chat_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+  """Token ids of `messages` in `tokenizer`'s chat template, ready for the assistant's reply."""
+  text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                       tokenize=False)
   return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

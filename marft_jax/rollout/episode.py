@@ -52,6 +52,9 @@ class Turn:
   reply: str
   num_tokens: int
   stopped: bool  # ended with a stop token (False: it hit its max_new_tokens)
+  # Per-agent view: the chat messages `prompt` was rendered from (`context.per_agent_messages`),
+  # which another backbone's chat template re-tokenizes (a shared critic's state); () else.
+  messages: tuple = ()
 
 
 @dataclasses.dataclass

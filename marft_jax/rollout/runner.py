@@ -436,19 +436,20 @@ class _Runner:
 
   def _per_agent_turn(self, jobs, env_step, schedules, observations, history):
     prompts, agents, texts = [None] * self.rows, [0] * self.rows, [None] * len(jobs)
+    shown = [()] * self.rows  # each row's prompt messages
     placed = []  # (job index, row)
     next_row = {}
     for j, (i, agent) in enumerate(jobs):
       profile = self.agents.profiles[agent]
-      prompt = context.per_agent_prompt(self._tokenizer(agent), profile, self.agents.team,
-                                        observations[i], history[i],
-                                        schedules[i].visible(agent))
+      messages = context.per_agent_messages(profile, self.agents.team, observations[i],
+                                            history[i], schedules[i].visible(agent))
+      prompt = context.chat_prompt(self._tokenizer(agent), messages)
       if len(prompt) + profile.sampling.max_new_tokens > self.config.max_context:
         self._overflow(i)
         continue
       row = i * (self.rows // self.num_envs) + next_row.get(i, 0)
       next_row[i] = next_row.get(i, 0) + 1
-      prompts[row], agents[row] = prompt, agent
+      prompts[row], agents[row], shown[row] = prompt, agent, messages
       placed.append((j, row))
     sampled = {}  # row -> (tokens [N], logprobs [N], length) its backbone's call sampled
     for b in range(len(self.backbones)):  # one call per backbone with a row to sample
@@ -472,7 +473,7 @@ class _Runner:
                          self.agents.profiles[agent].sampling.temperature,
                          len(self.episodes[i].turns), env_step)
       self.episodes[i].sequences.append(sequence)
-      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n])
+      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n], shown[row])
     return texts
 
   def _prompt_bound(self, i: int, length: int) -> int:
@@ -483,14 +484,15 @@ class _Runner:
                  for t in self.episodes[i].turns)
     return length + max(unused, 0)
 
-  def _record_turn(self, i, agent, env_step, prompt, reply) -> str:
+  def _record_turn(self, i, agent, env_step, prompt, reply, messages=()) -> str:
     tokenizer = self._tokenizer(agent)
     text = tokenizer.decode(reply, skip_special_tokens=True)
     stopped = len(reply) > 0 and int(reply[-1]) == self._eos(self.agent_backbone[agent])
     self.episodes[i].turns.append(Turn(env_step=env_step, agent=agent,
                                        role=self.agents.profiles[agent].role,
                                        prompt=tokenizer.decode(prompt), reply=text,
-                                       num_tokens=len(reply), stopped=stopped))
+                                       num_tokens=len(reply), stopped=stopped,
+                                       messages=tuple(messages)))
     return text
 
   def _overflow(self, i):

@@ -19,9 +19,16 @@ def episode_record(episode: Episode) -> dict:
   return {"env_index": episode.env_index, "seed": episode.seed, "task": episode.task,
           "policy_version": episode.policy_version, "dropped": episode.dropped,
           "return": episode.episodic_return,
-          "turns": [dataclasses.asdict(turn) for turn in episode.turns],
+          "turns": [_turn_record(turn) for turn in episode.turns],
           "rewards": episode.rewards, "dones": episode.dones,
           "infos": [_jsonable(info) for info in episode.infos]}
+
+
+def _turn_record(turn) -> dict:
+  """A turn's fields but its messages (`prompt` shows them as the agent read them)."""
+  record = dataclasses.asdict(turn)
+  del record["messages"]
+  return record
 
 
 def write_transcripts(path: str, episodes: Sequence[Episode]) -> str:

@@ -156,6 +156,8 @@ READ_ONLY_WHEN = (
     *((key, lambda c: c.team.num_roles > 1 or c.team.graph == "orchestrator",
        "two turns or more in an env step (two roles, or an orchestrator)")
       for key in ("advantage.gamma_agent", "advantage.lambda_agent", "advantage.credit")),
+    ("critic.backbone", lambda c: c.critic.mode == "shared",
+     "critic.mode='shared' (a per-agent critic lives on its role's backbone)"),
     ("loss.action_logprob", lambda c: c.loss.policy_level == "action",
      "one ratio per turn (loss.policy_level='action')"),
     ("advantage.credit_discount", lambda c: c.advantage.credit == "step_discount",

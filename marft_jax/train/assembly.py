@@ -401,11 +401,15 @@ class Learner:
 
 
 def make_learner(config: TrainConfig, name: str, model: Model, num_adapters: int, rows: int,
-                 mesh, policy_optimizer, critic_optimizer, state_shardings) -> Learner:
+                 mesh, policy_optimizer, critic_optimizer, state_shardings,
+                 with_critic: bool = True) -> Learner:
   """The `Learner` of `model` (backbone `name`) training `num_adapters` adapters over
   batches of `rows` rows (padding rows added, all masked, so every minibatch splits evenly
-  over the batch shards); its update keeps `state_shardings` (`lora.follow_adapters`)."""
-  values, hidden = critic_lib.value_fns(critic_config(config), model.config)
+  over the batch shards); its update keeps `state_shardings` (`lora.follow_adapters`).
+  `with_critic` False: its update trains the policy alone (a split team's shared critic
+  trains on its own, `shared_critic`)."""
+  values, hidden = critic_lib.value_fns(critic_config(config) if with_critic else None,
+                                        model.config)
   minibatches = config.optimizer.minibatches
   one_device = -(-rows // minibatches) * minibatches
   multiple = minibatches * sharding.batch_shards(mesh)

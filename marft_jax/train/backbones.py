@@ -13,17 +13,21 @@ A team on one backbone never comes here: `loop` runs it as it always has. With s
               back into the team's batch before the advantages), then one jitted update of
               its own, over its rows, with its adapters' share of the agent-by-agent schedule.
 
-State: {backbone name: `update.TrainState`} (its adapters, its per-agent critic, their
-optimizer states), checkpointed as one tree. A backbone's critic is per agent (the config
-refuses a shared one, `check_backbones`): a successor's first-token value, read at
-its own row, comes from the critic on its own backbone.
+State: {backbone name: `update.TrainState`} (its adapters, its critic, their optimizer
+states), checkpointed as one tree. A per-agent critic (`critic.mode` 'per_agent_head' or
+'per_agent_lora') lives on each backbone, for its roles: a successor's first-token value,
+read at its own row, comes from the critic on its own backbone. A shared critic lives on
+`critic.backbone` alone (its state's critic; the others' are None) and values every role's
+turns re-tokenized in its own vocabulary (`shared_critic`): a successor's first-token value
+is then that critic's at the successor's prompt. It trains in an update of its own, over
+every role's turns; the backbones' updates train their policies alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +39,7 @@ from marft_jax.envs.profiles import adapter_index
 from marft_jax.rollout import Backbone, rollout_backbones
 from marft_jax.train import assembly
 from marft_jax.train import critic as critic_lib
-from marft_jax.train import teams
+from marft_jax.train import shared_critic, teams
 from marft_jax.train.advantages import compute_advantages, kl_rewards
 from marft_jax.train.batching import PADDING, TrainBatch, make_batch, padding_fields
 from marft_jax.train.batching import per_row_adapters
@@ -103,11 +107,8 @@ def check_backbones(config: TrainConfig) -> None:
     if all(r.adapter == "base" for r in roles):
       raise ValueError(f"team.roles {[r.name for r in roles]}: every role on backbone "
                        f"{name!r} has adapter='base': nothing on it would train")
-  if config.critic.mode == "shared":
-    raise ValueError(f"critic.mode='shared' {where}: use 'per_agent_head' or "
-                     "'per_agent_lora' (each role's critic lives on its backbone)")
-  unsupported = (("init_from", config.init_from, ""), ("reward.judge", config.reward.judge, False),
-                 ("eval_every", config.eval_every, 0))
+  unsupported = (("init_from", config.init_from, ""),
+                 ("reward.judge", config.reward.judge, False))
   for key, value, off in unsupported:
     if value != off:
       raise ValueError(f"{key}={value!r} {where}: not supported yet (issue 41)")
@@ -148,16 +149,19 @@ def role_bases(config: TrainConfig) -> dict[str, tuple[str, str]]:
 def init_states(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split,
                 policy_optimizer, critic_optimizer) -> dict[str, TrainState]:
   """{backbone: its fresh `TrainState`}: the adapters of its roles (`config.lora`), its
-  per-agent critic for its agents, their optimizer states. Keys fold in the backbone's index,
-  so two backbones of one shape start from different adapters."""
+  per-agent critic for its agents (a shared critic: on `config.critic_backbone` alone), their
+  optimizer states. Keys fold in the backbone's index, so two backbones of one shape start
+  from different adapters."""
   critic_settings = assembly.critic_config(config)
+  shared = critic_settings is not None and critic_settings.mode == "shared"
   states = {}
   for b, name in enumerate(split.names):
     key = jax.random.fold_in(jax.random.key(config.seed), 1000 + b)
     model_config = models[name].config
     policy = lora_lib.init_adapters(config.lora, model_config, jax.random.fold_in(key, 1),
                                     len(split.adapters(b)))
-    critic = None if critic_settings is None else critic_lib.init_critic(
+    no_critic = critic_settings is None or (shared and name != config.critic_backbone)
+    critic = None if no_critic else critic_lib.init_critic(
         critic_settings, model_config, len(split.agents(b)), jax.random.fold_in(key, 2))
     states[name] = TrainState(
         policy=policy, critic=critic, policy_opt=policy_optimizer.init(policy),
@@ -201,9 +205,11 @@ def player(models: Mapping[str, assembly.Model], policies, team, structure, spli
 
 
 def evaluation_player(config: TrainConfig, models: Mapping[str, assembly.Model], policies,
-                      team, structure):
-  """`player` for `evaluate.play`: the sampler's weights made here."""
-  weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
+                      team, structure, weights: Optional[Mapping[str, tuple]] = None):
+  """`player` for `evaluate.play`: the sampler's `weights` ({backbone: its
+  `assembly.rollout_model`}; None: made here)."""
+  if weights is None:
+    weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
   return player(models, policies, team, structure, split_team(config, team), weights)
 
 
@@ -253,25 +259,34 @@ def scatter_rows(into: np.ndarray, rows: np.ndarray, values) -> np.ndarray:
 
 def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split, mesh,
              policy_optimizer, critic_optimizer, turns_per_agent: int,
-             state_shardings: Mapping[str, Any]) -> list[assembly.Learner]:
-  """An `assembly.Learner` per backbone, in `split.names` order. `turns_per_agent`: the rows
-  one agent fills in an episode (its turns: one per env step); `state_shardings`: each
-  backbone's state's (`lora.follow_adapters`), kept by its update."""
+             state_shardings: Mapping[str, Any]
+             ) -> tuple[list[assembly.Learner], Optional[shared_critic.SharedCritic]]:
+  """(an `assembly.Learner` per backbone, in `split.names` order; the shared critic's
+  learner, or None: per-agent critics train in their backbones' updates). `turns_per_agent`:
+  the rows one agent fills in an episode (its turns: one per env step); `state_shardings`:
+  each backbone's state's (`lora.follow_adapters`), kept by its update."""
+  rows = lambda agents: config.rollout.num_envs * turns_per_agent * len(agents)
+  critic = shared_critic.make_shared_critic(
+      config, split, models, mesh, critic_optimizer, rows(split.agent_backbone),
+      state_shardings[config.critic_backbone])
+  policy_only = lambda s: s.replace(critic=None, critic_opt=None) if critic else s
   return [assembly.make_learner(
-      config, name, models[name], len(split.adapters(b)),
-      config.rollout.num_envs * turns_per_agent * len(split.agents(b)), mesh,
-      policy_optimizer, critic_optimizer, state_shardings[name])
-      for b, name in enumerate(split.names)]
+      config, name, models[name], len(split.adapters(b)), rows(split.agents(b)), mesh,
+      policy_optimizer, critic_optimizer, policy_only(state_shardings[name]),
+      with_critic=critic is None)
+      for b, name in enumerate(split.names)], critic
 
 
 def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
-          learners: Sequence[assembly.Learner], mesh, envs, num_roles: int, agent_sees, reply_budgets,
-          active: np.ndarray):
+          learners: Sequence[assembly.Learner], mesh, envs, num_roles: int, agent_sees,
+          reply_budgets, active: np.ndarray,
+          critic: Optional[shared_critic.SharedCritic] = None):
   """One update of every backbone from the team's `kept` episodes.
 
-  The team's batch is valued and scored by each backbone on its rows, the advantages are
-  computed once over the whole team (as on one backbone), then each backbone updates over its
-  rows. Returns (new states, the backbones' metrics (`merge_metrics`), the team's batch, the
+  The team's batch is valued and scored by each backbone on its rows (or valued by the
+  shared `critic` on every row), the advantages are computed once over the whole team (as on
+  one backbone), then each backbone updates over its rows, and the shared critic over every
+  row. Returns (new states, the backbones' metrics (`merge_metrics`), the team's batch, the
   KL rewards or None)."""
   batch = jax.tree.map(np.asarray, make_batch(
       kept, 0, reply_budgets=reply_budgets, row_length_step=config.optimizer.row_length_step))
@@ -297,6 +312,9 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
       ref = np.zeros_like(old_logp) if ref_logp is None else ref_logp
       ref_logp = scatter_rows(ref, rows, read(extras.ref_logp))
     parts.append((rows, sub, extras))
+  if critic is not None:
+    critic_rows, critic_extras, values = _value_shared(critic, states[critic.name].critic,
+                                                       kept, batch, owner, placed)
   batch = batch.replace(act_old_value=values)
   kl = kl_rewards(old_logp, ref_logp, batch.act_mask, config.advantage) if with_ref else None
   groups = [envs.group(e.env_index) for e in kept]
@@ -309,11 +327,47 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
                                                np.asarray(getattr(batch, name))[rows])
                             for name in _ADVANTAGE_FIELDS})
     mine = np.asarray(active)[list(split.adapters(b))]
-    states[learner.name], m = learner.update(
-        states[learner.name], learner.model.params, placed(filled), extras, jnp.asarray(mine),
-        warm, jax.random.fold_in(key, b))
+    state = states[learner.name]
+    if critic is not None:  # the shared critic trains below, on every backbone's turns
+      state = state.replace(critic=None, critic_opt=None)
+    new, m = learner.update(state, learner.model.params, placed(filled), extras,
+                            jnp.asarray(mine), warm, jax.random.fold_in(key, b))
+    if critic is not None:
+      new = new.replace(critic=states[learner.name].critic,
+                        critic_opt=states[learner.name].critic_opt)
+    states[learner.name] = new
     metrics.append({k: float(v) for k, v in m.items()})
-  return states, merge_metrics(metrics, split), batch, kl
+  merged = merge_metrics(metrics, split)
+  if critic is not None:
+    states[critic.name], critic_metrics = _train_critic(
+        critic, states[critic.name], critic_rows, critic_extras, batch,
+        config.advantage.level == "token", placed, jax.random.fold_in(key, len(learners)))
+    merged = {k: v for k, v in merged.items()  # the policy updates' critic metrics: zeros
+              if not k.endswith(("value_loss", "critic_grad_norm"))}
+    merged.update(critic_metrics)
+    merged["nonfinite"] += critic_metrics["critic_nonfinite"]
+  return states, merged, batch, kl
+
+
+def _value_shared(critic: shared_critic.SharedCritic, params, kept, batch: TrainBatch,
+                  owner: np.ndarray, placed):
+  """The shared critic (parameters `params`) over every turn of the team `batch`: (its
+  `CriticBatch`, its extras, [B, T] the team's values at rollout time)."""
+  rows = critic.batch(kept, batch, owner)
+  extras = critic.extras(params, placed(rows))
+  values = critic.values(params, critic.model.params, placed(rows), extras)
+  return rows, extras, shared_critic.team_values(multihost.to_host(values), rows, batch)
+
+
+def _train_critic(critic: shared_critic.SharedCritic, state: TrainState, rows, extras, batch,
+                  token_level: bool, placed, key) -> tuple[TrainState, dict]:
+  """The shared critic's update over every turn (`rows`, with the team `batch`'s targets):
+  (its backbone's state with the new critic, its metrics)."""
+  filled = shared_critic.with_targets(rows, batch, token_level)
+  new, new_opt, metrics = critic.update(state.critic, state.critic_opt, critic.model.params,
+                                        placed(filled), extras, key)
+  return (state.replace(critic=new, critic_opt=new_opt),
+          {k: float(v) for k, v in metrics.items()})
 
 
 # The fields `compute_advantages` fills in.

@@ -345,6 +345,10 @@ class CriticSection:
   hidden: tuple[int, ...] = CriticConfig.hidden  # the head's hidden widths
   lr: float = 1e-4
   warmup_iterations: int = 0  # iterations that train only the critic
+  # The backbone the "shared" critic lives on, a name of model.backbones or MAIN_BACKBONE;
+  # "" = the roles' first (`TrainConfig.used_backbones`). It values every role's turns, each
+  # re-tokenized with its own tokenizer (`train.shared_critic`).
+  backbone: str = ""
 
   def __post_init__(self):
     _one_of("mode", self.mode, ("auto", *CRITIC_MODES, "none"))
@@ -505,6 +509,11 @@ class TrainConfig:
     return tuple(sorted(used, key=lambda n: (n != MAIN_BACKBONE, n)))
 
   @property
+  def critic_backbone(self) -> str:
+    """The backbone the shared critic lives on (`critic.backbone`, or the roles' first)."""
+    return self.critic.backbone or self.used_backbones[0]
+
+  @property
   def init_from_folders(self) -> list[str]:
     """`init_from`'s PEFT folders, in adapter order."""
     return [p.strip() for p in self.init_from.split(",") if p.strip()]
@@ -551,6 +560,9 @@ def _check_backbone_names(config: TrainConfig) -> None:
                        f"declared: {list(declared)} (model.backbones.<name>, or "
                        f"{MAIN_BACKBONE!r}: model.source's)")
   used = config.used_backbones
+  if config.critic.backbone and config.critic.backbone not in used:
+    raise ValueError(f"critic.backbone={config.critic.backbone!r}: no role runs on it; the "
+                     f"roles' backbones: {list(used)}")
   for b in model.backbones:
     if b.name not in used:
       raise ValueError(f"model.backbones.{b.name}: no role runs on it (set "

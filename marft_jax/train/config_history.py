@@ -175,6 +175,8 @@ ADDED: tuple[Added, ...] = (
     Added("optimizer.row_length_step", 64, "5e545ff", "2026-11-28 11:20",
           "the update's rows were padded to a multiple of 64 tokens up to 256 (32 pads less, "
           "and the padding changes the f32 rounding of the real tokens' activations)"),
+    Added("critic.backbone", "", "fdc6a02", "2026-11-28 13:38",
+          "the critic lived on the roles' first backbone (a split team's could not be shared)"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)

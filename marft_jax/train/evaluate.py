@@ -156,7 +156,7 @@ def _player(config, model, policy, team, structure, rollout_weights):
   """`fn(envs, rng, settings)`: one rollout of every environment by the team on its base, or
   on its backbones (`model` {name: Model}, `policy` {name: adapters}: `train.backbones`)."""
   if isinstance(model, dict):
-    return backbones.evaluation_player(config, model, policy, team, structure)
+    return backbones.evaluation_player(config, model, policy, team, structure, rollout_weights)
   params, model_config = rollout_weights or assembly.rollout_model(model, config)
   return lambda envs, rng, settings: rollout(envs, team, structure, params, model_config,
                                              model.tokenizer, rng, lora=policy, config=settings)

@@ -210,7 +210,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       key = jax.random.fold_in(jax.random.key(config.seed), iteration)
       # Held-out accuracy of the learner's policy before this iteration's update (at 0: the
       # untuned team); with rollout.max_staleness = η it sampled iteration k + η.
-      evaluated = run.heldout(state.policy, iteration) if _eval_due(config, iteration) else {}
+      evaluated = run.heldout(_policy(state), iteration) if _eval_due(config, iteration) else {}
       shown.update(evaluated)
       t0 = time.perf_counter()
       if rollouts is None:
@@ -248,7 +248,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
         on_iteration(iteration, metrics)
       done = iteration + 1 == config.iterations
       if done and config.eval_every:  # the trained policy, before the final checkpoint
-        final = run.heldout(state.policy, iteration + 1)
+        final = run.heldout(_policy(state), iteration + 1)
         writer.write(iteration + 1, final)
         metrics = {**metrics, **final}
         shown.update(final)
@@ -370,9 +370,9 @@ def _export(checkpointer, step, state, *, config):
 
 
 def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
-  """`_build` of a team on several backbones (`train.backbones`; one process, no judge, no
-  held-out evaluation during training: `backbones.check_backbones`): one state, learner and
-  sampler copy per backbone. The state is {backbone name: TrainState}."""
+  """`_build` of a team on several backbones (`train.backbones`; one process, no judge:
+  `backbones.check_backbones`): one state, learner and sampler copy per backbone. The state
+  is {backbone name: TrainState}."""
   models = {name: _with_remat(m, config.model.remat) for name, m in models.items()}
   team, structure = assembly.build_team(config)
   split = backbones.split_team(config, team)
@@ -380,18 +380,20 @@ def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
   state = backbones.init_states(config, models, split, policy_optimizer, critic_optimizer)
   state_shardings = {name: lora_lib.follow_adapters(mesh, s) for name, s in state.items()}
   state = jax.device_put(state, state_shardings)
-  learners = backbones.learners(config, models, split, mesh, policy_optimizer,
-                                critic_optimizer, config.task.horizon, state_shardings)
+  learners, critic = backbones.learners(config, models, split, mesh, policy_optimizer,
+                                        critic_optimizer, config.task.horizon, state_shardings)
   envs = assembly.build_envs(config, team, seed=config.seed)
   learn = functools.partial(
-      _learn_split, config=config, split=split, learners=learners, mesh=mesh, envs=envs,
-      num_roles=len(team), agent_sees=envs_lib.agent_sees(structure, team),
+      _learn_split, config=config, split=split, learners=learners, critic=critic, mesh=mesh,
+      envs=envs, num_roles=len(team), agent_sees=envs_lib.agent_sees(structure, team),
       reply_budgets=reply_budgets(team, structure))
   weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
   play = functools.partial(backbones.play, envs=envs, team=team, structure=structure,
                            models=models, split=split, settings=assembly.rollout_settings(config))
+  heldout = functools.partial(_heldout, config=config, model=models, weights=weights)
   run = _Run(config=config, config_dict=to_config_dict(assembly.as_recorded(config)).to_dict(),
-             team=team, envs=envs, judge=None, play=play, weights=weights, learn=learn, heldout=None,
+             team=team, envs=envs, judge=None, play=play, weights=weights, learn=learn,
+             heldout=heldout,
              export=functools.partial(backbones.export, config=config, split=split))
   return run, state
 

@@ -90,12 +90,12 @@ def test_backbones_are_read_from_the_command_line_and_named_in_order():
     ({"team.roles.planner.backbone": "big"}, "team.roles.planner.backbone='big'"),
     ({"team.roles.planner.backbone": ""}, "model.backbones.smol"),  # declared, unused
     ({"team.roles.solver.backbone": "smol", "model.source": "other"}, "model.source"),
-    ({"critic.mode": "shared"}, "critic.mode='shared'"),
+    ({"critic.mode": "shared", "critic.backbone": "big"}, "critic.backbone='big'"),
+    ({"critic.backbone": "smol"}, "critic.backbone='smol' is read with critic.mode='shared'"),
     ({"algorithm": "shared_stream_ppo", "critic.mode": "auto"}, "rollout.context_mode"),
     ({"team.shared_adapter": True}, "team.shared_adapter"),
     ({"team.graph": "orchestrator"}, "team.graph='orchestrator'"),
     ({"team.roles.planner.adapter": "base"}, "backbone 'smol'"),
-    ({"eval_every": 1}, "eval_every"),
     ({"rollout.max_staleness": 1, "loss.behaviour_correction": "auto",  # one sampler thread
       "loss.old_logp": "auto"},
      "rollout.max_staleness=1 with team.roles"),
@@ -352,6 +352,12 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
   """Each turn's token advantages = the reference's GAE along the chain (a turn's last token
   bootstraps from its successor's first-token value, valued on the successor's backbone)."""
   batch, episodes, out = trained["seen"][0]
+  assert_chain_backups(batch, episodes, out, batch.act_old_value)
+
+
+def assert_chain_backups(batch, episodes, out, values):
+  """`out`'s token advantages of the planner → checker → solver chain (one row a turn) equal
+  the NumPy reference's from `values` [B, T] (the critic's at each decision)."""
   sees = closure(3, [(0, 1), (1, 2)])
   rows = iter(range(batch.tokens.shape[0]))
   for episode in episodes:
@@ -360,7 +366,7 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
       row, span = next(rows), sequence.spans[0]
       positions = list(range(span.start - 1, span.end - 1))
       turns.append(TurnSpec(span.env_step, span.agent, len(positions),
-                            list(batch.act_old_value[row, positions])))
+                            list(values[row, positions])))
       places.append((row, positions))
     want = reference_advantages(turns, sees, episode.rewards, episode.dones, "equal", "token",
                                 hops=dict(HOPS, credit_discount=0.5))
@@ -368,7 +374,9 @@ def test_the_token_level_backups_match_the_numpy_reference(trained):
       np.testing.assert_allclose(out.act_advantage[row, positions], expected, atol=1e-5)
 
 
-def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(trained, tmp_path):
+def assert_resumes_bit_for_bit(trained, tmp_path):
+  """`trained`'s run resumed from checkpoint 1 trains its second iteration as it did
+  (adapters, metrics, every leaf of the step-2 state): (the fresh state, the step-2 state)."""
   config, models, straight = trained["config"], trained["models"], trained["workdir"]
   resumed = str(tmp_path / "resumed")
   shutil.copytree(straight, resumed)
@@ -388,6 +396,12 @@ def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(train
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(restored[0]),
                           jax.tree.leaves(restored[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+  return template, restored
+
+
+def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(trained, tmp_path):
+  straight = trained["workdir"]
+  template, restored = assert_resumes_bit_for_bit(trained, tmp_path)
   assert set(restored[0]) == {"main", "smol"}
   assert not np.array_equal(*(np.asarray(jax.tree.leaves(s["smol"].policy)[0])
                               for s in (template, restored[0])))  # it trained
@@ -434,12 +448,14 @@ def test_agent_by_agent_trains_one_adapter_an_iteration_across_the_backbones(tra
 def test_grpo_normalises_the_team_chains_returns_per_role_across_backbones(trained):
   """GRPO on the split team (one group of 4 episodes of one task): each turn's advantage is
   its Monte Carlo return along the team's chain (the reference with every value 0, λ = 1),
-  normalised over its role's turns in the group; both backbones train."""
+  normalised over its role's turns in the group; both backbones train. Each role is credited
+  its own reward (`varied_reward`'s differ by role), so pooling the roles would differ."""
   base = trained["config"]
   config = split_config(
       "grpo", rollout=dataclasses.replace(base.rollout, num_envs=4, group_size=0),
       iterations=1, checkpoint_every=1000, team=base.team,
-      optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=0))
+      optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=0),
+      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, credit="per_step"))
   seen = []
   real = backbones.compute_advantages
 
@@ -473,3 +489,53 @@ def test_grpo_normalises_the_team_chains_returns_per_role_across_backbones(train
   np.testing.assert_allclose(got, expected, atol=1e-4)
   assert metrics["backbone/smol/policy_grad_norm"] > 0
   assert metrics["backbone/main/policy_grad_norm"] > 0
+
+
+def test_kl_in_reward_and_per_agent_lora_critics_on_their_own_backbones(trained, tmp_path):
+  """MARFT-A with advantage.kl_reward_coef and critic.mode='per_agent_lora' on the split team,
+  2 iterations. Iteration 1 (adapters and critics of checkpoint 1, LoRA factors no longer
+  zero): each decision's KL reward is −β k3 of its own backbone's π_old (its adapter) and its
+  own backbone's frozen base; each row's value is its own backbone's critic, its LoRA routed
+  by the row's agent among that backbone's agents."""
+  models, base = trained["models"], trained["config"]
+  config = split_config(
+      "marft_a", rollout=dataclasses.replace(base.rollout, num_envs=2), iterations=2,
+      checkpoint_every=1, team=base.team,
+      critic=dataclasses.replace(base.critic, mode="per_agent_lora", lora_rank=4),
+      advantage=dataclasses.replace(config_lib.TrainConfig().advantage, kl_reward_coef=0.1))
+  seen = []
+  real = backbones.compute_advantages
+
+  def record(batch, episodes, *args, **kwargs):
+    seen.append((batch, episodes, kwargs["kl_reward"]))
+    return real(batch, episodes, *args, **kwargs)
+
+  workdir = str(tmp_path)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(backbones, "compute_advantages", record)
+    loop.train(config, workdir, model=models, progress=False)
+  batch, episodes, kl = seen[1]
+  with checkpoint_lib.Checkpointer(workdir) as checkpointer:
+    states = checkpointer.restore(backbones.new_states(config, models), step=1)[0]
+  split = backbones.split_team(config, assembly.build_team(config)[0])
+  owner = backbones.row_backbones(episodes, split)
+  critic_config = assembly.critic_config(config)
+  for b, name in enumerate(split.names):
+    rows = np.flatnonzero(owner == b)
+    model, state = models[name], states[name]
+    assert np.abs(np.asarray(jax.tree.leaves(state.critic["lora"].layers)[0])).max() > 0
+    sub = jax.tree.map(jnp.asarray, backbones.sub_batch(batch, rows, len(rows),
+                                                        model.tokenizer.pad_token_id, split))
+    old, _ = update.token_logp_and_entropy(model.params, state.policy, sub, model.config, False)
+    ref, _ = update.token_logp_and_entropy(model.params, None, sub, model.config, False)
+    log_r = np.asarray(ref - old, np.float64)
+    decided = batch.act_mask[rows]
+    want = -0.1 * (np.exp(log_r) - 1 - log_r)
+    np.testing.assert_allclose(kl[rows][decided], want[decided], atol=1e-5)
+    local = np.asarray(split.agent_local + (-1,))[batch.act_agent[rows]]  # action frame
+    token_agents = np.concatenate([np.full_like(local[:, :1], -1), local[:, :-1]], axis=1)
+    values = critic_lib.values(state.critic, model.params, sub.tokens, model.config,
+                               critic_config, mask=sub.mask, agent_ids=jnp.asarray(token_agents))
+    np.testing.assert_allclose(np.asarray(values)[decided], batch.act_old_value[rows][decided],
+                               atol=1e-5)
+  assert np.abs(kl[batch.act_mask]).max() > 1e-6  # the adapters moved off their base
