@@ -235,10 +235,11 @@ def test_help_documents_the_role_fields_and_the_fields_commented_above():
   assert comments["team.max_new_tokens = 48"] == "per turn, every role but the last"
 
 
-def test_the_heterogeneous_example_trains_and_evaluates_on_tiny_models(tmp_path):
+def test_the_heterogeneous_example_trains_resumes_and_evaluates_on_tiny_models(tmp_path):
   """launch/configs/hetero_2agents.py as a user launches it, one iteration: the planner on the
-  "tiny" backbone, the solver's main backbone a tiny Qwen2 folder; then launch.eval scores
-  the checkpoint. Each role's PEFT export names its own base."""
+  "tiny" backbone, the solver's main backbone a tiny Qwen2 folder; the same command extended
+  to 2 iterations resumes it (bit for bit: test_backbones); then launch.eval scores the
+  checkpoint. Each role's PEFT export names its own base."""
   import json
   from marft_jax.models import tiny
   solver = tiny.save_tiny_model(tmp_path / "solver", "qwen2", seed=1)
@@ -253,6 +254,10 @@ def test_the_heterogeneous_example_trains_and_evaluates_on_tiny_models(tmp_path)
                             .read_text())["base_model_name_or_path"]
            for role in ("planner", "solver")}
   assert bases == {"planner": "tiny", "solver": solver}
+  out = _launch("train", *flags, "--config.iterations=2")  # the same command, extended
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "from its checkpoint after iteration 1 of 2" in out.stderr, out.stderr[-3000:]
+  assert (workdir / "exports" / "step_2" / "solver" / "adapter_config.json").exists()
   out = _launch("eval", *flags, "--problems=2")
   assert out.returncode == 0, out.stderr[-3000:]
-  assert json.loads((workdir / "eval.json").read_text())["checkpoint_step"] == 1
+  assert json.loads((workdir / "eval.json").read_text())["checkpoint_step"] == 2

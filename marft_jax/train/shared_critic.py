@@ -55,7 +55,7 @@ from marft_jax.rollout.context import chat_prompt
 from marft_jax.train import assembly
 from marft_jax.train import critic as critic_lib
 from marft_jax.train.batching import TrainBatch, row_length
-from marft_jax.train.update import LossConfig, _value_loss, minibatch_slots
+from marft_jax.train.update import LossConfig, minibatch_slots, value_objective
 
 
 @struct.dataclass
@@ -238,13 +238,14 @@ def make_critic_update(model_config, critic_config: critic_lib.CriticConfig, los
   loss (`update.LossConfig`: clipped, Huber or squared) at `CriticBatch.value_pos`, its gradient
   clipped to critic_max_grad_norm; a minibatch of padding alone, or with a loss or gradient
   not finite, changes nothing. `logical_rows`: the batch's rows on one device
-  (`minibatch_slots`: the mesh does not change which rows train together). Returns (critic, critic_opt, metrics: value_loss and
-  critic_grad_norm averaged over the trained minibatches, critic_nonfinite counted)."""
+  (`minibatch_slots`: the mesh does not change which rows train together). Returns (critic,
+  critic_opt, metrics: value_loss and critic_grad_norm averaged over the trained minibatches,
+  critic_nonfinite counted)."""
   values, _ = critic_lib.value_fns(critic_config, model_config)
 
   def value_loss(critic, params, batch: CriticBatch, extras: CriticExtras):
     v = values(critic, params, batch, extras, batch.value_pos)  # [B, P]
-    raw = _value_loss(v, batch.old_value, batch.returns, batch.value_valid, loss)
+    raw = value_objective(v, batch.old_value, batch.returns, batch.value_valid, loss)
     return loss.value_coef * raw, raw
 
   grad_fn = jax.value_and_grad(value_loss, has_aux=True)

@@ -304,7 +304,9 @@ def behaviour_metrics(batch: TrainBatch, old_logp: jax.Array, config: LossConfig
                                                       valid)}
 
 
-def _value_loss(values, old_values, returns, mask, config: LossConfig):
+def value_objective(values, old_values, returns, mask, config: LossConfig):
+  """The critic's clipped value loss (Huber with `config.huber_delta`, else squared) of
+  `values` against `returns` where `mask` (every argument [B, T] or [B, K])."""
   if config.huber_delta is None:
     return ppo.clipped_value_loss(values, old_values, returns, mask, config.value_clip)
   return ppo.clipped_huber_value_loss(values, old_values, returns, mask, config.huber_delta,
@@ -355,12 +357,12 @@ def losses(policy, critic, params, batch: TrainBatch, extras: Extras, *,
   if critic_values is not None:
     if config.policy_level == "action":  # one value per turn: the head runs at K positions
       turn_values = critic_values(critic, params, batch, extras, batch.turn_value_pos)
-      value_loss = _value_loss(turn_values, batch.turn_old_value, batch.turn_return,
-                               batch.turn_valid, config)
+      value_loss = value_objective(turn_values, batch.turn_old_value, batch.turn_return,
+                                   batch.turn_valid, config)
     else:
       values = critic_values(critic, params, batch, extras)  # [B, T] per decision
-      value_loss = _value_loss(values, batch.act_old_value, batch.act_return, batch.act_mask,
-                               config)
+      value_loss = value_objective(values, batch.act_old_value, batch.act_return,
+                                   batch.act_mask, config)
     total = total + config.value_coef * value_loss
   aux = {"policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
          "clip_fraction": clipped, "entropy": ppo.masked_mean(entropy, m),
