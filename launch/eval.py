@@ -37,7 +37,9 @@ to the answer drawn first; `evaluate.majority_correct`).
 Prints `name=value` lines (accuracy overall and per graded role, pass@k per graded role, maj@n
 (math, n > 1), the decoding, answer-format rate and reply length per role), writes them to
 <workdir>/eval.json (eval_untuned.json with --untuned) and the episodes to
-<workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl).
+<workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl); a sampled evaluation
+writes eval_n<n>_t<T>.json and its transcripts beside them (`results_name`), so it never
+overwrites the greedy one.
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ def pass_at_ks() -> tuple[int, ...]:
   return ks
 
 
+def results_name(untuned: bool, samples: int, temperature: float) -> str:
+  """The stem of the files an evaluation writes: "eval" (greedy), "eval_n20_t0.8" (n samples
+  at a temperature), "eval_untuned..." with --untuned; so a sampled evaluation of a run never
+  overwrites its greedy one."""
+  stem = "eval_untuned" if untuned else "eval"
+  return stem if samples == 1 and temperature == 0 else f"{stem}_n{samples}_t{temperature:g}"
+
+
 def main(config: TrainConfig) -> None:
   workdir = _WORKDIR.value
   ks = pass_at_ks()
@@ -125,7 +135,7 @@ def main(config: TrainConfig) -> None:
     dropped = trained_problems.replaced_draws(config, episodes, trained)
   results["checkpoint_step"] = step
   results["training_problems_dropped"] = dropped
-  name = "eval_untuned" if _UNTUNED.value else "eval"
+  name = results_name(_UNTUNED.value, _SAMPLES.value, _TEMPERATURE.value)
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)
   write_transcripts(os.path.join(workdir, f"{name}_transcripts.jsonl"), episodes)

@@ -307,8 +307,16 @@ def _launch_eval(workdir, config, *flags, count_calls=False):
                        text=True, cwd=ROOT, timeout=300,
                        env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))  # one device, as a user's
   assert out.returncode == 0, out.stderr[-3000:]
-  with open(os.path.join(workdir, "eval.json")) as f:
+  with open(os.path.join(workdir, f"{_results_name(flags)}.json")) as f:
     return out, json.load(f)
+
+
+def _results_name(flags) -> str:
+  """The file stem launch.eval writes under `flags`, spelled out: eval.json when greedy,
+  eval_n<n>_t<T>.json when sampled."""
+  given = dict(flag.lstrip("-").split("=", 1) for flag in flags if "=" in flag)
+  n, t = given.get("samples_per_problem", "1"), given.get("temperature", "0")
+  return "eval" if n == "1" and float(t) == 0 else f"eval_n{n}_t{t}"
 
 
 def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp_path):
@@ -343,11 +351,15 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   assert "training_problems_dropped=2" in out.stdout.splitlines()
   # Greedy, one episode a call: the same problems in the same order, the same replies (the
   # script's at T = 0.05 too) and scores.
-  sampled = _transcripts(workdir)
+  sampled = _transcripts(workdir, "eval_n3_t0.05")
   out, greedy = _launch_eval(workdir, config, *on_file, "--eval_batch=1", count_calls=True)
   assert _calls(out) == [1, 1, 1, 1] and greedy["decoding"] == "greedy"
   assert _transcripts(workdir) == sampled[::3]
   assert greedy["accuracy/actor"] == written["accuracy/actor"]
+  # Each wrote its own files: the greedy evaluation left the sampled one as it was.
+  with open(os.path.join(workdir, "eval_n3_t0.05.json")) as f:
+    assert json.load(f) == written
+  assert _transcripts(workdir, "eval_n3_t0.05") == sampled
 
 
 def _calls(out) -> list:
@@ -356,9 +368,9 @@ def _calls(out) -> list:
           if line.startswith("rollout_call=")]
 
 
-def _transcripts(workdir) -> list:
-  """(task, the replies) of each episode of the workdir's eval_transcripts.jsonl."""
-  with open(os.path.join(workdir, "eval_transcripts.jsonl")) as f:
+def _transcripts(workdir, name: str = "eval") -> list:
+  """(task, the replies) of each episode of the workdir's <name>_transcripts.jsonl."""
+  with open(os.path.join(workdir, f"{name}_transcripts.jsonl")) as f:
     records = [json.loads(line) for line in f]
   return [(r["task"], [(t["role"], t["reply"]) for t in r["turns"]]) for r in records]
 
