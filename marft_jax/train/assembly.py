@@ -411,19 +411,30 @@ def make_learner(config: TrainConfig, name: str, model: Model, num_adapters: int
   values, hidden = critic_lib.value_fns(critic_config(config) if with_critic else None,
                                         model.config)
   minibatches = config.optimizer.minibatches
-  one_device = -(-rows // minibatches) * minibatches
-  multiple = minibatches * sharding.batch_shards(mesh)
+  one_device, num_rows = update_rows(rows, minibatches, mesh)
   update = make_update(model.config, config.loss, policy_optimizer, critic_optimizer, values,
                        num_adapters, config.optimizer.epochs, minibatches,
                        out_shardings=(state_shardings, sharding.replicated(mesh)),
                        logical_rows=one_device)
-  pad = model.tokenizer.pad_token_id
   return Learner(
       name=name, model=model, update=update, critic_hidden=hidden,
       old_values=None if values is None else critic_lib.batch_values_fn(
           values, minibatches),
-      num_rows=-(-rows // multiple) * multiple,
-      pad_id=model.tokenizer.eos_token_id if pad is None else pad)
+      num_rows=num_rows, pad_id=pad_id(model.tokenizer))
+
+
+def update_rows(rows: int, minibatches: int, mesh) -> tuple[int, int]:
+  """(the update's rows on one device: `rows` rounded up to the minibatches; its rows on
+  `mesh`: rounded up so that every minibatch splits over the batch shards). The extra rows
+  are padding that only fills the minibatches (`update.minibatch_slots`)."""
+  multiple = minibatches * sharding.batch_shards(mesh)
+  return -(-rows // minibatches) * minibatches, -(-rows // multiple) * multiple
+
+
+def pad_id(tokenizer) -> int:
+  """The token id a batch pads with: the tokenizer's pad token, else its end of sequence."""
+  pad = tokenizer.pad_token_id
+  return tokenizer.eos_token_id if pad is None else pad
 
 
 def optimizers(config: TrainConfig):

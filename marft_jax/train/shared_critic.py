@@ -47,7 +47,6 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import struct
 
 from marft_jax import sharding
@@ -55,7 +54,8 @@ from marft_jax.rollout.context import chat_prompt
 from marft_jax.train import assembly
 from marft_jax.train import critic as critic_lib
 from marft_jax.train.batching import TrainBatch, row_length
-from marft_jax.train.update import LossConfig, minibatch_slots, value_objective
+from marft_jax.train.update import (LossConfig, all_finite, critic_step, minibatch_slots,
+                                    value_objective)
 
 
 @struct.dataclass
@@ -265,16 +265,10 @@ def make_critic_update(model_config, critic_config: critic_lib.CriticConfig, los
 
       no_gradients = lambda c: (jnp.zeros(()), jax.tree.map(jnp.zeros_like, c))
       raw, grads = jax.lax.cond(take, gradients, no_gradients, critic)
-      finite = jnp.isfinite(raw) & jnp.all(jnp.stack(
-          [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-      norm = optax.tree.norm(grads)
-      scale = jnp.minimum(1.0, loss.critic_max_grad_norm / jnp.maximum(norm, 1e-12))
-      updates, new_opt = critic_optimizer.update(jax.tree.map(lambda g: g * scale, grads),
-                                                 opt, critic)
-      keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite & take, n, o),
-                                           new, old)
-      carry = (keep(optax.apply_updates(critic, updates), critic), keep(new_opt, opt))
-      return carry, (raw, norm, take & ~finite)
+      finite = jnp.isfinite(raw) & all_finite(grads)
+      critic, opt, norm = critic_step(critic_optimizer, grads, critic, opt,
+                                      loss.critic_max_grad_norm, finite & take)
+      return (critic, opt), (raw, norm, take & ~finite)
 
     (critic, critic_opt), (raw, norm, bad) = jax.lax.scan(step, (critic, critic_opt),
                                                           (indices, taken))
@@ -299,17 +293,15 @@ def make_shared_critic(config, split, models, mesh, critic_optimizer, rows: int,
   model = models[name]
   o = config.optimizer
   values, hidden = critic_lib.value_fns(critic_config, model.config)
+  one_device, num_rows = assembly.update_rows(rows, o.minibatches, mesh)
   update = make_critic_update(
       model.config, critic_config, config.loss, critic_optimizer, o.epochs, o.minibatches,
       out_shardings=(state_sharding.critic, state_sharding.critic_opt,
                      sharding.replicated(mesh)),
-      logical_rows=-(-rows // o.minibatches) * o.minibatches)
-  multiple = o.minibatches * sharding.batch_shards(mesh)
-  pad = model.tokenizer.pad_token_id
+      logical_rows=one_device)
   return SharedCritic(
       name=name, index=split.names.index(name), model=model,
       tokenizers=tuple(models[n].tokenizer for n in split.names), hidden=hidden,
       values=critic_lib.batch_values_fn(values, o.minibatches), update=update,
-      num_rows=-(-rows // multiple) * multiple,
-      pad_id=model.tokenizer.eos_token_id if pad is None else pad,
+      num_rows=num_rows, pad_id=assembly.pad_id(model.tokenizer),
       row_length_step=o.row_length_step, minibatches=o.minibatches)

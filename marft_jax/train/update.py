@@ -394,8 +394,23 @@ def _correcting(config: LossConfig) -> bool:
   return config.behaviour_correction == "on"
 
 
-def _finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
+  """[] bool: every element of every leaf of `tree` is finite."""
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def critic_step(critic_optimizer, grads, critic, critic_opt, max_norm: float,
+                apply: jax.Array):
+  """One step of the critic: `grads` clipped to global norm `max_norm`, then
+  `critic_optimizer`'s update, kept only where `apply` ([] bool: the minibatch was trained
+  and its loss and gradients were finite). Returns (critic, critic_opt, the gradients' norm
+  before clipping)."""
+  norm = optax.tree.norm(grads)
+  scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+  updates, new_opt = critic_optimizer.update(jax.tree.map(lambda g: g * scale, grads),
+                                             critic_opt, critic)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+  return keep(optax.apply_updates(critic, updates), critic), keep(new_opt, critic_opt), norm
 
 
 def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
@@ -471,9 +486,9 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
       indices, dropout_key, taken = xs
       loss, aux, g_policy, g_critic, present = jax.lax.cond(
           taken, gradients, no_gradients, state.policy, state.critic, indices, dropout_key)
-      finite = jnp.isfinite(loss) & _finite(g_policy.layers)
+      finite = jnp.isfinite(loss) & all_finite(g_policy.layers)
       if g_critic is not None:
-        finite = finite & _finite(g_critic)
+        finite = finite & all_finite(g_critic)
       too_far = jnp.asarray(False if config.kl_limit is None else
                             aux["approx_kl"] > config.kl_limit)
       g_policy, norms = optim.clip_per_agent(g_policy, config.max_grad_norm)
@@ -482,14 +497,9 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
                                               state.policy, move)
       critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
       if g_critic is not None:
-        critic_norm = optax.tree.norm(g_critic)
-        scale = jnp.minimum(1.0, config.critic_max_grad_norm / jnp.maximum(critic_norm, 1e-12))
-        updates, new_opt = critic_optimizer.update(
-            jax.tree.map(lambda g: g * scale, g_critic), state.critic_opt, state.critic)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite & taken, n, o),
-                                             new, old)
-        critic = keep(optax.apply_updates(state.critic, updates), state.critic)
-        critic_opt = keep(new_opt, state.critic_opt)
+        critic, critic_opt, critic_norm = critic_step(
+            critic_optimizer, g_critic, state.critic, state.critic_opt,
+            config.critic_max_grad_norm, finite & taken)
       stopped = stopped | (too_far & (config.kl_guard == "stop"))
       new_state = state.replace(policy=policy, critic=critic, policy_opt=policy_opt,
                                 critic_opt=critic_opt, step=state.step + 1)
