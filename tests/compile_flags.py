@@ -9,7 +9,20 @@ would (one device) passes `FAST_COMPILE` alone.
     time. On four compile-bound test files (one process): 140-148 -> 126-127 CPU-s. None of
     these three changes what a program computes (fast-math stays off)."""
 
-FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+import importlib.metadata
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  return tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+
+
+# XLA aborts the process on an XLA_FLAGS flag it does not know, before any output (under
+# pytest's capture the suite then dies silently: seen with jaxlib 0.11.2 on an H200, 28 Nov
+# 2026), and the XLA of jaxlib 0.11 no longer has the older emitters' switch.
+_OLDER_EMITTERS = ("--xla_cpu_use_fusion_emitters=false " if _jaxlib_version() < (0, 11)
+                   else "")
+
+FAST_COMPILE = ("--xla_backend_optimization_level=0 " + _OLDER_EMITTERS +
                 "--xla_cpu_parallel_codegen_split_count=1 "
                 "--xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_enable_concurrency_optimized_scheduler=false")
