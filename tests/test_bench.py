@@ -19,7 +19,10 @@ EXPECTED = {
     "bench.iteration": ["iteration_s", "share_rollout", "share_prepare", "share_advantages",
                         "share_update", "share_other", "share_checkpoint",
                         "update_useful_fraction",
-                        "machine_matmul_2048_gflop_s"],
+                        "machine_matmul_2048_gflop_s",
+                        # --ceiling: the dense passes' rates at the run's minibatch shape
+                        "dense_fwd_bwd_fraction", "dense_fwd_fraction",
+                        "update_useful_ceiling", "update_useful_ceiling_padded"],
     "bench.lora": ["multi_adapter_cost_ratio_2_agents", "multi_adapter_cost_ratio_4_agents",
                    "ratio_routed4_vs_single_median"],
     "bench.passk": ["passk_problems", "passk_samples", "passk_eval_batch",
@@ -41,11 +44,12 @@ EXPECTED = {
 
 # bench.rollout's re-encoding arm is `rollout(reencode=True)` (test_rollout checks it equals
 # the cache continuation) timed like the others; its compiles were a third of the smoke run.
-# bench.iteration: one iteration, its compiles included (two took 38 s on a loaded host).
+# bench.iteration: one iteration, its compiles included (two took 38 s on a loaded host), and
+# --ceiling's dense passes at that run's shapes.
 # bench.passk: 2 HumanEval problems, n = 2, 4 episodes a call; every arm and one throughput
 # batch (its smallest run prints every figure it has).
 FLAGS = {"bench.rollout": ["--noreencode"],
-         "bench.iteration": ["--iterations=1", "--warmup=0"],
+         "bench.iteration": ["--iterations=1", "--warmup=0", "--ceiling"],
          "bench.passk": ["--problems=2", "--samples_per_problem=2", "--eval_batch=4",
                          "--throughput=4", "--split=4", "--split_new=65", "--split_repeats=1"]}
 # The benches whose smoke run prints exactly the figures listed, no other.
