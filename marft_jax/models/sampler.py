@@ -205,7 +205,8 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
              pad_id: int = 0, max_new_tokens_bucket: Optional[int] = None,
              on_step: Optional[Callable[[jax.Array], None]] = None,
              rows: Optional[multihost.ProcessRows] = None, merge_lora: bool = True,
-             share_prefix: bool = True, prompt_width: Optional[int] = None,
+             share_prefix: bool = True, prefix_groups=None,
+             prompt_width: Optional[int] = None,
              compile_ahead: bool = False) -> SampleOutput:
   """Encodes a chunk of prompt tokens and samples up to `max_new_tokens` per row.
 
@@ -262,6 +263,13 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
       through the same adapter (e.g. one agent's system prompt in the per-agent view)
       encodes those tokens once, for one row, and gives every busy row a copy of their keys
       and values. Same outputs to f32 rounding; the returned cache holds the prefix's slots.
+    prefix_groups: None, or [B] ints: rows of a fresh prompt (one process, no
+      `prompt_adapter_ids`) with the same id >= 0 and the same adapter share the leading
+      tokens they all hold (≥ `sampler_plan.MIN_SHARED_PREFIX`, each row keeping one to
+      sample from): each group's are encoded once and copied to its rows, as `share_prefix`
+      does for a prefix of every row (e.g. the n samples of one problem in a sampled
+      evaluation, whose prompts are the same up to what earlier agents replied). Used instead
+      of `share_prefix` when a group shares; same outputs to f32 rounding.
     prompt_width: a bound on the chunk's real width that the caller knows from its budgets
       (e.g. the prompt as it would be had every earlier reply used its whole
       `max_new_tokens`): P is bucketed from it, not from this call's tokens, so calls whose
@@ -278,7 +286,14 @@ def generate(params: Params, tokens, config: ModelConfig, *, rng: jax.Array,
   call = plan.checked(tokens, config, max_new_tokens, prompt_lens, prompt_mask, lora,
                       adapter_ids, prompt_adapter_ids, temperature, top_p, top_k, eos_ids,
                       stop_ids, cache, rows)
-  route = plan.route(params, config, call, lora, cache, rows, merge_lora, share_prefix)
+  if prefix_groups is not None:
+    prefix_groups = np.asarray(prefix_groups)
+    if prefix_groups.shape != call.busy.shape or not np.issubdtype(prefix_groups.dtype,
+                                                                    np.integer):
+      raise ValueError(f"prefix_groups: expected [B={call.busy.shape[0]}] ints, got shape "
+                       f"{prefix_groups.shape} and dtype {prefix_groups.dtype}")
+  route = plan.route(params, config, call, lora, cache, rows, merge_lora, share_prefix,
+                     prefix_groups)
   shapes, ahead = plan.static_shapes(call, route, config, cache, cache_size=cache_size,
                                      prompt_width=prompt_width,
                                      new_tokens=max_new_tokens_bucket, rows=rows,
@@ -294,10 +309,14 @@ def _launch(call: plan.Call, route: plan.Route, shapes: plan.Shapes, *, config, 
             pad_id, on_step, rows, compile_only: bool = False) -> Optional[SampleOutput]:
   """Runs the planned call; `compile_only`: compiles its programs without running them (a
   fresh cache is still made, so that the small programs filling it compile too)."""
-  tokens, mask, token_ids = plan.fit_prompt(call, route.prefix_length, shapes.prompt, pad_id)
+  tokens, mask, token_ids = plan.fit_prompt(call, route.starts, shapes.prompt, pad_id)
   place = jax.device_put if rows is None else rows.put  # rows: this process's block -> global
   fresh = cache is None and not route.prefix_length
-  if route.prefix_length:
+  if route.groups is not None:
+    cache = plan.group_prefix_cache(route.params, call, route.groups, route.lora,
+                                    route.adapter_ids, config, width=shapes.prefix,
+                                    size=shapes.slots, compile_only=compile_only)
+  elif route.prefix_length:
     cache = plan.shared_prefix_cache(
         route.params, call.tokens[call.busy][0, :route.prefix_length], route.lora,
         route.prefix_adapter, call.busy, config, width=shapes.prefix, size=shapes.slots,

@@ -183,6 +183,11 @@ def shared_prefix_cache(params, shared: np.ndarray, lora, adapter_id: int, busy:
   if not compile_only:
     return _encode_shared_prefix(*args, config=config, size=size)
   compiled = _encode_shared_prefix.lower(*args, config=config, size=size).compile()
+  return _compiled_outputs(compiled, args)
+
+
+def _compiled_outputs(compiled, args):
+  """The shapes (and shardings) of a compiled prefix encoder's output cache."""
   # Its outputs are committed to their devices iff an input is: the compile key differs.
   committed = any(getattr(x, "committed", False) for x in jax.tree.leaves(args))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -201,6 +206,73 @@ def _encode_shared_prefix(params, tokens, mask, lora, adapter_ids, busy, *, conf
   copy = lambda x: jnp.repeat(x, B, axis=x.ndim - 4)  # the batch is 4th from last
   return cache.replace(k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v),
                        valid=jnp.repeat(cache.valid, B, axis=0) & busy[:, None])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupPrefixes:
+  """Prompt prefixes shared within groups of rows (`generate`'s `prefix_groups`): each group's
+  is encoded once, from its `heads` row, and copied to its rows."""
+
+  starts: np.ndarray  # [B] the tokens each row takes from its group's prefix (0: none)
+  heads: np.ndarray  # [G] the row whose prefix each sharing group encodes
+  row_group: np.ndarray  # [B] each row's index into `heads`, or -1 (it shares nothing)
+
+
+def group_prefixes(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray,
+                   groups: np.ndarray, adapter_ids: np.ndarray) -> Optional[GroupPrefixes]:
+  """The prefixes that busy rows of one group (same id >= 0, same adapter) share: the leading
+  columns real and identical in all of them, leaving each at least one real token after (the
+  row samples from its last one); a group of one row, or sharing fewer than
+  `MIN_SHARED_PREFIX` tokens, shares nothing. None when no group shares."""
+  starts = np.zeros(len(tokens), np.int64)
+  row_group = np.full(len(tokens), -1, np.int64)
+  heads = []
+  for g in np.unique(groups[busy & (groups >= 0)]):
+    rows = np.nonzero(busy & (groups == g))[0]
+    if len(rows) < 2 or np.unique(adapter_ids[rows]).size > 1:
+      continue
+    t, m = tokens[rows], mask[rows]
+    same = np.all(m, axis=0) & np.all(t == t[:1], axis=0)
+    length = min(int(np.argmin(np.append(same, False))), int(m.sum(axis=1).min()) - 1)
+    if length < MIN_SHARED_PREFIX:
+      continue
+    starts[rows], row_group[rows] = length, len(heads)
+    heads.append(rows[0])
+  if not heads:
+    return None
+  return GroupPrefixes(starts, np.asarray(heads, np.int64), row_group)
+
+
+def group_prefix_cache(params, call: "Call", groups: GroupPrefixes, lora,
+                       adapter_ids: np.ndarray, config: ModelConfig, width: int, size: int,
+                       compile_only: bool = False) -> KVCache:
+  """A `size`-slot cache holding, for each row of a sharing group, its group's prefix (the
+  head row's first `starts` tokens, padded to `width`); other rows hold no context.
+  `compile_only`: compiled, and its shapes returned (as `shared_prefix_cache`)."""
+  heads = groups.heads
+  head_tokens = np.zeros((len(heads), width), np.int32)
+  head_mask = np.arange(width)[None] < groups.starts[heads][:, None]
+  head_tokens[head_mask] = call.tokens[heads, :width][head_mask[:, :call.tokens.shape[1]]]
+  args = (params, jax.device_put(head_tokens), jax.device_put(head_mask), lora,
+          jax.device_put(adapter_ids[heads].astype(np.int32)),
+          jax.device_put(groups.row_group.astype(np.int32)))
+  if not compile_only:
+    return _encode_group_prefixes(*args, config=config, size=size)
+  compiled = _encode_group_prefixes.lower(*args, config=config, size=size).compile()
+  return _compiled_outputs(compiled, args)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "size"))
+def _encode_group_prefixes(params, tokens, mask, lora, adapter_ids, row_group, *, config, size):
+  """Encodes the groups' prefixes [G, P] into a fresh `size`-slot cache and gives each row
+  its group's (`row_group` [B] into G; -1: invalid slots, no context)."""
+  cache = transformer.init_cache(config, tokens.shape[0], size)
+  _, cache = transformer.hidden_states(params, tokens, config, mask=mask, cache=cache,
+                                       lora=lora, adapter_ids=adapter_ids, cache_is_empty=True)
+  take = jnp.maximum(row_group, 0)
+  pick = lambda x: jnp.take(x, take, axis=x.ndim - 4)  # the batch is 4th from last
+  return cache.replace(k=jax.tree.map(pick, cache.k), v=jax.tree.map(pick, cache.v),
+                       valid=cache.valid[take] & (row_group >= 0)[:, None])
 
 
 def _check_positions(config: ModelConfig, cache: Optional[KVCache], mask: np.ndarray,
@@ -287,22 +359,36 @@ class Route:
   params: Params  # the base weights, or a copy with the call's one adapter merged in
   lora: Optional[Adapters]  # None: no adapter, or it is merged into `params`
   adapter_ids: np.ndarray  # [B] ids into `lora`
-  prefix_length: int  # leading tokens encoded once for every busy row (0: none)
-  prefix_adapter: int  # their adapter
+  prefix_length: int  # leading tokens encoded once for every busy row (0: none), or the
+  #                     longest group prefix (`groups`)
+  prefix_adapter: int  # their adapter (one prefix for every row)
+  groups: Optional[GroupPrefixes] = None  # prefixes shared within groups of rows instead
+
+  @property
+  def starts(self):
+    """Where each row's chunk begins in its prompt: int (every row) or [B]."""
+    return self.prefix_length if self.groups is None else self.groups.starts
 
 
 def route(params, config: ModelConfig, call: Call, lora, cache, rows, merge_lora: bool,
-           share_prefix: bool) -> Route:
+           share_prefix: bool, prefix_groups: Optional[np.ndarray] = None) -> Route:
   """One adapter alone when the rows share it (`_one_adapter`), merged into the weights when
-  it can be (`_can_merge`), and the shared prefix of a fresh prompt (`_shared_prefix_length`)."""
+  it can be (`_can_merge`), and the prefixes of a fresh prompt encoded once: those its
+  `prefix_groups` share (`group_prefixes`), else the one every row shares
+  (`_shared_prefix_length`)."""
   ids = call.adapter_ids
   if call.prompt_adapter_ids is None:
     lora, ids = _one_adapter(lora, ids, rows)
   if merge_lora and _can_merge(params, config, lora, ids, call.busy, rows):
     params, lora = _merged(params, lora, config.layout), None
+  fresh = cache is None and rows is None and call.prompt_adapter_ids is None
+  if fresh and prefix_groups is not None:
+    groups = group_prefixes(call.tokens, call.mask, call.busy, prefix_groups,
+                            np.zeros_like(ids) if lora is None else ids)
+    if groups is not None:
+      return Route(params, lora, ids, int(groups.starts.max()), 0, groups)
   prefix = 0
-  if share_prefix and cache is None and rows is None and call.prompt_adapter_ids is None and (
-      lora is None or np.unique(ids[call.busy]).size == 1):
+  if share_prefix and fresh and (lora is None or np.unique(ids[call.busy]).size == 1):
     prefix = _shared_prefix_length(call.tokens, call.mask, call.busy)
   return Route(params, lora, ids, prefix, int(ids[call.busy][0]) if prefix else 0)
 
@@ -374,9 +460,11 @@ def static_shapes(call: Call, route: Route, config: ModelConfig, cache: Optional
   given, and an already compiled (P, S) reused when one fits (`_CompiledShapes`); and the
   `Shapes` to compile ahead (`compile_ahead`): when a fresh-cache call compiles a new P, the
   next bucket up too (its prompts then vary by a bucket in the run without compiling again)."""
-  real = call.mask[:, route.prefix_length:].any(axis=0)
-  used = int(np.max(np.nonzero(real)[0], initial=-1)) + 1
-  used = max(used, (prompt_width or 0) - route.prefix_length)
+  starts = np.broadcast_to(route.starts, call.mask.shape[:1])
+  ends = np.where(call.mask.any(axis=1),
+                  call.mask.shape[1] - np.argmax(call.mask[:, ::-1], axis=1), 0)
+  used = int(np.max(np.maximum(ends - starts, 0), initial=0))  # the chunk's real columns
+  used = max(used, (prompt_width or 0) - int(starts.min(initial=0)))
   greedy = bool(np.all(call.temperature <= 0))
   longest = int(call.max_new.max(initial=0))
   batch = call.tokens.shape[0]
@@ -414,10 +502,21 @@ def static_shapes(call: Call, route: Route, config: ModelConfig, cache: Optional
   return shapes, ahead
 
 
-def fit_prompt(call: Call, prefix_length: int, width: int, pad_id: int):
-  """(tokens, mask, per-token adapter ids or None) of the chunk after the shared prefix,
-  cut or padded to `width` columns (cut columns hold no real token)."""
-  tokens, mask = call.tokens[:, prefix_length:], call.mask[:, prefix_length:]
+def fit_prompt(call: Call, starts, width: int, pad_id: int):
+  """(tokens, mask, per-token adapter ids or None) of the chunk after the shared prefix
+  (`starts`: the columns it takes, int or per row [B]), cut or padded to `width` columns
+  (cut columns hold no real token)."""
+  if np.ndim(starts):  # each row shifted left by its own prefix
+    columns = np.asarray(starts)[:, None] + np.arange(call.tokens.shape[1])[None]
+    inside = columns < call.tokens.shape[1]
+    columns = np.minimum(columns, call.tokens.shape[1] - 1)
+    take = lambda x: np.take_along_axis(x, columns, axis=1)
+    call = dataclasses.replace(
+        call, tokens=take(call.tokens), mask=take(call.mask) & inside,
+        prompt_adapter_ids=None if call.prompt_adapter_ids is None
+        else take(call.prompt_adapter_ids))
+    starts = 0
+  tokens, mask = call.tokens[:, starts:], call.mask[:, starts:]
   pad = ((0, 0), (0, max(width - tokens.shape[1], 0)))
   ids = call.prompt_adapter_ids
   if ids is not None:

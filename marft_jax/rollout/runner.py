@@ -71,6 +71,12 @@ class RolloutConfig:
     the KV cache (a reference for tests and benchmarks; slower).
   transition: shared stream only: the hand-over to the next agent, {role} its name
     (`context.TRANSITION`).
+  share_group_prompts: per-agent view, one process: the rows of one agent in the envs of one
+    group (`EnvBatch.group_size`: an evaluation's n samples of a problem, GRPO's group)
+    encode the prompt tokens they share once (`sampler.generate`'s `prefix_groups`): the
+    whole prompt of a first agent, the task and the earlier turns up to the first reply
+    they differ in for a later one. Same samples to f32 rounding (so off for training,
+    whose checkpoints resume bit for bit).
   """
 
   context_mode: str = "per_agent"
@@ -78,6 +84,7 @@ class RolloutConfig:
   max_context: Optional[int] = None
   reencode: bool = False
   transition: str = context.TRANSITION
+  share_group_prompts: bool = False
 
   def __post_init__(self):
     if self.context_mode not in CONTEXT_MODES:
@@ -373,10 +380,11 @@ class _Runner:
     return adapter if self.adapter_local is None or adapter < 0 else self.adapter_local[adapter]
 
   def _generate(self, prompts, agents_per_row, cache=None, prompt_adapters=None,
-                prompt_width=None, backbone=0):
+                prompt_width=None, backbone=0, prefix_groups=None):
     """One sampler call on `backbone`. prompts: per row a token list (or None: the row sits
     out); prompt_adapters: optional per row per-token adapter ids of the prompt; prompt_width: a
-    bound on the prompts' length from the budgets (`sampler.generate`'s).
+    bound on the prompts' length from the budgets; prefix_groups: rows whose shared prompt
+    prefix is encoded once (both `sampler.generate`'s).
 
     Returns ((tokens [B, N], logprobs [B, N], lengths [B]) of this process's rows, the new
     cache), or None (no call) when no row of any process samples."""
@@ -420,7 +428,8 @@ class _Runner:
         temperature=temperature,
         top_k=self.top_k, top_p=top_p if use_top_p else None, eos_ids=self._eos(backbone),
         pad_id=self._pad(backbone), max_new_tokens_bucket=self.num_new, rows=self.layout,
-        prompt_width=prompt_width, compile_ahead=True)  # a run calls with every length
+        prompt_width=prompt_width, compile_ahead=True,  # a run calls with every length
+        prefix_groups=prefix_groups)
     read = multihost.to_host if self.layout is None else self.layout.get  # only its own rows
     result = tuple(read(x) for x in (out.tokens, out.logprobs, out.lengths))
     self.metrics["sampler_s"] += time.perf_counter() - start
@@ -459,7 +468,8 @@ class _Runner:
       rows_b = {row for _, row in on_b}
       bounds = [self._prompt_bound(jobs[j][0], len(prompts[row])) for j, row in on_b]
       generated = self._generate([p if r in rows_b else None for r, p in enumerate(prompts)],
-                                 agents, prompt_width=max(bounds, default=None), backbone=b)
+                                 agents, prompt_width=max(bounds, default=None), backbone=b,
+                                 prefix_groups=self._prefix_groups(agents))
       if generated is not None:
         (tokens, logprobs, lengths), _ = generated
         sampled.update({row: (tokens[row], logprobs[row], int(lengths[row])) for row in rows_b})
@@ -475,6 +485,15 @@ class _Runner:
       self.episodes[i].sequences.append(sequence)
       texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n], shown[row])
     return texts
+
+  def _prefix_groups(self, agents) -> Optional[np.ndarray]:
+    """[rows] each row's (env group, agent) as one id, with `share_group_prompts` on one
+    process; else None."""
+    if not self.config.share_group_prompts or self.layout is not None:
+      return None
+    per_env = self.rows // self.num_envs
+    groups = np.asarray([self.envs.group(self.first + r // per_env) for r in range(self.rows)])
+    return groups * len(self.agents.profiles) + np.asarray(agents)
 
   def _prompt_bound(self, i: int, length: int) -> int:
     """A per-agent prompt of env i as long as it would be had every earlier reply of its

@@ -25,9 +25,10 @@ call of 40 rows decoded 3.1 times the samples per second of one of 10 (`bench/pa
 problem file the problems and their order do not depend on the batch (`EnvBatch`'s epoch
 order; generated arithmetic's do: its task seeds hash the env's group); the sampled replies
 do (the sampler draws one key per call for all its rows), greedy ones only through float
-rounding. `summarize_samples` adds, per graded role, pass@k for each k asked (the unbiased
-estimator of Chen et al. 2021, `pass_at_k`, averaged over problems), and `decoding` states
-how the replies were drawn: "greedy" or "n=<n> T=<T>". With n > 1, accuracy/<role> is the
+rounding. A problem's samples encode the prompt tokens they share once (`RolloutConfig`'s
+`share_group_prompts`). `summarize_samples` adds, per graded role, pass@k for each k asked
+(the unbiased estimator of Chen et al. 2021, `pass_at_k`, averaged over problems), and
+`decoding` states how the replies were drawn: "greedy" or "n=<n> T=<T>". With n > 1, accuracy/<role> is the
 mean over all samples, and a math task (one whose final step names each graded role's
 extracted `prediction`) adds maj@<n>/<role>: the share of problems whose majority answer
 over their n samples is right (`majority_correct`).
@@ -121,7 +122,9 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
       envs.close()
       envs = build(total)
   total *= samples
-  settings = assembly.rollout_settings(config)
+  # A problem's n samples encode their shared prompt once (the planner's whole prompt; the
+  # task in a later agent's): the same samples to f32 rounding, for less prefill.
+  settings = dataclasses.replace(assembly.rollout_settings(config), share_group_prompts=True)
   episodes = []
   bar = None
   if progress:

@@ -146,3 +146,115 @@ def test_a_busy_base_row_or_bfloat16_weights_keep_the_adapter_routed(params, mon
   bf16 = CONFIG.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
   gen(jax.tree.map(lambda x: x.astype("bfloat16"), params), bf16, np.zeros(3, int))
   assert not merged
+
+
+# --- prefixes shared within groups of rows (`prefix_groups`) ---------------------------------
+
+
+def test_group_prefixes_by_hand():
+  """Rows 0, 1 (group 0) share 20 tokens; rows 2-4 (group 1) 25, of which row 4 holds 18 and
+  keeps one to sample from: 17; group 2 is one row; group 4's rows are the same tokens on two
+  adapters; row 7 (group 0) is idle and counts for nothing; -1 shares nothing. Rows 5 and 6
+  as one group part after 5 tokens: fewer than MIN_SHARED_PREFIX, nothing shared."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, V, (10, 40))
+  lens = np.array([30, 25, 40, 22, 18, 12, 20, 0, 30, 30])
+  tokens[1, :20] = tokens[0, :20]
+  tokens[1, 20] = (tokens[0, 20] + 1) % V
+  tokens[3:5, :25] = tokens[2, :25]
+  tokens[2:5, 25] = [1, 2, 3]
+  tokens[9] = tokens[8]
+  tokens[6, :5] = tokens[5, :5]
+  tokens[6, 5] = (tokens[5, 5] + 1) % V
+  ids = np.array([0, 0, 1, 1, 1, 0, 0, 0, 0, 1])
+  mask = np.arange(40)[None] < lens[:, None]
+  busy = lens > 0
+  found = sampler_plan.group_prefixes(tokens, mask, busy,
+                                      np.array([0, 0, 1, 1, 1, 2, -1, 0, 4, 4]), ids)
+  np.testing.assert_array_equal(found.starts, [20, 20, 17, 17, 17, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(found.heads, [0, 2])
+  np.testing.assert_array_equal(found.row_group, [0, 0, 1, 1, 1, -1, -1, -1, -1, -1])
+  parting = np.array([-1, -1, -1, -1, -1, 3, 3, -1, -1, -1])
+  assert sampler_plan.group_prefixes(tokens, mask, busy, parting, ids) is None
+  assert sampler_plan.group_prefixes(tokens, mask, busy, np.full(10, -1), ids) is None
+
+
+def _grouped_prompts(draw_groups, heads, tails, seed):
+  """Right-padded rows: rows of a group open with the group's `heads[g]` tokens, then a tail
+  of their own (`tails[r]` tokens; 0: the row sits out)."""
+  rng = np.random.default_rng(seed)
+  shared = {g: rng.integers(0, V, 40) for g in set(draw_groups)}
+  lens = np.array([(heads[g] + t if t else 0) for g, t in zip(draw_groups, tails)])
+  tokens = rng.integers(0, V, (len(lens), max(lens.max(), 1)))
+  for r, g in enumerate(draw_groups):
+    tokens[r, :heads[g]] = shared[g][:heads[g]]
+  return tokens, lens
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _check_grouped_against_plain(fast_params, groups, heads, tails, ids):
+  """The grouped call equals the plain one (every row's prompt encoded in full), encodes the
+  group prefixes once exactly where `group_prefixes` finds one, and both caches continue
+  alike; returns what `group_prefixes` found."""
+  B = len(groups)
+  tokens, lens = _grouped_prompts(list(groups), heads, tails, seed=B)
+  lora = _random_adapters(CONFIG)
+  max_new = np.where(lens > 0, 6, 0)
+  gen = lambda **kw: sampler.generate(fast_params, tokens, FAST, prompt_lens=lens,
+                                      max_new_tokens=max_new, rng=jax.random.key(7),
+                                      temperature=1.0, eos_ids=[1], cache_size=96, lora=lora,
+                                      adapter_ids=ids, merge_lora=False, **kw)
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    encoded = _count_calls(monkeypatch, "_encode_group_prefixes")
+    plain = gen(share_prefix=False)
+    grouped = gen(share_prefix=False, prefix_groups=groups)
+  mask = np.arange(tokens.shape[1])[None] < lens[:, None]
+  expected = sampler_plan.group_prefixes(tokens, mask, lens > 0, np.asarray(groups), ids)
+  assert len(encoded) == (expected is not None)
+  _assert_same(grouped, plain)
+  np.testing.assert_array_equal(np.asarray(grouped.cache.valid).sum(axis=1),
+                                np.asarray(plain.cache.valid).sum(axis=1))
+  chunk = np.random.default_rng(5).integers(0, V, (B, 5))
+  more = lambda cache: sampler.generate(fast_params, chunk, FAST, prompt_lens=np.full(B, 5),
+                                        max_new_tokens=4, rng=jax.random.key(4),
+                                        temperature=1.0, cache=cache)
+  _assert_same(more(grouped.cache), more(plain.cache))
+  return expected
+
+
+def test_two_groups_and_a_lone_row_sample_as_every_row_encoded(fast_params):
+  """Groups of 24 and 17 shared tokens on two adapters, the call's longest prompt in a group
+  (its chunk reaches the prompt's last column), beside a row that shares nothing."""
+  found = _check_grouped_against_plain(
+      fast_params, groups=np.array([0, 0, 1, 1, 1, -1]), heads={-1: 9, 0: 24, 1: 17},
+      tails=[3, 9, 1, 4, 2, 5], ids=np.array([0, 0, 1, 1, 1, 0]))
+  np.testing.assert_array_equal(found.starts, [24, 24, 17, 17, 17, 0])
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.data())
+def test_rows_sharing_group_prefixes_sample_as_every_row_encoded(fast_params, data):
+  """Any layout of groups (ids -1 to 2, rows idle or not, group heads of 0 to 30 tokens, each
+  group on one adapter or, for one row, another): as every row encoded in full."""
+  B = data.draw(st.integers(3, 8), label="rows")
+  groups = np.array(data.draw(st.lists(st.integers(-1, 2), min_size=B, max_size=B),
+                              label="groups"))
+  heads = data.draw(st.lists(st.sampled_from([0, 8, 16, 17, 24, 30]), min_size=4,
+                             max_size=4), label="heads")
+  heads = {-1: heads[3], **dict(enumerate(heads[:3]))}
+  tails = data.draw(st.lists(st.integers(0, 6), min_size=B, max_size=B), label="tails")
+  tails[0] = max(tails[0], 1)  # one row samples
+  group_adapter = data.draw(st.lists(st.integers(0, 1), min_size=4, max_size=4), label="ids")
+  ids = np.array([group_adapter[g] for g in groups])
+  if data.draw(st.booleans(), label="one row on the other adapter"):
+    ids[-1] = 1 - ids[-1]
+  _check_grouped_against_plain(fast_params, groups, heads, tails, ids)
+
+
+def test_prefix_groups_of_the_wrong_shape_are_refused(params):
+  tokens, lens = _prompts([20, 20])
+  with pytest.raises(ValueError, match="prefix_groups"):
+    sampler.generate(params, tokens, CONFIG, prompt_lens=lens, max_new_tokens=2,
+                     rng=jax.random.key(0), prefix_groups=[0, 0, 0])

@@ -118,6 +118,36 @@ def test_accuracy_is_the_share_of_tasks_showing_the_scripted_answer():
   assert metrics["accuracy"] == metrics["accuracy/repeater"] == shown.count(0) / 12
 
 
+def test_a_problems_samples_encode_their_shared_prompt_once_and_sample_as_before(monkeypatch):
+  """Sampled evaluation (n = 4 at T = 1, 3 problems, two agents) on a random tiny model: the
+  episodes equal those of the same call with every prompt encoded in full (group prefixes
+  switched off), and the calls did encode group prefixes: the first agent's whole prompt,
+  the second's task."""
+  params, config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
+  model = assembly.Model(params, config, tokenizer)
+  run = dataclasses.replace(_config(), team=dataclasses.replace(
+      _config().team, max_new_tokens=6, last_max_new_tokens=6))
+  from marft_jax.models import sampler_plan  # noqa: PLC0415
+  play = lambda: evaluate_lib.play(run, model, num_problems=3, batch_size=8, samples=4,
+                                   temperature=1.0)
+  encoded = []
+  original = sampler_plan._encode_group_prefixes
+  counted = lambda *a, **k: encoded.append(a[1].shape) or original(*a, **k)
+  counted.lower = original.lower  # a compile ahead is not a call
+  monkeypatch.setattr(sampler_plan, "_encode_group_prefixes", counted)
+  grouped = play()
+  # one prefix per problem (2 a call), each problem's own: not one shared by every row
+  assert len(encoded) >= 2 and {shape[0] for shape in encoded} == {2}, encoded
+  monkeypatch.setattr(sampler_plan, "group_prefixes", lambda *a, **k: None)
+  plain = play()
+  assert len(grouped) == len(plain) == 12
+  for a, b in zip(grouped, plain):
+    assert a.task == b.task and [t.reply for t in a.turns] == [t.reply for t in b.turns]
+    for x, y in zip(a.sequences, b.sequences):
+      np.testing.assert_array_equal(x.tokens, y.tokens)
+      np.testing.assert_allclose(x.behaviour_logprobs, y.behaviour_logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("graph", ["dag", "orchestrator"])
 def test_a_graph_team_is_evaluated_greedily_from_its_checkpoint(graph, tmp_path):
   """Every role greedy, and the orchestrator's routing turns too; a DAG is played as it is,
