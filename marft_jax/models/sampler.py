@@ -22,6 +22,8 @@ call whose busy rows share one adapter runs with it merged into a copy of float3
 (`merge_lora`), and a fresh prompt whose rows open with the same tokens (one agent's system
 prompt in the per-agent view) encodes them once (`share_prefix`). On SmolLM2 they took the
 per-agent team rollout of `bench/rollout.py` from 148 to 189 tokens/s (one run each, same host).
+A third, asked for by the caller, does the same within groups of rows (`prefix_groups`: the n
+samples of one problem in a sampled evaluation).
 
 `generate` plans a call on the host (`sampler_plan`: arguments checked, the fast path chosen,
 shapes bucketed), then runs the jitted loop below; one token is drawn by `token_sampling`.

@@ -464,7 +464,7 @@ def static_shapes(call: Call, route: Route, config: ModelConfig, cache: Optional
   ends = np.where(call.mask.any(axis=1),
                   call.mask.shape[1] - np.argmax(call.mask[:, ::-1], axis=1), 0)
   used = int(np.max(np.maximum(ends - starts, 0), initial=0))  # the chunk's real columns
-  used = max(used, (prompt_width or 0) - int(starts.min(initial=0)))
+  used = max(used, (prompt_width or 0) - (int(starts.min()) if starts.size else 0))
   greedy = bool(np.all(call.temperature <= 0))
   longest = int(call.max_new.max(initial=0))
   batch = call.tokens.shape[0]

@@ -258,3 +258,22 @@ def test_prefix_groups_of_the_wrong_shape_are_refused(params):
   with pytest.raises(ValueError, match="prefix_groups"):
     sampler.generate(params, tokens, CONFIG, prompt_lens=lens, max_new_tokens=2,
                      rng=jax.random.key(0), prefix_groups=[0, 0, 0])
+
+
+def test_the_chunk_after_a_prefix_is_bucketed_from_the_bound_less_that_prefix(params):
+  """`prompt_width` bounds the whole prompt; the chunk the loop encodes is what follows the
+  prefix encoded apart: P = bucket(bound − prefix) for one prefix of every row (16 columns of
+  the 18 shared), and bucket(bound − the shortest group prefix) for group prefixes."""
+  tokens, lens = _prompts([25, 19, 31])
+  call = sampler_plan.checked(tokens, CONFIG, 4, lens, None, None, None, None, 1.0, None, None,
+                              [1], None, None, None)
+  bound = 66
+  for share, groups, prefix in [(False, None, 0), (True, None, 16),
+                                (False, np.array([0, 0, 0]), PREFIX)]:
+    sampler_plan.forget_compiled_shapes()  # no reuse of a wider program compiled elsewhere
+    route = sampler_plan.route(params, CONFIG, call, None, None, None, False, share, groups)
+    assert route.prefix_length == prefix
+    shapes, _ = sampler_plan.static_shapes(call, route, CONFIG, None, cache_size=None,
+                                           prompt_width=bound, new_tokens=None, rows=None)
+    assert shapes.prompt == sampler_plan.prompt_bucket(bound - prefix), (share, groups)
+  sampler_plan.forget_compiled_shapes()
