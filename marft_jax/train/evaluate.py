@@ -28,10 +28,10 @@ do (the sampler draws one key per call for all its rows), greedy ones only throu
 rounding. A problem's samples encode the prompt tokens they share once (`RolloutConfig`'s
 `share_group_prompts`). `summarize_samples` adds, per graded role, pass@k for each k asked
 (the unbiased estimator of Chen et al. 2021, `pass_at_k`, averaged over problems), and
-`decoding` states how the replies were drawn: "greedy" or "n=<n> T=<T>". With n > 1, accuracy/<role> is the
-mean over all samples, and a math task (one whose final step names each graded role's
-extracted `prediction`) adds maj@<n>/<role>: the share of problems whose majority answer
-over their n samples is right (`majority_correct`).
+`decoding` states how the replies were drawn: "greedy" or "n=<n> T=<T>". With n > 1,
+accuracy/<role> is the mean over all samples, and a math task (one whose final step names
+each graded role's extracted `prediction`) adds maj@<n>/<role>: the share of problems whose
+majority answer over their n samples is right (`majority_correct`).
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
