@@ -410,22 +410,28 @@ REUSE_FACTOR = 2
 
 
 class _CompiledShapes:
-  """The (P, S) pairs each call signature has run with, so that a call reuses the narrowest
-  that fits (within `REUSE_FACTOR` of its own buckets) instead of compiling a narrower
-  program: once a run has seen its longest prompts, shorter ones compile nothing."""
+  """The (P, S) pairs each call signature has run with, so that a call can reuse the
+  narrowest that fits (within `REUSE_FACTOR` of its own buckets) instead of compiling a
+  narrower program: calls with group prefixes do (`choose`'s `prefer_seen`); the others
+  take their own shapes, and `claim` keeps compile-ahead from compiling one twice."""
 
   def __init__(self):
     self._seen: dict = {}
 
-  def choose(self, key, prompt: int, room: int, slots: int, *, start: int, kept: bool
-             ) -> tuple[int, int, bool]:
+  def choose(self, key, prompt: int, room: int, slots: int, *, start: int, kept: bool,
+             prefer_seen: bool = False) -> tuple[int, int, bool]:
     """(P, S, whether new) for a call that wants `prompt` columns and `slots` slots, and
     writes from slot `start` the P columns and `room` new tokens; `kept`: S is an existing
-    cache's size."""
+    cache's size. `prefer_seen`: a compiled (P, S) that fits, when there is one, before the
+    call's own. Without it the call's own (P, S), the narrowest that fits, always wins, so a
+    narrower call compiles anew (noticed 28 Nov 2026; changing it changes the padding, and
+    so the rounding, of the trainer's rollouts: left for a change recorded in
+    `config_history.CHANGED`)."""
     fits = lambda p, s: (s == slots if kept else slots <= s <= REUSE_FACTOR * slots) and (
         prompt <= p <= REUSE_FACTOR * prompt and start + p + room <= s)
     seen = self._seen.setdefault(key, set())
-    choice = min((s, p) for p, s in seen | {(prompt, slots)} if fits(p, s))[::-1]
+    compiled = [(s, p) for p, s in seen if fits(p, s)]
+    choice = min(compiled if prefer_seen and compiled else compiled + [(slots, prompt)])[::-1]
     new = choice not in seen
     seen.add(choice)
     return choice + (new,)
@@ -489,9 +495,15 @@ def static_shapes(call: Call, route: Route, config: ModelConfig, cache: Optional
     if start + prompt + room > slots:  # grows to the next quarter octave
       slots = bucket(start + prompt + room, MIN_PROMPT_BUCKET, SLOT_BUCKETS_PER_OCTAVE)
       kept = False
-  key = (config, batch, num_new, call.top_k, greedy, cache is None, prefix, route.lora is None,
+  # Group prefixes vary with each call's tasks; the loop does not depend on where its chunk
+  # starts (the cache's index is an argument), so their calls share programs across prefix
+  # widths, a narrower prefix running in a wider one's slots. The one prefix of every row keeps
+  # its width in the key (its widths are few; the trainer's rollouts keep their shapes).
+  key = (config, batch, num_new, call.top_k, greedy, cache is None,
+         prefix if route.groups is None else "groups", route.lora is None,
          call.top_p is None, call.prompt_adapter_ids is None, call.stop_ids.shape[1])
-  prompt, slots, new = _COMPILED.choose(key, prompt, room, slots, start=start, kept=kept)
+  prompt, slots, new = _COMPILED.choose(key, prompt, room, slots, start=start, kept=kept,
+                                        prefer_seen=route.groups is not None)
   shapes = Shapes(batch, prompt, num_new, slots, prefix, greedy)
   ahead = []
   if compile_ahead and new and cache is None and rows is None:  # the next bucket up, now

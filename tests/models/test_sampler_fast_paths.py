@@ -277,3 +277,25 @@ def test_the_chunk_after_a_prefix_is_bucketed_from_the_bound_less_that_prefix(pa
                                            prompt_width=bound, new_tokens=None, rows=None)
     assert shapes.prompt == sampler_plan.prompt_bucket(bound - prefix), (share, groups)
   sampler_plan.forget_compiled_shapes()
+
+
+def test_calls_with_narrower_group_prefixes_reuse_the_compiled_loop(fast_params):
+  """A sampled evaluation's calls hold other problems, so other group-prefix widths: a call
+  whose groups share 20 tokens after one whose groups shared 40 runs in the loop program
+  compiled for the first (only its prefix encoder compiles), and samples as the plain path."""
+  from marft_jax import compile_stats  # noqa: PLC0415
+  programs = lambda stats: sum(name == "jit(_generate)" for name in stats.names)
+  counter = compile_stats.CompileCounter()
+  compiled = []
+  for head in (40, 20):
+    tokens, lens = _grouped_prompts([0, 0, 1, 1], {0: head, 1: head}, [2, 3, 1, 2], seed=head)
+    # top_k 7: a call signature no other test of this process compiles
+    gen = lambda **kw: sampler.generate(fast_params, tokens, FAST, prompt_lens=lens,
+                                        max_new_tokens=5, rng=jax.random.key(1), top_k=7,
+                                        temperature=1.0, eos_ids=[1], prompt_width=head + 4,
+                                        **kw)
+    grouped = gen(prefix_groups=np.array([0, 0, 1, 1]))
+    compiled.append(programs(counter.delta()))
+    _assert_same(grouped, gen(share_prefix=False))
+    counter.delta()
+  assert compiled == [1, 0], compiled
