@@ -156,6 +156,14 @@ def _merged(params: Params, lora: Adapters, layout) -> Params:
   return merge_adapter(params, lora, 0, layout)
 
 
+def _common_prefix(tokens: np.ndarray, mask: np.ndarray) -> int:
+  """The leading columns real and identical in every row of `tokens` [R, P], leaving each row
+  at least one real token after (a row samples from its last one)."""
+  same = np.all(mask, axis=0) & np.all(tokens == tokens[:1], axis=0)
+  first_differing = int(np.argmin(np.append(same, False)))
+  return min(first_differing, int(mask.sum(axis=1).min()) - 1)
+
+
 def _shared_prefix_length(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray) -> int:
   """How many leading columns every busy row holds, real and identical, leaving each of them
   at least one real token after (the row samples from its last one), rounded down to a
@@ -163,10 +171,7 @@ def _shared_prefix_length(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray
   tasks share): 0 for fewer than 2 busy rows or fewer than `MIN_SHARED_PREFIX` columns."""
   if busy.sum() < 2:
     return 0
-  t, m = tokens[busy], mask[busy]
-  same = np.all(m, axis=0) & np.all(t == t[:1], axis=0)
-  length = int(np.argmin(np.append(same, False)))  # the first column that differs
-  length = min(length, int(m.sum(axis=1).min()) - 1)
+  length = _common_prefix(tokens[busy], mask[busy])
   length -= length % MIN_PROMPT_BUCKET  # a whole bucket: its width does not vary with the data
   return length if length >= MIN_SHARED_PREFIX else 0
 
@@ -231,9 +236,7 @@ def group_prefixes(tokens: np.ndarray, mask: np.ndarray, busy: np.ndarray,
     rows = np.nonzero(busy & (groups == g))[0]
     if len(rows) < 2 or np.unique(adapter_ids[rows]).size > 1:
       continue
-    t, m = tokens[rows], mask[rows]
-    same = np.all(m, axis=0) & np.all(t == t[:1], axis=0)
-    length = min(int(np.argmin(np.append(same, False))), int(m.sum(axis=1).min()) - 1)
+    length = _common_prefix(tokens[rows], mask[rows])
     if length < MIN_SHARED_PREFIX:
       continue
     starts[rows], row_group[rows] = length, len(heads)
