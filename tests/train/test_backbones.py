@@ -275,7 +275,9 @@ def test_a_team_on_one_declared_backbone_trains_bit_for_bit_as_before(tmp_path):
   assert declared.used_backbones == ("solo",)
   after = _digest(str(tmp_path / "b"), loop.train(declared, str(tmp_path / "b"),
                                                   model={"solo": model}, progress=False))
-  assert before == after == MAIN_DIGEST
+  assert before == after
+  if jax.default_backend() == "cpu":  # MAIN_DIGEST was recorded on XLA:CPU
+    assert after == MAIN_DIGEST
 
 
 def _on_one_backbone(config, **backbone):

@@ -90,6 +90,7 @@ def run_update(dtype: str, batch=None, epochs=1, policy=None, **loss_keys):
   return new_state, {k: float(v) for k, v in metrics.items()}, extras
 
 
+@pytest.mark.xla_cpu_numbers  # the gap's size: 0.2 nats here on CPU, other kernels differ
 @pytest.mark.parametrize("level", ["token", "action"])
 def test_bfloat16_gap_is_reported_and_the_corrected_first_ratio_is_bounded(level):
   _, off, extras = run_update("bfloat16", policy_level=level, behaviour_correction="off")
