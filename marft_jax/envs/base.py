@@ -73,5 +73,12 @@ class Environment(abc.ABC):
   def step(self, actions: Mapping[str, str]) -> Step:
     """Takes {role: reply text} for this env step."""
 
+  @property
+  def step_concurrency(self) -> int:
+    """How many environments of its kind may run `step` at once from several threads (they
+    share a grader or sandbox that bounds them): 1, one at a time, unless a subclass that is
+    thread-safe says more (`code_env.CodeEnv`: its sandbox's programs ÷ one step's)."""
+    return 1
+
   def close(self) -> None:
     """Frees worker processes or files; the default has none."""

@@ -383,6 +383,9 @@ class CodeEnv(Environment):
     `Limits(wall_s=test_timeout_s)`, stopped by `close()`.
   drop_sandbox_errors: raise `SandboxFailure` (the episode is dropped) instead of scoring
     a test the sandbox could not run as 0.
+  test_parallel: one step's tests at once (at most the sandbox's `max_parallel`); with a
+    sandbox of P, `step_concurrency` = P // test_parallel envs may step at once, each as it
+    would alone (`EnvBatch.step_many`).
   shuffle_seed: selects the seeded problem order (`problem_for_seed`); shuffle: False for
     file order (seed s, problem s % n).
   """
@@ -391,12 +394,13 @@ class CodeEnv(Environment):
                graded_roles: Sequence[str] = ("coder",), max_tests: int = 10,
                test_timeout_s: float = 5.0, budget_s: float = 60.0,
                sandbox: Optional[Sandbox] = None, drop_sandbox_errors: bool = False,
-               shuffle_seed: int = 0, shuffle: bool = True):
+               shuffle_seed: int = 0, shuffle: bool = True, test_parallel: int = 2):
     self.graded_roles = tuple(graded_roles)
     if not self.graded_roles or not all(isinstance(r, str) for r in self.graded_roles):
       raise ValueError(f"graded_roles={graded_roles!r}: must be a non-empty list of role names")
-    if isinstance(max_tests, bool) or not isinstance(max_tests, int) or max_tests < 1:
-      raise ValueError(f"max_tests={max_tests!r}: must be an int >= 1")
+    for key, value in (("max_tests", max_tests), ("test_parallel", test_parallel)):
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}={value!r}: must be an int >= 1")
     for key, value in (("test_timeout_s", test_timeout_s), ("budget_s", budget_s)):
       if not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(f"{key}={value!r}: must be a positive number of seconds")
@@ -410,7 +414,12 @@ class CodeEnv(Environment):
     self.shuffle = shuffle
     self._owns_sandbox = sandbox is None
     self.sandbox = Sandbox(Limits(wall_s=test_timeout_s)) if sandbox is None else sandbox
+    self.test_parallel = min(test_parallel, self.sandbox.max_parallel)
     self.problem: Optional[CodeProblem] = None
+
+  @property
+  def step_concurrency(self) -> int:
+    return max(1, self.sandbox.max_parallel // self.test_parallel)
 
   def reset(self, seed: int) -> Observation:
     self.problem = problem_for_seed(self.problems, seed, self.shuffle_seed, self.shuffle)
@@ -427,7 +436,8 @@ class CodeEnv(Environment):
     self.problem = None  # one env step per episode
     code = {r: extract_code(actions[r]) for r in self.graded_roles}
     jobs = [_job(problem, code[r], t) for r in self.graded_roles for t in tests]
-    results = self.sandbox.run_many(jobs, timeout_s=self.test_timeout_s, budget_s=self.budget_s)
+    results = self.sandbox.run_many(jobs, timeout_s=self.test_timeout_s, budget_s=self.budget_s,
+                                    parallel=self.test_parallel)
     verdicts = {r: [verdict(problem, t, results[i * len(tests) + j])
                     for j, t in enumerate(tests)] for i, r in enumerate(self.graded_roles)}
     failed = [res.detail for res in results if res.status == Status.SANDBOX_ERROR]

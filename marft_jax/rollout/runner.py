@@ -298,18 +298,18 @@ class _Runner:
         break
       schedules = {i: Schedule(self.structure, self.agents.team) for i in live}
       self._play_env_step(env_step, schedules, observations, history)
+      stepping = {}  # env -> the roles' replies of this env step
       for i in live:
+        if self.episodes[i].dropped is None:
+          replies = schedules[i].replies
+          history[i].append(replies)
+          actions = {p.role: "" for p in self.agents.team}
+          for agent, text in replies:  # each role's last reply of this env step
+            if agent < len(self.agents.team):
+              actions[self.agents.team[agent].role] = text
+          stepping[i] = actions
+      for i, step in zip(stepping, self._step_envs(stepping)):
         episode = self.episodes[i]
-        if episode.dropped is not None:
-          continue
-        replies = schedules[i].replies
-        history[i].append(replies)
-        actions = {p.role: "" for p in self.agents.team}
-        for agent, text in replies:  # each role's last reply of this env step
-          if agent < len(self.agents.team):
-            actions[self.agents.team[agent].role] = text
-        step = self._env_call(episode,
-                              lambda i=self.first + i, a=actions: self.envs.step(i, a))
         if step is None:
           continue
         episode.rewards.append([float(step.rewards.get(p.role, 0.0)) for p in self.agents.team])
@@ -336,6 +336,22 @@ class _Runner:
   def _anywhere(self, flag: bool) -> bool:
     """`flag` on any process (every process runs a turn while any has one to run)."""
     return flag if self.layout is None else multihost.any_process(flag)
+
+  def _step_envs(self, stepping: dict) -> list:
+    """Each env's `Step` for its actions (`stepping`: env -> actions), stepped together
+    (`EnvBatch.step_many`: a code task's tests run for several envs at once); an env that
+    raised has its episode dropped (counted) and None."""
+    start = time.perf_counter()
+    results = self.envs.step_many([(self.first + i, a) for i, a in stepping.items()])
+    self.metrics["env_s"] += time.perf_counter() - start
+    steps = []
+    for i, result in zip(stepping, results):
+      if isinstance(result, Exception):
+        self.episodes[i].dropped = f"env_error: {type(result).__name__}: {result}"
+        self.metrics["env_error"] += 1
+        result = None
+      steps.append(result)
+    return steps
 
   def _env_call(self, episode: Episode, fn):
     """Runs an environment method; an exception drops the episode (counted) and returns None."""

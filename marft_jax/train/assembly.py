@@ -168,8 +168,9 @@ def read_task_data(config: TrainConfig) -> None:
 
 
 # A code env step's tests share a budget of this many tests' wall-clock limits (a step runs
-# up to 10 tests per graded role, two at a time).
+# up to 10 tests per graded role, `TEST_PARALLEL` at a time).
 BUDGET_TESTS = 12
+TEST_PARALLEL = 2
 
 
 def build_sandbox(settings):
@@ -178,7 +179,7 @@ def build_sandbox(settings):
   from marft_jax.envs import sandbox
   limits = sandbox.Limits(wall_s=settings.wall_s, memory_mb=settings.memory_mb,
                           processes=settings.processes, file_mb=settings.file_mb)
-  return sandbox.Sandbox(limits, mode=settings.mode)
+  return sandbox.Sandbox(limits, mode=settings.mode, max_parallel=settings.parallel)
 
 
 def check_sandbox(settings) -> None:
@@ -292,7 +293,8 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
     num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)
     make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
                                       test_timeout_s=task.sandbox.wall_s,
-                                      budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False)
+                                      budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False,
+                                      test_parallel=TEST_PARALLEL)
   else:
     from marft_jax.envs import arithmetic, problems as problems_lib
     from marft_jax.envs.math_env import MathEnv

@@ -112,11 +112,16 @@ class SandboxSection:
   memory_mb: int = 1024  # address space of each of the program's processes (RLIMIT_AS), MiB
   processes: int = 4  # processes or threads the program may add to itself (RLIMIT_NPROC)
   file_mb: int = 16  # the largest file the program may write (RLIMIT_FSIZE), MiB
+  # Programs run at once, over all environments: one env step runs its tests 2 at a time,
+  # and parallel // 2 envs step at once (2: one env after another). A host with more cores
+  # grades faster with more: the tests' results are the same, unless the cores are too few
+  # for them and a wall-clock limit is reached.
+  parallel: int = 2
 
   def __post_init__(self):
     _one_of("mode", self.mode, SANDBOX_MODES)
     check_positive("wall_s", self.wall_s)
-    for key in ("memory_mb", "processes", "file_mb"):
+    for key in ("memory_mb", "processes", "file_mb", "parallel"):
       check_int(key, getattr(self, key), 1)
 
 

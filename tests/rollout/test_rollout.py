@@ -8,6 +8,7 @@ every turn (the shared stream's KV-cache continuation).
 """
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +244,32 @@ def test_env_order_is_seeded_and_failures_are_counted(model):
   assert result.metrics["env_error"] == 1
   assert result.episodes[1].dropped.startswith("env_error: RuntimeError: grader crashed")
   assert result.episodes[0].dropped is None and result.episodes[0].rewards
+
+
+def test_envs_that_may_step_together_are_stepped_together(model):
+  """A batch whose envs allow 3 steps at once (as a code task's do, sharing a sandbox) has
+  them stepped from 3 threads: each env's step waits at a barrier of 3, which one-by-one
+  stepping would break (every episode dropped). Their rewards are the echo env's own, in env
+  order, as if stepped one by one."""
+  barrier = threading.Barrier(E, timeout=20)
+
+  class Together(envs.EchoEnv):
+    step_concurrency = E
+
+    def step(self, actions):
+      barrier.wait()
+      return super().step(actions)
+
+  together = rollout_lib.rollout(envs.EnvBatch(lambda i: Together(graded=["actor"]), E, seed=2),
+                                 _team(), None, model["fast"], model["config"],
+                                 model["tokenizer"], jax.random.key(0), lora=model["lora"])
+  alone = rollout_lib.rollout(envs.EnvBatch(lambda i: envs.EchoEnv(graded=["actor"]), E,
+                                            seed=2),
+                              _team(), None, model["fast"], model["config"],
+                              model["tokenizer"], jax.random.key(0), lora=model["lora"])
+  assert together.metrics["env_error"] == 0, [e.dropped for e in together.episodes]
+  assert [e.rewards for e in together.episodes] == [e.rewards for e in alone.episodes]
+  assert [e.infos for e in together.episodes] == [e.infos for e in alone.episodes]
 
 
 def test_transcripts_are_one_readable_line_per_episode(model, tmp_path):

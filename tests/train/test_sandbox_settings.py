@@ -11,6 +11,7 @@ Mutants these tests kill (each applied and seen failing): `assembly.build_envs` 
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -22,7 +23,8 @@ from tests.envs.test_sandbox import bwrap_works
 
 # A valid value other than the default, per key. Generated over the section's fields below, so
 # a key added later without an entry here fails `test_every_key_is_refused_on_tasks_that_run_no_program`.
-CHANGED = {"mode": "plain", "wall_s": 2.0, "memory_mb": 512, "processes": 2, "file_mb": 4}
+CHANGED = {"mode": "plain", "wall_s": 2.0, "memory_mb": 512, "processes": 2, "file_mb": 4,
+           "parallel": 4}
 # key: (the value a program exceeds, one it fits in, the program, its verdict when exceeded).
 # Each program prints 1, the expected output, when it runs to its end.
 LIMITED = {
@@ -91,6 +93,35 @@ def test_bwrap_mode_without_bubblewrap_is_refused_before_the_model_loads(problem
   assembly.read_task_data(_config(problems, mode="auto"))  # "auto" takes what works
 
 
+@pytest.mark.parametrize("parallel, together", [(2, 1), (3, 1), (4, 2), (6, 3)])
+def test_parallel_is_how_many_programs_run_at_once(problems, parallel, together):
+  """`parallel` programs at once: one env step's tests 2 at a time, parallel // 2 envs
+  stepping together. Each of 3 envs' program sleeps 1 s: stepped together they end in about
+  ceil(3 / together) seconds, one by one in 3 or more; every test still passes."""
+  config = _config(problems, parallel=parallel)
+  team, _ = assembly.build_team(config)
+  envs = assembly.build_envs(config, team, seed=0, num_envs=3)
+  try:
+    assert envs.envs[0].sandbox.max_parallel == parallel
+    assert envs.step_concurrency == together
+    reply = "```python\nimport time\ntime.sleep(1.0)\nprint(1)\n```"
+    for i in range(3):
+      envs.reset(i)
+    envs.step_many([(0, {p.role: reply for p in team})])  # the sandbox's probe, untimed
+    for i in range(3):
+      envs.reset(i)
+    start = time.monotonic()
+    steps = envs.step_many([(i, {p.role: reply for p in team}) for i in range(3)])
+    took = time.monotonic() - start
+  finally:
+    envs.close()
+  assert [s.info["verdicts"]["coder"] for s in steps] == [["passed"]] * 3, steps
+  rounds = -(-3 // together)
+  assert took >= rounds * 1.0  # a sleep cannot end early
+  if together > 1:
+    assert took < 3.0, took  # one by one would take 3 s of sleeps alone
+
+
 @pytest.mark.parametrize("task", [t for t in config_lib.TASKS
                                   if t not in config_lib.SANDBOX_TASKS])
 def test_every_key_is_refused_on_tasks_that_run_no_program(task):
@@ -112,7 +143,7 @@ def test_every_key_is_refused_on_tasks_that_run_no_program(task):
 
 
 @pytest.mark.parametrize("key, value", [("mode", "docker"), ("wall_s", 0.0), ("memory_mb", 0),
-                                        ("processes", 1.5), ("file_mb", -1)])
+                                        ("processes", 1.5), ("file_mb", -1), ("parallel", 0)])
 def test_bad_values_are_refused_by_name(key, value):
   with pytest.raises(ValueError, match=rf"^{key}={value!r}"):
     SandboxSection(**{key: value})

@@ -69,10 +69,16 @@ class Sandbox:
     return self._run(Job(source, function=function, args=tuple(args)), timeout_s)
 
   def run_many(self, jobs: Sequence[Job], *, timeout_s: Optional[float] = None,
-               budget_s: Optional[float] = None) -> list[Result]:
-    """Runs `jobs` in parallel (at most `max_parallel` at once), each within `timeout_s`;
-    a job that cannot start before `budget_s` (from this call) is over is a TIMEOUT, and
-    each job's wall limit is cut to what is left of the budget."""
+               budget_s: Optional[float] = None, parallel: Optional[int] = None
+               ) -> list[Result]:
+    """Runs `jobs` in parallel, each within `timeout_s`; a job that cannot start before
+    `budget_s` (from this call) is over is a TIMEOUT, and each job's wall limit is cut to
+    what is left of the budget. `parallel`: this call's jobs at once (default and at most
+    `max_parallel`, the sandbox's own bound over all calls): calls from several threads, each
+    with `parallel` ≤ max_parallel / threads, run as each would alone."""
+    if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int)
+                                 or parallel < 1):
+      raise ValueError(f"run_many parallel={parallel!r}: must be a positive int")
     deadline = None if budget_s is None else time.monotonic() + budget_s
 
     def one(job):
@@ -83,6 +89,9 @@ class Sandbox:
         return Result(Status.TIMEOUT, detail=f"the {budget_s:g}s budget was spent")
       return self._run(job, left if timeout_s is None else min(left, timeout_s))
 
+    if parallel is not None and parallel < min(self.max_parallel, len(jobs)):
+      with concurrent.futures.ThreadPoolExecutor(parallel, "sandbox-call") as own:
+        return list(own.map(one, jobs))
     with self._lock:
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_parallel, "sandbox")
