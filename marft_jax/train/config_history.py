@@ -177,6 +177,8 @@ ADDED: tuple[Added, ...] = (
           "and the padding changes the f32 rounding of the real tokens' activations)"),
     Added("critic.backbone", "", "fdc6a02", "2026-11-28 13:38",
           "the critic lived on the roles' first backbone (a split team's could not be shared)"),
+    Added("task.sandbox.parallel", 2, "a131ce0", "2026-11-28 19:59",
+          "the sandbox ran 2 programs at once, and the rollout stepped its envs one by one"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
