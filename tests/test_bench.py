@@ -23,6 +23,10 @@ EXPECTED = {
                         # --ceiling: the dense passes' rates at the run's minibatch shape
                         "dense_fwd_bwd_fraction", "dense_fwd_fraction",
                         "update_useful_ceiling", "update_useful_ceiling_padded"],
+    "bench.humaneval": ["humaneval_problems", "humaneval_canonical_passed",
+                        "humaneval_none_passed", "humaneval_s_per_job",
+                        "grading_s_per_episode_parallel_2", "grading_s_per_episode_parallel_4",
+                        "grading_speedup"],
     "bench.lora": ["multi_adapter_cost_ratio_2_agents", "multi_adapter_cost_ratio_4_agents",
                    "ratio_routed4_vs_single_median"],
     "bench.passk": ["passk_problems", "passk_samples", "passk_eval_batch",
