@@ -347,11 +347,14 @@ class _Runner:
     steps = []
     for i, result in zip(stepping, results):
       if isinstance(result, Exception):
-        self.episodes[i].dropped = f"env_error: {type(result).__name__}: {result}"
-        self.metrics["env_error"] += 1
+        self._drop_for_env_error(self.episodes[i], result)
         result = None
       steps.append(result)
     return steps
+
+  def _drop_for_env_error(self, episode: Episode, error: Exception) -> None:
+    episode.dropped = f"env_error: {type(error).__name__}: {error}"
+    self.metrics["env_error"] += 1
 
   def _env_call(self, episode: Episode, fn):
     """Runs an environment method; an exception drops the episode (counted) and returns None."""
@@ -359,8 +362,7 @@ class _Runner:
     try:
       return fn()
     except Exception as e:  # an environment's failure must not stop the run
-      episode.dropped = f"env_error: {type(e).__name__}: {e}"
-      self.metrics["env_error"] += 1
+      self._drop_for_env_error(episode, e)
       return None
     finally:
       self.metrics["env_s"] += time.perf_counter() - start
