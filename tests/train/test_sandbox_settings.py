@@ -96,30 +96,28 @@ def test_bwrap_mode_without_bubblewrap_is_refused_before_the_model_loads(problem
 @pytest.mark.parametrize("parallel, together", [(2, 1), (3, 1), (4, 2), (6, 3)])
 def test_parallel_is_how_many_programs_run_at_once(problems, parallel, together):
   """`parallel` programs at once: one env step's tests 2 at a time, parallel // 2 envs
-  stepping together. Each of 3 envs' program sleeps 1 s: stepped together they end in about
-  ceil(3 / together) seconds, one by one in 3 or more; every test still passes."""
+  stepping together. Each of 4 envs' program sleeps 1.5 s: stepped together they take
+  ceil(4 / together) rounds of it (and their start-up), one by one 6 s or more; every test
+  still passes."""
   config = _config(problems, parallel=parallel)
   team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0, num_envs=3)
+  envs = assembly.build_envs(config, team, seed=0, num_envs=4)
   try:
     assert envs.envs[0].sandbox.max_parallel == parallel
     assert envs.step_concurrency == together
-    reply = "```python\nimport time\ntime.sleep(1.0)\nprint(1)\n```"
-    for i in range(3):
-      envs.reset(i)
-    envs.step_many([(0, {p.role: reply for p in team})])  # the sandbox's probe, untimed
-    for i in range(3):
+    envs.envs[0].sandbox.plan  # pylint: disable=pointless-statement  (its probe, untimed)
+    reply = {p.role: "```python\nimport time\ntime.sleep(1.5)\nprint(1)\n```" for p in team}
+    for i in range(4):
       envs.reset(i)
     start = time.monotonic()
-    steps = envs.step_many([(i, {p.role: reply for p in team}) for i in range(3)])
+    steps = envs.step_many([(i, reply) for i in range(4)])
     took = time.monotonic() - start
   finally:
     envs.close()
-  assert [s.info["verdicts"]["coder"] for s in steps] == [["passed"]] * 3, steps
-  rounds = -(-3 // together)
-  assert took >= rounds * 1.0  # a sleep cannot end early
+  assert [s.info["verdicts"]["coder"] for s in steps] == [["passed"]] * 4, steps
+  assert took >= -(-4 // together) * 1.5  # a sleep cannot end early
   if together > 1:
-    assert took < 3.0, took  # one by one would take 3 s of sleeps alone
+    assert took < 6.0, took  # one by one, the sleeps alone take 6 s
 
 
 @pytest.mark.parametrize("task", [t for t in config_lib.TASKS
