@@ -7,6 +7,7 @@ start mark, on its command line (`_leftovers`).
 """
 
 import ast
+import concurrent.futures
 import dataclasses
 import functools
 import glob
@@ -318,6 +319,29 @@ def test_run_many_runs_in_parallel(box):
   assert [r.status for r in results] == [Status.OK] * 4
   intervals = [tuple(map(float, r.stdout.split())) for r in results]
   assert _most_at_once(intervals) == box.max_parallel == 2
+
+
+_TIMED = Job("import time\nstart = time.time()\ntime.sleep(1.5)\nprint(start, time.time())")
+
+
+def _intervals(results):
+  assert [r.status for r in results] == [Status.OK] * len(results), results
+  return [tuple(map(float, r.stdout.split())) for r in results]
+
+
+def test_run_many_parallel_bounds_one_call_and_calls_share_the_sandbox(box):
+  """`parallel=k`: at most k of the call's jobs at once; two calls of 2 from two threads on a
+  sandbox of 4 each run 2 at once, and the sandbox 4 (as each call would alone)."""
+  four = _sandbox(box.mode, max_parallel=4)
+  assert _most_at_once(_intervals(four.run_many([_TIMED] * 4, parallel=1))) == 1
+  assert _most_at_once(_intervals(four.run_many([_TIMED] * 4, parallel=2))) == 2
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    calls = list(pool.map(lambda _: _intervals(four.run_many([_TIMED] * 2, parallel=2)),
+                          range(2)))
+  assert [_most_at_once(c) for c in calls] == [2, 2]
+  assert _most_at_once(calls[0] + calls[1]) == 4
+  with pytest.raises(ValueError, match=r"run_many parallel=0: must be a positive int"):
+    four.run_many([_TIMED], parallel=0)
 
 
 def test_run_many_budget_bounds_the_batch(box):
