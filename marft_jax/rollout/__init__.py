@@ -8,7 +8,7 @@
 """
 
 from marft_jax.rollout.episode import ActionSpan, Episode, TokenSequence, Turn
-from marft_jax.rollout.runner import (CONTEXT_MODES, Backbone, RolloutConfig, RolloutResult,
-                                     check_reply_budgets, reply_budgets, rollout,
+from marft_jax.rollout.runner import (CONTEXT_MODES, Backbone, RolloutCancelled, RolloutConfig,
+                                     RolloutResult, check_reply_budgets, reply_budgets, rollout,
                                      rollout_backbones)
 from marft_jax.rollout.transcripts import episode_record, write_transcripts

@@ -21,6 +21,11 @@ sit out, until no process has anything left. The episodes come back per process;
 and `RolloutResult.all_episodes` (the transcript records, without token sequences) are
 gathered from every process, so they equal a single-process rollout's.
 
+`cancel` (a `threading.Event`; one process): set by another thread, it stops the rollout
+before its next sampler call or env step with `RolloutCancelled`; the episodes played so far
+are dropped with it (the asynchronous trainer's sampler thread, stopped on Ctrl-C, replays
+them on resume).
+
 A turn whose prompt plus max new tokens would pass `max_context` positions ends its episode
 cleanly (`Episode.dropped = "context_overflow"`, counted in the metrics); so does an
 environment that raises (`"env_error: ..."`). The run goes on.
@@ -40,6 +45,7 @@ longest possible episode); its growth still follows the replies' lengths.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any, Optional, Sequence, Union
 
@@ -57,6 +63,10 @@ from marft_jax.rollout import context
 from marft_jax.rollout.episode import Episode, TokenSequence, Turn
 
 CONTEXT_MODES = ("per_agent", "shared_stream")
+
+
+class RolloutCancelled(Exception):
+  """A rollout stopped by its `cancel` event, between two sampler calls or env steps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +171,8 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
             structure: Union[AgentGraph, Orchestrator, None], params: Any, model_config: ModelConfig,
             tokenizer, rng: jax.Array, *, lora: Optional[Adapters] = None,
             config: RolloutConfig = RolloutConfig(), policy_version: int = 0,
-            rows: Optional[multihost.ProcessRows] = None) -> RolloutResult:
+            rows: Optional[multihost.ProcessRows] = None,
+            cancel: Optional[threading.Event] = None) -> RolloutResult:
   """Plays one episode in every environment of `envs`; returns the records and metrics.
 
   Args:
@@ -176,13 +187,18 @@ def rollout(envs: EnvBatch, team: Sequence[AgentProfile],
     policy_version: recorded on every episode (the learner's version that sampled it).
     rows: a multi-process job's row layout: this process plays `envs.owned` only (see the
       module docstring). Every process must call `rollout` with the same arguments otherwise.
+    cancel: once set, the rollout raises `RolloutCancelled` before its next sampler call or
+      env step (one process only: the processes' calls are collectives).
   """
   structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
   agents = _Agents(team, structure)
   check_team(team, None if lora is None else lora.num_adapters)
   config = _checked(agents, structure, config, model_config)
+  if cancel is not None and rows is not None:
+    raise ValueError("cancel: one process only (every process must make the same sampler "
+                     "calls, and one process's event would stop only its own)")
   runner = _Runner(envs, agents, structure, [Backbone(params, model_config, tokenizer, lora)],
-                   rng, config, policy_version, rows)
+                   rng, config, policy_version, rows, cancel=cancel)
   return runner.run()
 
 
@@ -190,7 +206,8 @@ def rollout_backbones(envs: EnvBatch, team: Sequence[AgentProfile],
                       structure: Union[AgentGraph, None], backbones: Sequence[Backbone],
                       agent_backbone: Sequence[int], adapter_local: Sequence[int],
                       rng: jax.Array, *, config: RolloutConfig = RolloutConfig(),
-                      policy_version: int = 0) -> RolloutResult:
+                      policy_version: int = 0,
+                      cancel: Optional[threading.Event] = None) -> RolloutResult:
   """`rollout` of a team whose agents run on different base models (issue 41).
 
   Text is the interface between backbones: each turn's prompt is built as text from what the
@@ -203,6 +220,7 @@ def rollout_backbones(envs: EnvBatch, team: Sequence[AgentProfile],
   Args:
     backbones: the base models; `agent_backbone[agent]` indexes it for each agent id.
     adapter_local: each team-wide adapter id's index in its backbone's stacked adapters.
+    cancel: as `rollout`'s.
   """
   structure = AgentGraph.chain([p.role for p in team]) if structure is None else structure
   agents = _Agents(team, structure)
@@ -217,7 +235,8 @@ def rollout_backbones(envs: EnvBatch, team: Sequence[AgentProfile],
                  key=lambda c: c.max_position_embeddings)
   config = _checked(agents, structure, config, smallest)
   runner = _Runner(envs, agents, structure, list(backbones), rng, config, policy_version,
-                   agent_backbone=tuple(agent_backbone), adapter_local=tuple(adapter_local))
+                   agent_backbone=tuple(agent_backbone), adapter_local=tuple(adapter_local),
+                   cancel=cancel)
   return runner.run()
 
 
@@ -249,8 +268,9 @@ class _Runner:
   there (`adapter_local`, default: its own)."""
 
   def __init__(self, envs, agents, structure, backbones, rng, config, policy_version,
-               rows=None, agent_backbone=None, adapter_local=None):
+               rows=None, agent_backbone=None, adapter_local=None, cancel=None):
     self.envs, self.agents, self.structure = envs, agents, structure
+    self.cancel = cancel
     self.backbones = backbones
     self.agent_backbone = agent_backbone or (0,) * len(agents.profiles)
     self.adapter_local = adapter_local
@@ -342,6 +362,7 @@ class _Runner:
     (`EnvBatch.step_many`: a code task's tests run for several envs at once); an env that
     raised has its episode dropped (counted) and None."""
     start = time.perf_counter()
+    self._stop_if_cancelled()
     results = self.envs.step_many([(self.first + i, a) for i, a in stepping.items()])
     self.metrics["env_s"] += time.perf_counter() - start
     steps = []
@@ -351,6 +372,10 @@ class _Runner:
         result = None
       steps.append(result)
     return steps
+
+  def _stop_if_cancelled(self) -> None:
+    if self.cancel is not None and self.cancel.is_set():
+      raise RolloutCancelled(f"rollout cancelled after {self.calls} sampler calls")
 
   def _drop_for_env_error(self, episode: Episode, error: Exception) -> None:
     episode.dropped = f"env_error: {type(error).__name__}: {error}"
@@ -406,6 +431,7 @@ class _Runner:
 
     Returns ((tokens [B, N], logprobs [B, N], lengths [B]) of this process's rows, the new
     cache), or None (no call) when no row of any process samples."""
+    self._stop_if_cancelled()
     weights = self.backbones[backbone]
     rows = len(prompts)
     width = max([len(p) for p in prompts if p] + [1])

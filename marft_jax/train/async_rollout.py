@@ -25,7 +25,9 @@ iteration k at most η iterations before the learner takes it (η + 1 rollouts h
 η versions behind the learner's are kept (adapters only, megabytes) and checkpointed beside
 each step (`AsyncRollouts.save_versions`), with the data cursor of the last trained
 iteration, not the sampler's: a resume replays the episodes that were in flight, and trains
-each iteration once.
+each iteration once. For the same reason a stop (Ctrl-C, SIGTERM, an error in the learner)
+cancels the rollout in flight at its next sampler call or env step (`rollout`'s `cancel`)
+rather than playing it out: its episodes would be replayed anyway.
 
 Several devices (`mesh.sampler_devices` = n > 0): the last n devices form the sampler's mesh
 (rows over them, weights replicated), the learner's mesh is the config's over the devices
@@ -46,6 +48,7 @@ import jax
 
 from marft_jax import lora as lora_lib
 from marft_jax import sharding
+from marft_jax.rollout import RolloutCancelled
 
 
 def resolve_loss(loss, max_staleness: int):
@@ -115,13 +118,16 @@ class Produced:
 class AsyncRollouts:
   """The sampler thread and the policy versions it reads (see the module docstring).
 
-  `play(iteration, policy, version) -> (RolloutResult, shaped metrics)` plays one iteration's
-  episodes; `envs` are the environments it advances (their cursor is recorded after each);
+  `play(iteration, policy, version, cancel) -> (RolloutResult, shaped metrics)` plays one
+  iteration's episodes, and stops with `rollout.RolloutCancelled` once the `threading.Event`
+  `cancel` is set; `envs` are the environments it advances (their cursor is recorded after each);
   `scope()` a context for the thread (the mesh and matmul precision are thread-local in JAX);
   `place(policy)` copies a version to the sampler's devices. Iterations `start` to `end − 1`
   are played; `versions` holds the versions the first of them need (`initial_versions`);
   `saved`: the `Checkpointer` of the versions behind each checkpoint (`versions_dir`).
-  Use it as a context manager: leaving it stops the thread (after its current rollout).
+  Use it as a context manager: leaving it stops the thread, cancelling the rollout in flight
+  at its next sampler call or env step (its episodes were never to be trained: the
+  checkpoint's cursor is the last trained iteration's, so a resume replays them).
   """
 
   def __init__(self, play: Callable, envs, max_staleness: int, start: int, end: int,
@@ -135,6 +141,7 @@ class AsyncRollouts:
     self._cursors: dict[int, dict] = {}  # iteration -> cursor after its rollout
     self._error: Optional[BaseException] = None
     self._stop = False
+    self._cancel = threading.Event()  # set with _stop: the rollout in flight stops too
     self._changed = threading.Condition()
     self._thread = threading.Thread(target=self._run, name="marft-sampler", daemon=True)
 
@@ -145,6 +152,7 @@ class AsyncRollouts:
   def __exit__(self, *exc_info) -> None:
     with self._changed:
       self._stop = True
+      self._cancel.set()
       self._changed.notify_all()
     self._thread.join()
 
@@ -162,7 +170,7 @@ class AsyncRollouts:
               return
             policy = self._versions[version]
           began = time.perf_counter()
-          result, shaped = self._play(k, policy, version)
+          result, shaped = self._play(k, policy, version, self._cancel)
           done = time.perf_counter()
           produced = Produced(result, shaped, _copy_cursor(self._envs.state_dict()), version,
                               done - began, began - waited)
@@ -170,6 +178,8 @@ class AsyncRollouts:
             self._produced[k] = produced
             self._drop_versions_below(rollout_version(k + 1, self._eta), self._versions)
             self._changed.notify_all()
+    except RolloutCancelled:
+      return  # only __exit__ cancels: nobody takes this iteration
     except BaseException as e:  # the learner re-raises it (`take`)
       with self._changed:
         self._error = e

@@ -182,25 +182,25 @@ def new_states(config: TrainConfig, models: Mapping[str, assembly.Model]
 
 def play(policies: Mapping[str, Any], rng, version: int, *, envs, team, structure,
          weights: Mapping[str, tuple], models: Mapping[str, assembly.Model], split: Split,
-         settings):
+         settings, cancel=None):
   """One rollout of the team (`rollout_backbones`), each backbone with its adapters
-  (`policies`: {backbone: adapters}, policy version `version`)."""
+  (`policies`: {backbone: adapters}, policy version `version`; `cancel`: `rollout`'s)."""
   return player(models, policies, team, structure, split, weights)(envs, rng, settings,
-                                                                   version)
+                                                                   version, cancel)
 
 
 def player(models: Mapping[str, assembly.Model], policies, team, structure, split: Split,
            weights: Mapping[str, tuple]):
-  """`fn(envs, rng, settings, policy_version=0)`: one rollout of `team` on its backbones
-  (sampler weights `weights`: `assembly.rollout_model`'s) with `policies` ({backbone:
-  adapters}; None: every agent the base)."""
+  """`fn(envs, rng, settings, policy_version=0, cancel=None)`: one rollout of `team` on its
+  backbones (sampler weights `weights`: `assembly.rollout_model`'s) with `policies`
+  ({backbone: adapters}; None: every agent the base)."""
   backbones = [Backbone(*weights[name], models[name].tokenizer,
                         None if policies is None else policies[name]) for name in split.names]
 
-  def play_all(envs, rng, settings, policy_version=0):
+  def play_all(envs, rng, settings, policy_version=0, cancel=None):
     return rollout_backbones(envs, team, structure, backbones, split.agent_backbone,
                              split.adapter_local, rng, config=settings,
-                             policy_version=policy_version)
+                             policy_version=policy_version, cancel=cancel)
   return play_all
 
 

@@ -271,13 +271,13 @@ def _policy(state):
 
 
 def _play_and_shape(run: _Run, reward_fn, iteration: int, policy, version: int,
-                    weights=None) -> tuple:
+                    cancel=None, weights=None) -> tuple:
   """Iteration `iteration`'s episodes, played with adapters `policy` (version `version`) and
   the sampler's `weights` (None: `run.weights`), and their rewards shaped: (RolloutResult,
-  shaped metrics)."""
+  shaped metrics). `cancel`: the sampler thread's stop event (`rollout`'s)."""
   key = jax.random.fold_in(jax.random.key(run.config.seed), iteration)
   result = run.play(policy, jax.random.fold_in(key, 0), version,
-                    weights=run.weights if weights is None else weights)
+                    weights=run.weights if weights is None else weights, cancel=cancel)
   shaped = _shape_rewards(result.episodes, run.team, run.judge, reward_fn,
                           jax.random.fold_in(key, 2))
   return result, shaped
@@ -352,11 +352,12 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
   return run, state
 
 
-def _play(policy, rng, version, *, envs, team, structure, model, weights, settings, rows):
+def _play(policy, rng, version, *, envs, team, structure, model, weights, settings, rows,
+          cancel=None):
   """One rollout of the team through the sampler's copy of the base (`weights`), with the
-  adapters `policy` (policy version `version`)."""
+  adapters `policy` (policy version `version`); `cancel`: `rollout`'s."""
   return rollout(envs, team, structure, *weights, model.tokenizer, rng, lora=policy,
-                 config=settings, policy_version=version, rows=rows)
+                 config=settings, policy_version=version, rows=rows, cancel=cancel)
 
 
 def _export(checkpointer, step, state, *, config):

@@ -272,6 +272,51 @@ def test_envs_that_may_step_together_are_stepped_together(model):
   assert [e.infos for e in together.episodes] == [e.infos for e in alone.episodes]
 
 
+@pytest.mark.parametrize("context_mode", ["per_agent", "shared_stream"])
+@pytest.mark.parametrize("set_after", [1, 2])
+def test_a_cancelled_rollout_stops_before_its_next_sampler_call_or_env_step(
+    model, monkeypatch, context_mode, set_after):
+  """The event is set (as the trainer's sampler thread sets it on Ctrl-C) during the reasoner's
+  call (set_after 1) or the actor's (2): the rollout raises before the actor's call or before
+  the env step, and makes neither. Unset, the same rollout makes both calls and the step."""
+  cancel = threading.Event()
+  calls, steps = [], []
+  real_generate = sampler.generate
+
+  def generate(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == set_after:
+      cancel.set()
+    return real_generate(*args, **kwargs)
+
+  class Counted(envs.EchoEnv):
+    def step(self, actions):
+      steps.append(1)
+      return super().step(actions)
+
+  monkeypatch.setattr(sampler, "generate", generate)
+  play = lambda event: rollout_lib.rollout(
+      envs.EnvBatch(lambda i: Counted(graded=["actor"]), E), _team(), None, model["fast"],
+      model["config"], model["tokenizer"], jax.random.key(0), lora=model["lora"],
+      config=rollout_lib.RolloutConfig(context_mode=context_mode), cancel=event)
+  with pytest.raises(rollout_lib.RolloutCancelled, match=f"after {set_after} sampler calls"):
+    play(cancel)
+  assert (len(calls), len(steps)) == (set_after, 0)
+  calls.clear()
+  result = play(threading.Event())  # never set
+  assert (len(calls), len(steps)) == (2, E) and result.metrics["dropped"] == 0
+
+
+def test_cancel_is_refused_in_a_multi_process_layout(model):
+  from marft_jax import multihost, sharding
+  rows = multihost.ProcessRows(sharding.make_mesh(1, 1, 1))
+  with pytest.raises(ValueError, match="cancel: one process only"):
+    rollout_lib.rollout(envs.EnvBatch(lambda i: envs.EchoEnv(graded=["actor"]), E), _team(),
+                        None, model["fast"], model["config"], model["tokenizer"],
+                        jax.random.key(0), lora=model["lora"], rows=rows,
+                        cancel=threading.Event())
+
+
 def test_transcripts_are_one_readable_line_per_episode(model, tmp_path):
   import json
   result = _play(model, _team())

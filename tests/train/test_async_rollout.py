@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from marft_jax import rollout as rollout_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
 from marft_jax.train import async_rollout
@@ -56,7 +57,7 @@ def _drive(eta, start, end, delays, *, learner_check=None):
   ahead = []
   taken = [start]  # the next iteration the learner takes
 
-  def play(k, policy, version):
+  def play(k, policy, version, cancel):
     assert policy == version  # the adapters of the version it says
     ahead.append(k - taken[0])
     time.sleep(delays[k][0])
@@ -103,7 +104,7 @@ def test_a_fast_learner_does_not_make_the_samples_fresher():
 
 
 def test_a_failing_rollout_is_raised_in_the_learner_and_stops_the_thread():
-  def play(k, policy, version):
+  def play(k, policy, version, cancel):
     if k == 1:
       raise ZeroDivisionError("the environment broke")
     return k, {}
@@ -118,10 +119,36 @@ def test_a_failing_rollout_is_raised_in_the_learner_and_stops_the_thread():
 
 
 def test_leaving_early_stops_a_sampler_waiting_for_a_version():
-  rollouts = async_rollout.AsyncRollouts(lambda k, p, v: (k, {}), _Envs(), 1, 0, 5, {0: 0})
+  rollouts = async_rollout.AsyncRollouts(lambda k, p, v, c: (k, {}), _Envs(), 1, 0, 5, {0: 0})
   with rollouts:
     rollouts.take(0)  # iteration 2 waits for version 1, never published
   assert not rollouts._thread.is_alive()
+
+
+def test_leaving_cancels_the_rollout_in_flight_without_an_error():
+  """The rollout of iteration 1 plays until its `cancel` event is set (as `rollout` stops
+  between sampler calls): leaving sets it, and the thread ends at once, with no error to
+  raise; without the cancel, leaving would wait out the whole rollout (here 60 s)."""
+  started, stopped = threading.Event(), []
+
+  def play(k, policy, version, cancel):
+    if k == 0:
+      return k, {}
+    started.set()
+    for _ in range(6000):
+      if cancel.is_set():
+        stopped.append(k)
+        raise rollout_lib.RolloutCancelled("cancelled")
+      time.sleep(0.01)
+    return k, {}
+
+  rollouts = async_rollout.AsyncRollouts(play, _Envs(), 1, 0, 3, {0: 0})
+  began = time.perf_counter()
+  with rollouts:
+    rollouts.take(0)
+    assert started.wait(20)
+  assert time.perf_counter() - began < 20 and stopped == [1]
+  assert not rollouts._thread.is_alive() and rollouts._error is None
 
 
 # --- the config ---------------------------------------------------------------------------------
@@ -273,6 +300,63 @@ def test_kill_9_then_resume_trains_every_iteration_once_as_an_uninterrupted_run(
   assert [r["step"] for r in _metrics(workdir)][:2] == [0, 1]
   loop.train(_config(), workdir, model=model, progress=False)  # the same command again
   assert [r["step"] for r in _metrics(workdir)] == [0, 1, 2, 3]  # none twice
+  _assert_same_run(_config(), model, straight, workdir)
+
+
+def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninterrupted(
+    model, straight, tmp_path, monkeypatch):
+  """Ctrl-C (SIGINT) after iteration 1 of the η = 2 run, while the sampler thread is inside
+  iteration 3's first sampler call: the trainer checkpoints step 2 and returns; the rollout
+  in flight stops before its next sampler call (none is made, no env is stepped), instead of
+  playing out; the same command again trains iterations 2 and 3 once, equal to `straight`."""
+  from marft_jax.envs.batch import EnvBatch
+  from marft_jax.models import sampler
+  in_flight, engine, late = threading.Event(), [], []
+  real_generate, real_step_many = sampler.generate, EnvBatch.step_many
+  real_play, real_start = loop._play, loop._start_async
+  version = {}
+  sampler_thread = lambda: threading.current_thread().name == "marft-sampler"
+
+  def play(policy, rng, v, **kwargs):
+    version["now"] = v
+    return real_play(policy, rng, v, **kwargs)
+
+  def generate(*args, **kwargs):
+    if sampler_thread() and version["now"] == 1:  # iteration 3 samples version 1
+      if engine[0]._cancel.is_set():
+        late.append("sampler call")
+      elif not in_flight.is_set():
+        in_flight.set()  # the learner sends SIGINT now; hold the call until the cancel
+        deadline = time.monotonic() + 120
+        while not engine[0]._cancel.is_set() and time.monotonic() < deadline:
+          time.sleep(0.01)
+    return real_generate(*args, **kwargs)
+
+  def step_many(self, *args, **kwargs):
+    if sampler_thread() and version["now"] == 1:
+      late.append("env step")
+    return real_step_many(self, *args, **kwargs)
+
+  def interrupt(iteration, metrics):
+    if iteration == 1:
+      assert in_flight.wait(60)
+      os.kill(os.getpid(), signal.SIGINT)
+
+  monkeypatch.setattr(loop, "_play", play)
+  monkeypatch.setattr(loop, "_start_async",
+                      lambda *a, **k: engine.append(real_start(*a, **k)) or engine[0])
+  monkeypatch.setattr(sampler, "generate", generate)
+  monkeypatch.setattr(EnvBatch, "step_many", step_many)
+  workdir = str(tmp_path / "interrupted")
+  began = time.monotonic()
+  loop.train(_config(), workdir, model=model, progress=False, on_iteration=interrupt)
+  assert time.monotonic() - began < 90  # not the held call's 120 s: the cancel released it
+  assert late == [] and not engine[0]._thread.is_alive()
+  assert checkpoint_lib.saved_steps(workdir) == [2]
+  assert [r["step"] for r in _metrics(workdir)] == [0, 1]
+  monkeypatch.undo()
+  loop.train(_config(), workdir, model=model, progress=False)  # the same command again
+  assert [r["step"] for r in _metrics(workdir)] == [0, 1, 2, 3]
   _assert_same_run(_config(), model, straight, workdir)
 
 
