@@ -40,21 +40,30 @@ Prints `name=value` lines (accuracy overall and per graded role, pass@k per grad
 <workdir>/eval_transcripts.jsonl (eval_untuned_transcripts.jsonl); a sampled evaluation
 writes eval_n<n>_t<T>.json and its transcripts beside them (`results_name`), so it never
 overwrites the greedy one.
+
+A long evaluation loses nothing when stopped: each finished sampler call is kept in
+<workdir>/<results stem>.calls/ (`eval_progress`), the same command again reads them back and
+plays only the rest (the episodes an uninterrupted run plays), and the folder goes once the
+results are written. Other flags, config or checkpoint than the stopped run's are refused
+while the folder is there, naming it and what differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 from absl import flags
 
 from launch import cli
+from marft_jax.configs import to_config_dict
 from marft_jax.envs import splits
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import assembly
 from marft_jax.train import backbones
+from marft_jax.train import eval_progress
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, UnreadableCheckpointError
@@ -126,19 +135,30 @@ def main(config: TrainConfig) -> None:
                     else evaluate_lib.restore_policy(config, model, workdir))
   except (FileNotFoundError, CheckpointMismatchError, UnreadableCheckpointError) as e:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
-  episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
-                               batch_size=_EVAL_BATCH.value, progress=True, samples=_SAMPLES.value,
-                               temperature=_TEMPERATURE.value, trained=trained)
+  name = results_name(_UNTUNED.value, _SAMPLES.value, _TEMPERATURE.value)
+  calls_dir = os.path.join(workdir, f"{name}.calls")  # finished calls, until the results
+  calls_settings = {"config": to_config_dict(assembly.as_recorded(config)).to_dict(),
+                    "checkpoint_step": step, "untuned": _UNTUNED.value,
+                    "problems": _PROBLEMS.value, "eval_batch": _EVAL_BATCH.value,
+                    "trained": hashlib.sha256("\n".join(sorted(trained)).encode()).hexdigest()}
+  try:
+    episodes = evaluate_lib.play(config, model, policy, num_problems=_PROBLEMS.value,
+                                 batch_size=_EVAL_BATCH.value, progress=True,
+                                 samples=_SAMPLES.value, temperature=_TEMPERATURE.value,
+                                 trained=trained, calls_dir=calls_dir,
+                                 calls_settings=calls_settings)
+  except eval_progress.UnusableCalls as e:
+    raise SystemExit(f"error: {e}") from None
   results = evaluate_lib.summarize_samples(episodes, evaluate_lib.greedy_team(config)[0],
                                            _SAMPLES.value, _TEMPERATURE.value, ks)
   if config.task.name == "arithmetic":  # generated: draws replaced, not problems dropped
     dropped = trained_problems.replaced_draws(config, episodes, trained)
   results["checkpoint_step"] = step
   results["training_problems_dropped"] = dropped
-  name = results_name(_UNTUNED.value, _SAMPLES.value, _TEMPERATURE.value)
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:
     json.dump(results, f, indent=2)
   write_transcripts(os.path.join(workdir, f"{name}_transcripts.jsonl"), episodes)
+  eval_progress.CallLog(calls_dir, calls_settings).clear()  # the results hold them now
   for key, value in results.items():
     print(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
 

@@ -57,6 +57,7 @@ from marft_jax.envs.math_grading import FORMATTED, vote_key
 from marft_jax.rollout import rollout
 from marft_jax.train import assembly
 from marft_jax.train import backbones
+from marft_jax.train import eval_progress
 from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
                                         config_differences, under)
 from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
@@ -87,7 +88,8 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
          num_problems: Optional[int] = None, batch_size: int = 32,
          progress: bool = False, rollout_weights: Optional[tuple] = None,
          samples: int = 1, temperature: float = 0.0,
-         trained: Collection[str] = ()) -> list:
+         trained: Collection[str] = (), calls_dir: Optional[str] = None,
+         calls_settings: Optional[dict] = None) -> list:
   """The `Episode`s of `num_problems` (default `config.task.eval_problems`) held-out tasks,
   played by the config's team with `policy` (None: adapters off): greedily, or `samples`
   episodes per task at `temperature`, each task's decoded together in one group.
@@ -98,7 +100,10 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   smaller one).
   `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
   `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
-  of the held-out problems."""
+  of the held-out problems.
+  `calls_dir`: each finished call is kept there, and the calls found there are read back
+  instead of played again (`eval_progress.CallLog`; `calls_settings`: what else they depend
+  on, the policy and the config, beside this function's own arguments)."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
   if total < 1:
     raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
@@ -126,17 +131,32 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   # task in a later agent's): the same samples to f32 rounding, for less prefill.
   settings = dataclasses.replace(assembly.rollout_settings(config), share_group_prompts=True)
   episodes = []
+  calls, played_calls = None, 0
   bar = None
-  if progress:
-    from tqdm import tqdm
-    bar = tqdm(total=total, desc="evaluating", unit="ep")
   try:
+    if calls_dir is not None:
+      calls = eval_progress.CallLog(calls_dir, {
+          **(calls_settings or {}), "seed": config.seed, "episodes": total, "samples": samples,
+          "temperature": float(temperature), "envs_per_call": len(envs)})
+      for played, cursor in calls.played():
+        episodes += played
+        envs.load_state_dict(cursor)
+        played_calls += 1
+      if played_calls:
+        logging.info("%s: %d finished calls (%d episodes) read back; playing the rest",
+                     calls_dir, played_calls, len(episodes))
+    if progress:
+      from tqdm import tqdm
+      bar = tqdm(total=total, initial=len(episodes), desc="evaluating", unit="ep")
     with precision.scope(config.model.matmul_precision, config.run_dtype):
       key = jax.random.key(config.seed)
       while len(episodes) < total:
         result = play_all(envs, jax.random.fold_in(key, len(episodes)), settings)
         new = result.episodes[:total - len(episodes)]
         episodes += new
+        if calls is not None:
+          calls.record(played_calls, new, envs.state_dict())
+          played_calls += 1
         if bar is not None:
           bar.update(len(new))
   finally:

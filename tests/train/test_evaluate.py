@@ -390,6 +390,23 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   with open(os.path.join(workdir, "eval_n3_t0.05.json")) as f:
     assert json.load(f) == written
   assert _transcripts(workdir, "eval_n3_t0.05") == sampled
+  # The finished calls kept while it ran (eval_progress) went with the results written.
+  assert not [name for name in os.listdir(workdir) if name.endswith(".calls")]
+  # A folder of another evaluation's calls is refused in one line naming it, and kept.
+  stale = os.path.join(workdir, "eval.calls")
+  os.makedirs(stale)
+  with open(os.path.join(stale, "settings.json"), "w") as f:
+    json.dump({"checkpoint_step": 1}, f)
+  out = subprocess.run([sys.executable, "-m", "launch.eval", f"--workdir={workdir}", *on_file,
+                        f"--config.model.source={config.model.source}",
+                        "--config.team.max_new_tokens=4", "--config.team.last_max_new_tokens=4",
+                        "--config.rollout.max_context=256"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300, env=dict(os.environ, XLA_FLAGS=FAST_COMPILE))
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1].startswith(
+      f"error: {stale}: the finished calls of an evaluation with other settings "
+      "(checkpoint_step, config, envs_per_call,"), out.stderr[-2000:]
+  assert os.listdir(stale) == ["settings.json"]
 
 
 def _calls(out) -> list:
