@@ -509,6 +509,7 @@ class PreemptionFlag:
   def __init__(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)):
     self.signals = tuple(signals)
     self.requested = False
+    self.event = threading.Event()  # set with `requested`: what a rollout's `cancel` reads
     self.signal_received: Optional[int] = None
     self._previous: dict[int, Any] = {}
 
@@ -530,8 +531,10 @@ class PreemptionFlag:
     if signum == signal.SIGINT and self.requested:
       raise KeyboardInterrupt
     self.requested, self.signal_received = True, signum
-    logging.warning("Received %s: finishing this iteration, then checkpointing and exiting",
-                    signal.Signals(signum).name)
+    self.event.set()
+    logging.warning("Received %s: checkpointing and exiting at the next safe point (after "
+                    "an update in progress; a one-process rollout in progress stops at its "
+                    "next sampler call)", signal.Signals(signum).name)
 
 
 # --- helpers ---

@@ -8,7 +8,10 @@ minibatches) → metrics, transcripts, checkpoints.
 Resume: the checkpoint already in `workdir` always wins. It holds the adapters, the critic,
 both optimizer states and the step counter; its meta holds the iteration, the environments'
 data cursor and the config. Every PRNG key is `fold_in(seed, iteration)`, so a resumed run
-continues exactly as an uninterrupted one would. SIGTERM/SIGINT save and exit cleanly.
+continues exactly as an uninterrupted one would. SIGTERM/SIGINT save and exit cleanly: after
+the update in progress, or, from inside a rollout (one process), at its next sampler call,
+with the state and data cursor from before that iteration (its episodes are played again on
+resume), so a scheduler's grace period need not cover a whole rollout and update.
 
 Scale (`config.mesh`, docs/scaling.md): everything runs under one mesh. The base weights are
 split over fsdp/tensor, adapters and optimizer moments like their base kernels, the batch rows
@@ -47,7 +50,7 @@ from marft_jax import lora as lora_lib
 from marft_jax import compile_stats, multihost, sharding
 from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
-from marft_jax.rollout import reply_budgets, rollout, write_transcripts
+from marft_jax.rollout import RolloutCancelled, reply_budgets, rollout, write_transcripts
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
@@ -214,7 +217,20 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       shown.update(evaluated)
       t0 = time.perf_counter()
       if rollouts is None:
-        result, shaped = _play_and_shape(run, reward_fn, iteration, _policy(state), iteration)
+        # One process: a signal stops the rollout at its next sampler call, and the
+        # checkpoint takes the data cursor from before it (several processes play it out:
+        # their calls are collectives, and a signal reaches each at its own moment).
+        alone = jax.process_count() == 1
+        before = run.envs.state_dict() if alone else None
+        try:
+          result, shaped = _play_and_shape(run, reward_fn, iteration, _policy(state), iteration,
+                                           cancel=preempt.event if alone else None)
+        except RolloutCancelled:  # a signal: nothing of this iteration is kept
+          if iteration > start:  # else the checkpoint resumed from (or none) holds it all
+            _checkpoint(checkpointer, iteration, state, run, writer, workdir, cursor=before)
+          logging.warning("Stopping on a signal during iteration %d's rollout (checkpointed "
+                          "after iteration %d)", iteration, iteration - 1)
+          break
         staleness = {}
       else:
         result, shaped, staleness = rollouts.take(iteration)
@@ -553,11 +569,14 @@ def _per_row_adapters(batch, layout):
   return batch
 
 
-def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir, rollouts=None):
-  """`rollouts` (asynchronous runs): the data cursor is the last trained iteration's, and
+def _checkpoint(checkpointer, step, state, run: _Run, writer, workdir, rollouts=None,
+                cursor=None):
+  """`cursor`: the data cursor to save (default: the environments' now). `rollouts`
+  (asynchronous runs): the data cursor is the last trained iteration's, and
   the versions behind `step` are saved first (`AsyncRollouts.save_versions`)."""
   config = run.config
-  cursor = _env_cursor(run.envs) if rollouts is None else rollouts.cursor(step)
+  if cursor is None:
+    cursor = _env_cursor(run.envs) if rollouts is None else rollouts.cursor(step)
   if rollouts is not None:
     rollouts.save_versions(step)
   meta = {"iteration": step, "envs": cursor, "config": run.config_dict,
