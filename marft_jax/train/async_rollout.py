@@ -187,11 +187,17 @@ class AsyncRollouts:
 
   # --- the learner's side ---------------------------------------------------------------------
 
-  def take(self, iteration: int) -> tuple[Any, dict, dict]:
-    """(RolloutResult, shaped metrics, "async/" metrics) of `iteration`, waiting for it."""
+  def take(self, iteration: int, stop: Optional[threading.Event] = None
+           ) -> tuple[Any, dict, dict]:
+    """(RolloutResult, shaped metrics, "async/" metrics) of `iteration`, waiting for it;
+    `RolloutCancelled` if `stop` is set first (a signal handler sets it: polled, since a
+    handler cannot notify the condition)."""
     waited = time.perf_counter()
+    ready = lambda: iteration in self._produced or self._error is not None
     with self._changed:
-      self._changed.wait_for(lambda: iteration in self._produced or self._error is not None)
+      while not self._changed.wait_for(ready, timeout=None if stop is None else 0.2):
+        if stop.is_set():
+          raise RolloutCancelled(f"stopped while waiting for iteration {iteration}'s rollout")
       if iteration not in self._produced:
         raise RuntimeError(f"the sampler thread failed before iteration {iteration}'s "
                            "rollout") from self._error

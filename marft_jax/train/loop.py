@@ -216,24 +216,26 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       evaluated = run.heldout(_policy(state), iteration) if _eval_due(config, iteration) else {}
       shown.update(evaluated)
       t0 = time.perf_counter()
-      if rollouts is None:
-        # One process: a signal stops the rollout at its next sampler call, and the
-        # checkpoint takes the data cursor from before it (several processes play it out:
-        # their calls are collectives, and a signal reaches each at its own moment).
-        alone = jax.process_count() == 1
-        before = run.envs.state_dict() if alone else None
-        try:
+      # A signal inside this iteration's rollout (one process: several play it out, their
+      # calls being collectives that a signal reaches at different moments), or while the
+      # learner waits for an asynchronous one, stops it; the checkpoint is the last
+      # iteration's, with the data cursor from before this rollout.
+      alone = jax.process_count() == 1
+      before = run.envs.state_dict() if alone and rollouts is None else None
+      try:
+        if rollouts is None:
           result, shaped = _play_and_shape(run, reward_fn, iteration, _policy(state), iteration,
                                            cancel=preempt.event if alone else None)
-        except RolloutCancelled:  # a signal: nothing of this iteration is kept
-          if iteration > start:  # else the checkpoint resumed from (or none) holds it all
-            _checkpoint(checkpointer, iteration, state, run, writer, workdir, cursor=before)
-          logging.warning("Stopping on a signal during iteration %d's rollout (checkpointed "
-                          "after iteration %d)", iteration, iteration - 1)
-          break
-        staleness = {}
-      else:
-        result, shaped, staleness = rollouts.take(iteration)
+          staleness = {}
+        else:
+          result, shaped, staleness = rollouts.take(iteration, stop=preempt.event)
+      except RolloutCancelled:  # nothing of this iteration is kept
+        if iteration > start:  # else the checkpoint resumed from (or none) holds it all
+          _checkpoint(checkpointer, iteration, state, run, writer, workdir, rollouts,
+                      cursor=before)
+        logging.warning("Stopping on a signal during iteration %d's rollout (checkpointed "
+                        "after iteration %d)", iteration, iteration - 1)
+        break
       t1 = time.perf_counter()
       if multihost.is_primary():  # every process's episodes, in env order
         name = os.path.join("transcripts", f"iteration_{iteration:05d}.jsonl")

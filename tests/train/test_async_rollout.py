@@ -360,6 +360,57 @@ def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninter
   _assert_same_run(_config(), model, straight, workdir)
 
 
+def test_a_signal_while_the_learner_waits_for_its_batch_stops_at_once_and_resumes_exactly(
+    model, straight, tmp_path, monkeypatch):
+  """SIGTERM arrives while the learner waits in `take(3)` for the sampler's iteration 3, held
+  inside its first sampler call: the learner stops waiting, checkpoints step 3 (iterations
+  0-2, between the periodic ones at 2 and 4) and returns, and the sampler's rollout is
+  cancelled; the resume equals `straight`. Without the stop the learner would wait out the
+  held call (120 s) and train iteration 3."""
+  from marft_jax.models import sampler
+  waiting, engine, version = threading.Event(), [], {}
+  real_take = async_rollout.AsyncRollouts.take
+  real_generate, real_play, real_start = sampler.generate, loop._play, loop._start_async
+
+  def take(self, iteration, **kwargs):
+    if iteration == 3:
+      waiting.set()
+    return real_take(self, iteration, **kwargs)
+
+  def play(policy, rng, v, **kwargs):
+    version["now"] = v
+    return real_play(policy, rng, v, **kwargs)
+
+  def generate(*args, **kwargs):
+    if threading.current_thread().name == "marft-sampler" and version["now"] == 1 \
+        and not version.get("held"):  # iteration 3 samples version 1
+      version["held"] = True
+      assert waiting.wait(120)
+      time.sleep(0.3)  # the learner is inside take(3)'s wait
+      os.kill(os.getpid(), signal.SIGTERM)
+      deadline = time.monotonic() + 120
+      while not engine[0]._cancel.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return real_generate(*args, **kwargs)
+
+  monkeypatch.setattr(async_rollout.AsyncRollouts, "take", take)
+  monkeypatch.setattr(loop, "_play", play)
+  monkeypatch.setattr(loop, "_start_async",
+                      lambda *a, **k: engine.append(real_start(*a, **k)) or engine[0])
+  monkeypatch.setattr(sampler, "generate", generate)
+  workdir = str(tmp_path / "stopped")
+  began = time.monotonic()
+  loop.train(_config(), workdir, model=model, progress=False)
+  assert time.monotonic() - began < 90 and version["held"]
+  assert checkpoint_lib.saved_steps(workdir) == [2, 3]
+  assert [r["step"] for r in _metrics(workdir)] == [0, 1, 2]
+  assert not engine[0]._thread.is_alive()
+  monkeypatch.undo()
+  loop.train(_config(), workdir, model=model, progress=False)  # the same command again
+  assert [r["step"] for r in _metrics(workdir)] == [0, 1, 2, 3]
+  _assert_same_run(_config(), model, straight, workdir)
+
+
 def test_eta_1_learns_the_echo_task(model, tmp_path):
   """As the synchronous trainer does (tests/train/test_trainer.py): from chance to a 3-iteration
   mean reward >= 0.8, on stale samples (gap 1 from the second iteration)."""
