@@ -21,10 +21,10 @@ sit out, until no process has anything left. The episodes come back per process;
 and `RolloutResult.all_episodes` (the transcript records, without token sequences) are
 gathered from every process, so they equal a single-process rollout's.
 
-`cancel` (a `threading.Event`; one process): set by another thread, it stops the rollout
-before its next sampler call or env step with `RolloutCancelled`; the episodes played so far
-are dropped with it (the asynchronous trainer's sampler thread, stopped on Ctrl-C, replays
-them on resume).
+`cancel` (a `threading.Event`; one process): once set (by a signal handler, or by another
+thread), the rollout stops before its next sampler call or env step with `RolloutCancelled`,
+and the episodes played so far are dropped with it (the trainer, stopped by SIGTERM or Ctrl-C,
+checkpoints the iteration before, and a resume plays them again).
 
 A turn whose prompt plus max new tokens would pass `max_context` positions ends its episode
 cleanly (`Episode.dropped = "context_overflow"`, counted in the metrics); so does an

@@ -120,7 +120,8 @@ class AsyncRollouts:
 
   `play(iteration, policy, version, cancel) -> (RolloutResult, shaped metrics)` plays one
   iteration's episodes, and stops with `rollout.RolloutCancelled` once the `threading.Event`
-  `cancel` is set; `envs` are the environments it advances (their cursor is recorded after each);
+  `cancel` is set; `envs` are the environments it advances (their cursor is recorded after
+  each);
   `scope()` a context for the thread (the mesh and matmul precision are thread-local in JAX);
   `place(policy)` copies a version to the sampler's devices. Iterations `start` to `end − 1`
   are played; `versions` holds the versions the first of them need (`initial_versions`);

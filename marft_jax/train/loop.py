@@ -292,7 +292,8 @@ def _play_and_shape(run: _Run, reward_fn, iteration: int, policy, version: int,
                     cancel=None, weights=None) -> tuple:
   """Iteration `iteration`'s episodes, played with adapters `policy` (version `version`) and
   the sampler's `weights` (None: `run.weights`), and their rewards shaped: (RolloutResult,
-  shaped metrics). `cancel`: the sampler thread's stop event (`rollout`'s)."""
+  shaped metrics). `cancel`: `rollout`'s (the preemption flag's event, or the sampler
+  thread's)."""
   key = jax.random.fold_in(jax.random.key(run.config.seed), iteration)
   result = run.play(policy, jax.random.fold_in(key, 0), version,
                     weights=run.weights if weights is None else weights, cancel=cancel)
