@@ -143,8 +143,8 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
         envs.load_state_dict(cursor)
         played_calls += 1
       if played_calls:
-        logging.info("%s: %d finished calls (%d episodes) read back; playing the rest",
-                     calls_dir, played_calls, len(episodes))
+        logging.warning("%s: %d finished calls (%d episodes) read back; playing the rest",
+                        calls_dir, played_calls, len(episodes))
     if progress:
       from tqdm import tqdm
       bar = tqdm(total=total, initial=len(episodes), desc="evaluating", unit="ep")
