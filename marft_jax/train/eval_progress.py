@@ -9,7 +9,8 @@ nothing. `CallLog(folder, settings)` writes each finished call as one file,
                                turns and transcripts need none) and the environments' data
                                cursor after it
 
-each written to a temporary name and renamed, so a file is whole or absent. A second run
+each written to a temporary name and renamed (`metrics.write_atomically`), so a file is
+whole or absent. A second run
 with the same settings reads the calls back (`played`) and goes on from the next; its
 episodes are those the uninterrupted run plays, because every call's key is a function of
 the episodes before it and the environments resume at the saved cursor. A folder of other
@@ -26,6 +27,8 @@ import os
 import pickle
 import shutil
 from typing import Any
+
+from marft_jax.train.metrics import write_atomically
 
 _SETTINGS = "settings.json"
 
@@ -61,14 +64,14 @@ class CallLog:
     for index, name in enumerate(sorted(glob.glob(os.path.join(self.folder, "call_*.pkl")))):
       if os.path.basename(name) != _name(index):
         raise UnusableCalls(f"{name}: expected {_name(index)} (a call is missing before it); "
-                         f"remove {self.folder} to start afresh")
+                            f"remove {self.folder} to start afresh")
       try:
         with open(name, "rb") as f:
           record = pickle.load(f)
         calls.append((record["episodes"], record["cursor"]))
       except Exception as e:  # written by another version of the library, or damaged
         raise UnusableCalls(f"{name}: unreadable ({type(e).__name__}: {e}); remove "
-                         f"{self.folder} to start afresh") from e
+                            f"{self.folder} to start afresh") from e
     return calls
 
   def record(self, index: int, episodes: list, cursor: dict) -> None:
@@ -76,10 +79,11 @@ class CallLog:
     os.makedirs(self.folder, exist_ok=True)
     settings = os.path.join(self.folder, _SETTINGS)
     if not os.path.exists(settings):
-      _write(settings, json.dumps(self.settings, indent=2, sort_keys=True).encode())
+      text = json.dumps(self.settings, indent=2, sort_keys=True)
+      write_atomically(settings, lambda f: f.write(text), mode="w")
     light = [dataclasses.replace(e, sequences=[]) for e in episodes]
-    _write(os.path.join(self.folder, _name(index)),
-           pickle.dumps({"episodes": light, "cursor": cursor}))
+    write_atomically(os.path.join(self.folder, _name(index)),
+                     lambda f: pickle.dump({"episodes": light, "cursor": cursor}, f), mode="wb")
 
   def clear(self) -> None:
     shutil.rmtree(self.folder, ignore_errors=True)
@@ -88,11 +92,3 @@ class CallLog:
 def _name(index: int) -> str:
   return f"call_{index:05d}.pkl"
 
-
-def _write(path: str, data: bytes) -> None:
-  partial = f"{path}.tmp"
-  with open(partial, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(partial, path)

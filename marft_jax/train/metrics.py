@@ -105,7 +105,7 @@ class MetricWriter:
         kept = [json.dumps(r) + "\n" for r in read_metrics(path) if r.get("step", -1) < step]
         with writing(self.workdir, f"{os.path.basename(path)}, cut back to the steps before "
                      f"{step}"):
-          _write_atomically(path, lambda f, kept=kept: f.writelines(kept), mode="w")
+          write_atomically(path, lambda f, kept=kept: f.writelines(kept), mode="w")
     if reopen:
       self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
       self._texts = open(self.texts_path, "a", encoding="utf-8")
@@ -255,11 +255,11 @@ def _plot_series(ax, steps: np.ndarray, values: np.ndarray, smoothing: float,
 
 
 def _save_figure(fig, png_path: StrPath) -> None:
-  _write_atomically(os.fspath(png_path), lambda f: fig.savefig(f, format="png", dpi=100),
+  write_atomically(os.fspath(png_path), lambda f: fig.savefig(f, format="png", dpi=100),
                     mode="wb")
 
 
-def _write_atomically(path: str, write, mode: str) -> None:
+def write_atomically(path: str, write, mode: str) -> None:
   """Writes through `write(file)` into a sibling temporary file, then renames it over `path`."""
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)

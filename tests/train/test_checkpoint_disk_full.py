@@ -106,7 +106,7 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_is_bit_identical(tm
     _assert_one_line(failed.value, workdir, "the checkpoint of step 2", resume_step=1)
     assert saved_steps(workdir) == [1]
     # Still full: resuming cannot cut the metrics log back to step 1 (the traceback of the
-    # issue, in metrics.py's _write_atomically); the log is left as it was.
+    # issue, in metrics.py's write_atomically); the log is left as it was.
     before = open(os.path.join(workdir, "metrics.jsonl")).read()
     with pytest.raises(WorkdirWriteError) as full:
       MetricWriter(workdir, resume_step=1)

@@ -101,7 +101,8 @@ def test_calls_of_other_settings_or_unreadable_ones_are_refused_by_name(model, t
 
 def test_a_call_file_is_whole_or_absent(tmp_path, monkeypatch):
   """A crash while a call is written leaves the earlier file as it was and no partial one
-  under a call's name (`_write`: a temporary name, then a rename)."""
+  under a call's name (`metrics.write_atomically`: a temporary name, then a rename); a
+  temporary file a killed process left behind is not read as a call."""
   log = eval_progress.CallLog(str(tmp_path / "calls"), {"k": 1})
   episode = Episode(env_index=0, seed=3, task="What is 1?", policy_version=0, rewards=[[1.0]],
                     infos=[{"correct": {"actor": True}}])
@@ -111,7 +112,9 @@ def test_a_call_file_is_whole_or_absent(tmp_path, monkeypatch):
   with pytest.raises(OSError, match="killed"):  # the process dies before the rename
     log.record(1, [episode], {"episodes": [2]})
   monkeypatch.setattr(os, "replace", real_replace)
-  assert os.path.exists(os.path.join(log.folder, "call_00001.pkl.tmp"))
+  assert sorted(os.listdir(log.folder)) == ["call_00000.pkl", "settings.json"]
+  with open(os.path.join(log.folder, ".call_00001.pkl.tmp-0123abcd"), "wb") as f:
+    f.write(b"\x80\x04 cut short")  # what SIGKILL mid-write leaves
   played = log.played()
   assert len(played) == 1 and played[0][1] == {"episodes": [1]}
   assert played[0][0][0].task == episode.task and played[0][0][0].infos == episode.infos
