@@ -355,7 +355,7 @@ def _staleness_runs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  host_allocator.retain_freed_memory()  # as launch.train's --retain_host_memory default
+  host_allocator.retain_freed_memory()  # as `launch.train --retain_host_memory` (off there by default)
   tiny = _TINY.value
   iterations = max(_ITERATIONS.value, _WARMUP.value + 1)
   repeats = 1 if tiny else _REPEATS.value
