@@ -355,7 +355,8 @@ def _staleness_runs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  host_allocator.retain_freed_memory()  # as `launch.train --retain_host_memory` (off there by default)
+  # As `launch.train --retain_host_memory` (off there by default): a long run's allocator.
+  host_allocator.retain_freed_memory()
   tiny = _TINY.value
   iterations = max(_ITERATIONS.value, _WARMUP.value + 1)
   repeats = 1 if tiny else _REPEATS.value
