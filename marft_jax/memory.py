@@ -8,11 +8,18 @@
   kv_cache   one agent turn's KV cache: rows x slots, rows split over data x fsdp and kv
              heads over tensor. Agents take turns, so one turn's cache is alive at a time
              (a shared stream keeps one cache per episode that grows turn by turn)
+  sampler_params  the sampler's copy of the base in its decoding layout
+             (`assembly.rollout_model`: `model.rollout_layout` "auto" converts on CPU, GPU
+             and TPU alike), split as `params` is; 0 with `model.rollout_layout="training"`,
+             where the sampler reads the learner's weights
 
 A dimension that its mesh axes do not divide is replicated, as in `marft_jax.sharding`.
+With `mesh.sampler_devices` = n the learner's devices keep every line (their copy of the
+sampler's base serves the held-out evaluations) and the sampler's n devices hold another
+whole copy (replicated there, `async_rollout.place_weights`), the adapters' versions and a
+turn's cache: size those with data = n.
 Not modelled: the update's activations (one minibatch's forward and backward; set
-`model.remat` or raise `optimizer.minibatches` if they dominate), and the sampler's second copy
-of the base in the decoding layout (on CPU, GPU and TPU `layout.decoding()` unrolls the layers).
+`model.remat` or raise `optimizer.minibatches` if they dominate).
 tests/test_memory.py checks every line against the arrays a tiny run actually allocates.
 """
 
@@ -33,7 +40,8 @@ def _split(size: int, ways: int) -> int:
 def per_device_bytes(config: ModelConfig, *, data: int = 1, fsdp: int = 1, tensor: int = 1,
                      lora_rank: int, lora_targets: Sequence[str], num_adapters: int,
                      critic_hidden: Sequence[int] = (), critic_heads: int = 1,
-                     kv_rows: int = 0, kv_slots: int = 0) -> dict[str, int]:
+                     kv_rows: int = 0, kv_slots: int = 0,
+                     sampler_copy: bool = True) -> dict[str, int]:
   """Bytes per device of each part of a run (module docstring), and their "total".
 
   Args:
@@ -44,6 +52,8 @@ def per_device_bytes(config: ModelConfig, *, data: int = 1, fsdp: int = 1, tenso
       number of agents with one head each.
     kv_rows, kv_slots: one agent turn's cache: rows (environments x parallel agents) and
       slots (prompt + new tokens, bucketed).
+    sampler_copy: the sampler runs its own copy of the base (`model.rollout_layout` "auto"
+      or "decoding"); False for "training".
   """
   width = {"embed": fsdp, "heads": tensor, "kv_heads": tensor, "mlp": tensor, "vocab": tensor}
   sizes = {"embed": config.hidden_size, "heads": config.num_heads * config.head_dim,
@@ -76,6 +86,7 @@ def per_device_bytes(config: ModelConfig, *, data: int = 1, fsdp: int = 1, tenso
               np.dtype(config.dtype).itemsize + rows * kv_slots)  # keys, values; valid (bool)
 
   out = {"params": params, "adapters": adapters, "optimizer": 2 * adapters + 2 * critic,
-         "critic": critic, "kv_cache": kv_cache}
+         "critic": critic, "kv_cache": kv_cache,
+         "sampler_params": params if sampler_copy else 0}
   out["total"] = sum(out.values())
   return out
