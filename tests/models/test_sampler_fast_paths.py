@@ -187,7 +187,8 @@ def _grouped_prompts(draw_groups, heads, tails, seed):
   lens = np.array([(heads[g] + t if t else 0) for g, t in zip(draw_groups, tails)])
   tokens = rng.integers(0, V, (len(lens), max(lens.max(), 1)))
   for r, g in enumerate(draw_groups):
-    tokens[r, :heads[g]] = shared[g][:heads[g]]
+    n = min(heads[g], tokens.shape[1])  # a row that sits out may be narrower than its head
+    tokens[r, :n] = shared[g][:n]
   return tokens, lens
 
 
@@ -233,7 +234,7 @@ def test_two_groups_and_a_lone_row_sample_as_every_row_encoded(fast_params):
   np.testing.assert_array_equal(found.starts, [24, 24, 17, 17, 17, 0])
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(st.data())
 def test_rows_sharing_group_prefixes_sample_as_every_row_encoded(fast_params, data):
   """Any layout of groups (ids -1 to 2, rows idle or not, group heads of 0 to 30 tokens, each
