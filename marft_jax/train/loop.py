@@ -221,7 +221,7 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
       # learner waits for an asynchronous one, stops it; the checkpoint is the last
       # iteration's, with the data cursor from before this rollout.
       alone = jax.process_count() == 1
-      before = run.envs.state_dict() if alone and rollouts is None else None
+      before = _env_cursor(run.envs) if alone and rollouts is None else None
       try:
         if rollouts is None:
           result, shaped = _play_and_shape(run, reward_fn, iteration, _policy(state), iteration,

@@ -256,7 +256,7 @@ def _plot_series(ax, steps: np.ndarray, values: np.ndarray, smoothing: float,
 
 def _save_figure(fig, png_path: StrPath) -> None:
   write_atomically(os.fspath(png_path), lambda f: fig.savefig(f, format="png", dpi=100),
-                    mode="wb")
+                   mode="wb")
 
 
 def write_atomically(path: str, write, mode: str) -> None:
