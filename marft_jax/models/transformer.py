@@ -245,12 +245,20 @@ def _dense(x: jax.Array, p: dict, adapter: Optional[dict], call: _Call) -> jax.A
   """
   feature_major = call.config.layout.feature_major
   kernel = p["kernel"].astype(x.dtype)
+  in_f32 = adapter is not None and call.config.lora_update_f32 and x.dtype != jnp.float32
+  accumulate = jnp.float32 if in_f32 else None
   if feature_major:
-    y = kernel @ x
+    y = jnp.matmul(kernel, x, preferred_element_type=accumulate)
     bias = None if "bias" not in p else p["bias"].astype(x.dtype)[:, None]
   else:
-    y = jnp.einsum("btd,df->btf", x, kernel)
+    y = jnp.einsum("btd,df->btf", x, kernel, preferred_element_type=accumulate)
     bias = None if "bias" not in p else p["bias"].astype(x.dtype)[None, None, :]
+  if in_f32:
+    # What `lora.fused` computes: bf16 x and down factor, products accumulated in f32, the
+    # update added to the f32 output and rounded once, the bias after (ModelConfig).
+    rounded = dict(adapter, a=jnp.asarray(adapter["a"], x.dtype).astype(jnp.float32))
+    y = (y + call.lora_delta(x.astype(jnp.float32), rounded, call.adapter_ids)).astype(x.dtype)
+    return y if bias is None else y + bias
   if bias is not None:
     y = y + bias
   if adapter is not None:

@@ -93,12 +93,22 @@ def read_for_resume(saved: Mapping[str, Any], where: str,
 
 def resume_view(config: Mapping[str, Any]) -> dict:
   """A recorded config with its settings that mean the same behaviour written one way:
-  `model.matmul_precision` "auto" as the precision it resolves to for the model's dtype."""
+  `model.matmul_precision` "auto" as the precision it resolves to for the model's dtype;
+  `model.lora_update_f32` True where every backbone is f32 (it changes bf16 models only)."""
   config = copy.deepcopy(dict(config))
   model = config["model"] = dict(config["model"])
   model["matmul_precision"] = precision.resolve(model["matmul_precision"],
                                                 model["param_dtype"])
+  dtypes = [model["param_dtype"]] + [b["param_dtype"]
+                                     for b in _backbone_entries(model.get("backbones"))]
+  if "lora_update_f32" in model and all(d == "float32" for d in dtypes):
+    model["lora_update_f32"] = True
   return config
+
+
+def _backbone_entries(backbones) -> list:
+  """A recorded `model.backbones` ({name: section}, or () / None: none) as its sections."""
+  return list(backbones.values()) if isinstance(backbones, Mapping) else list(backbones or ())
 
 
 # Keys a resumed run may change (extend the run, re-shard it, evaluate more or less often);
@@ -341,11 +351,11 @@ def load(config: TrainConfig, backbone: Optional[str] = None) -> Model:
 def rollout_model(model: Model, config: TrainConfig, backbone: Optional[str] = None):
   """(params, model config) in `backbone`'s rollout_layout (default: the roles' first
   backbone's; model.rollout_layout for the main one): what the sampler runs (a copy of the
-  weights in the decoding layout on CPU; made once per run)."""
+  weights in the decoding layout on CPU; made once per run), with model.lora_update_f32."""
   choice = config.model.backbone(backbone or config.used_backbones[0]).rollout_layout
   layout = {"auto": layout_lib.decoding(), "decoding": layout_lib.DECODING,
             "training": layout_lib.TRAINING}[choice]
-  fast = model.config.replace(layout=layout)
+  fast = model.config.replace(layout=layout, lora_update_f32=config.model.lora_update_f32)
   return layout_lib.convert_params(model.params, model.config.layout, layout), fast
 
 

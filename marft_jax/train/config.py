@@ -83,10 +83,15 @@ class ModelSection:
   # "auto": f32 matmuls are exact f32 on every platform (not TF32 on NVIDIA), a bf16 model's
   # run at the platform's default; or "default", "high", "highest" (architecture/precision.py).
   matmul_precision: str = "auto"
+  # A bf16 model's LoRA layers add their adapters' update in f32 and round once, in the
+  # sampler as in the learner (`ModelConfig.lora_update_f32`); False rounds the sampler's
+  # LoRA update to bf16, as before 2026-11-29. Every backbone's; no effect in f32.
+  lora_update_f32: bool = True
 
   def __post_init__(self):
     _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
     precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
+    check_bool("lora_update_f32", self.lora_update_f32)
     _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
     object.__setattr__(self, "backbones", tuple(sorted(self.backbones, key=lambda b: b.name)))

@@ -66,7 +66,7 @@ from marft_jax.train.advantages import Blocks, compute_advantages, kl_rewards
 from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
-from marft_jax.train.config import TrainConfig, check_processes
+from marft_jax.train.config import ModelSection, TrainConfig, check_processes
 from marft_jax.train.metrics import MetricWriter, plot_learning_curves, read_metrics
 from marft_jax.train.update import TrainState, prepare
 from marft_jax.train.write_failures import writing
@@ -161,10 +161,13 @@ def _place_model(model: Model, mesh) -> Model:
       model.params, sharding.param_shardings(mesh, model.params)))
 
 
-def _with_remat(model: Model, remat: bool) -> Model:
-  """The learner's forward recomputes each layer in the backward pass (`Layout.remat`)."""
-  layout = dataclasses.replace(model.config.layout, remat=remat)
-  return dataclasses.replace(model, config=model.config.replace(layout=layout))
+def _learner_model(model: Model, section: ModelSection) -> Model:
+  """`model` with the model section's numerics: the learner's forward recomputes each layer
+  in the backward pass (`Layout.remat`), and its LoRA update's precision
+  (`lora_update_f32`, which the sampler's copy made from it keeps)."""
+  layout = dataclasses.replace(model.config.layout, remat=section.remat)
+  return dataclasses.replace(model, config=model.config.replace(
+      layout=layout, lora_update_f32=section.lora_update_f32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +336,7 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
   backbones: `_build_split`."""
   if isinstance(model, dict):
     return _build_split(config, mesh, model)
-  model = _with_remat(model, config.model.remat)
+  model = _learner_model(model, config.model)
   team, structure = assembly.build_team(config)
   rollout_weights = assembly.rollout_model(model, config)
   judge = assembly.build_judge(config, model, rollout_weights)
@@ -393,7 +396,7 @@ def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
   """`_build` of a team on several backbones (`train.backbones`; one process, no judge:
   `backbones.check_backbones`): one state, learner and sampler copy per backbone. The state
   is {backbone name: TrainState}."""
-  models = {name: _with_remat(m, config.model.remat) for name, m in models.items()}
+  models = {name: _learner_model(m, config.model) for name, m in models.items()}
   team, structure = assembly.build_team(config)
   split = backbones.split_team(config, team)
   policy_optimizer, critic_optimizer = assembly.optimizers(config)

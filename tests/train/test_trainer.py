@@ -283,10 +283,15 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
     loop.train(resumed, str(tmp_path / "third"), model=model, progress=False)
 
 
-def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path):
+def _bf16(model):
+  """The trainer tests' tiny base with its weights and compute in bfloat16."""
   bf16_config = model.config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-  bf16 = assembly.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
-                    bf16_config, model.tokenizer)
+  return assembly.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
+                        bf16_config, model.tokenizer)
+
+
+def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path):
+  bf16 = _bf16(model)
   train_config = _echo_config("marft_a", num_envs=8, iterations=1)
   state, _ = _final_state(train_config, bf16, _trained(train_config, bf16, tmp_path))
   for tree in (state.policy, state.policy_opt, state.critic, state.critic_opt):
@@ -295,6 +300,41 @@ def test_adapters_and_optimizer_state_stay_f32_over_a_bf16_base(model, tmp_path)
     assert floats and all(d == np.float32 for d in floats), floats
   row = _metrics(tmp_path)[0]
   assert np.isfinite(row["loss"]) and row["entropy"] > 0, row
+
+
+def test_model_lora_update_f32_reaches_the_sampler_and_the_learner(model, tmp_path,
+                                                                   monkeypatch):
+  """model.lora_update_f32 is what every routed LoRA layer computes with: the sampler's
+  (decoding layout), the learner's (routed under LoRA dropout) and a held-out evaluation's
+  (`evaluate` on a base loaded with the default). What the setting does to the numbers
+  (bf16 only): tests/train/test_update_behaviour.py::test_the_samplers_lora_update_in_f32_
+  narrows_the_bfloat16_gap. Set to False, a value no forward had before this run (its
+  compiles are new, so each is traced here), in bf16 (an f32 sampler folds a call's one
+  adapter into its weights, `merge_lora`, and routes nothing)."""
+  from marft_jax.lora.config import LoraConfig
+  from marft_jax.models import layout as layout_lib, transformer
+  from marft_jax.train import evaluate
+  seen, dense = set(), transformer._dense
+
+  def recording(x, p, adapter, call):
+    if adapter is not None:
+      seen.add((call.config.layout, call.config.lora_update_f32))
+    return dense(x, p, adapter, call)
+
+  monkeypatch.setattr(transformer, "_dense", recording)
+  bf16 = _bf16(model)
+  config = _echo_config("marft_a", num_envs=4, iterations=1,
+                        lora=LoraConfig(rank=8, alpha=16.0, dropout_rate=0.1),
+                        model=config_lib.ModelSection(param_dtype="bfloat16",
+                                                      lora_update_f32=False))
+  loop.train(config, str(tmp_path), model=bf16, progress=False)
+  learner = dataclasses.replace(layout_lib.TRAINING, remat=config.model.remat)
+  assert seen == {(layout_lib.decoding(), False), (learner, False)}, seen
+  seen.clear()
+  state, _ = _final_state(config, bf16, tmp_path)
+  evaluate.evaluate(config, bf16, state.policy, num_problems=2)
+  assert bf16.config.lora_update_f32  # the base as loaded: the run's config decides
+  assert {flag for _, flag in seen} <= {False}, seen  # (traced again only if it differed)
 
 
 def test_heldout_evaluation_during_training_is_evaluate_of_that_steps_policy(model, tmp_path):
