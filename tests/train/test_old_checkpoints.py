@@ -37,15 +37,17 @@ FIXTURES = make.HERE
 # ("auto" turns it on for bf16; its precision "auto" is the platform default, as it was).
 # Every f32 fixture predates loss.old_logp, whose "auto" reads π_old from the rollout in f32.
 # Every fixture predates optimizer.row_length_step (rows padded to 64 tokens, not 32: the
-# padding changes the f32 rounding).
+# padding changes the f32 rounding), and model.lora_update_f32, which changes the bf16 ones'
+# sampling (their LoRA update was rounded to bf16; f32 is the same either way).
 _ROWS = "optimizer.row_length_step"
+_BF16_LORA = "model.lora_update_f32"
 REFUSED = {"before_correction_f32": {"model.matmul_precision", "loss.old_logp",
                                      "advantage.jit_whitening", _ROWS},
            "before_correction_bf16": {"loss.behaviour_correction", "advantage.jit_whitening",
-                                      _ROWS},
+                                      _ROWS, _BF16_LORA},
            "roles_before_precision_f32": {"model.matmul_precision", "loss.old_logp",
                                           "advantage.jit_whitening", _ROWS},
-           "roles_before_precision_bf16": {"advantage.jit_whitening", _ROWS},
+           "roles_before_precision_bf16": {"advantage.jit_whitening", _ROWS, _BF16_LORA},
            "every_key_f32": {"loss.old_logp", _ROWS},
            # main just before rollout.max_staleness (resumed at its 0): only the rows
            "before_async_f32": {_ROWS},
