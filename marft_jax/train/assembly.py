@@ -124,7 +124,7 @@ EVAL_MUST_MATCH = ("model.source", "lora.rank", "lora.alpha", "lora.use_rslora",
 # values than the run trained with says which (`evaluate.restore_policy`), since the launch
 # takes its settings from the config file and flags, not from the checkpoint.
 EVAL_SHOWS_IF_CHANGED = ("task", "team", "rollout.context_mode", "rollout.max_context",
-                         "model.param_dtype", "model.matmul_precision")
+                         "model.param_dtype", "model.matmul_precision", "model.lora_update_f32")
 
 
 @dataclasses.dataclass

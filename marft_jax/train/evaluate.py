@@ -315,11 +315,13 @@ def restore_policy(config: TrainConfig, model, workdir: str):
 
 def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
   """"key: trained with X, now Y" for each key under `assembly.EVAL_SHOWS_IF_CHANGED` whose
-  value in `config` differs from the training run's (`trained`: its saved config). Left out:
-  sampling settings (temperature, top_p), since the evaluation plays greedily, and
-  `task.eval_problems`, the evaluation's own count, which training never read (its held-out
-  evaluation plays `eval_episodes`)."""
-  as_dict = lambda c: to_config_dict(_without_what_eval_ignores(assembly.as_recorded(c))).to_dict()
+  value in `config` differs from the training run's (`trained`: its saved config), both read
+  as a resume reads them (`assembly.resume_view`: a setting that cannot change this model's
+  numbers is no difference). Left out: sampling settings (temperature, top_p), since the
+  evaluation plays greedily, and `task.eval_problems`, the evaluation's own count, which
+  training never read (its held-out evaluation plays `eval_episodes`)."""
+  as_dict = lambda c: assembly.resume_view(to_config_dict(
+      _without_what_eval_ignores(assembly.as_recorded(c))).to_dict())
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
   return [f"{key}: trained with {brief(was)}, now {brief(now)}"
           for key, was, now in config_differences(as_dict(trained), as_dict(config))

@@ -284,6 +284,12 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
       "team.max_new_tokens: trained with 4, now 7"]  # not the temperature: played greedily
   assert evaluate_lib.changed_settings(config, grpo) == [  # the preset's, not the run's
       "rollout.max_context: trained with 256, now 0"]
+  # The bf16 LoRA update's rounding shapes a bf16 run's episodes only.
+  for dtype, shown in (("bfloat16", True), ("float32", False)):
+    old, new = (dataclasses.replace(config, model=dataclasses.replace(
+        config.model, param_dtype=dtype, lora_update_f32=v)) for v in (False, True))
+    assert evaluate_lib.changed_settings(old, new) == (
+        ["model.lora_update_f32: trained with False, now True"] if shown else []), dtype
   for evaluated in (elsewhere, grpo):  # another task, seed, sampling, algorithm and critic
     caplog.clear()
     with caplog.at_level(logging.WARNING):
