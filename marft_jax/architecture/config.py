@@ -72,10 +72,11 @@ class ModelConfig:
   compute_dtype: str = "float32"  # activations and matmuls; norms, softmax, logits stay f32.
   # Below f32 (bf16): a linear layer with a LoRA adapter accumulates its matmul in f32, adds
   # the adapter's update (x @ a in f32 from bf16 operands, then @ b in f32) in f32, and rounds
-  # the sum once, on every path: the training path's fused matmul (`lora.fused`) always has;
-  # this makes the routed path (the sampler's, and the learner's with LoRA dropout) do the
-  # same. False: the routed path rounds the factors, x @ a and the update to bf16 and adds
-  # them to a bf16 base output (the code before 2026-11-29). No effect in f32.
+  # the sum once, on every path: the token-major fused matmul (`lora.fused`) always has;
+  # this makes the routed path (feature-major layers: the CPU sampler's; the learner's under
+  # LoRA dropout; groups `fused.use_fused` leaves apart) do the same. False: the routed path
+  # rounds the factors, x @ a and the update to bf16 and adds them to a bf16 base output
+  # (the code before 2026-11-29). No effect in f32.
   lora_update_f32: bool = True
   # How params and KV cache are stored and the layers run (layout.py): the training layout by
   # default, `layout.decoding()` for generation. It never changes the maths.

@@ -83,9 +83,10 @@ class ModelSection:
   # "auto": f32 matmuls are exact f32 on every platform (not TF32 on NVIDIA), a bf16 model's
   # run at the platform's default; or "default", "high", "highest" (architecture/precision.py).
   matmul_precision: str = "auto"
-  # A bf16 model's LoRA layers add their adapters' update in f32 and round once, in the
-  # sampler as in the learner (`ModelConfig.lora_update_f32`); False rounds the sampler's
-  # LoRA update to bf16, as before 2026-11-29. Every backbone's; no effect in f32.
+  # A bf16 model's LoRA layers add their adapters' update in f32 and round once on every
+  # path, the CPU sampler's routed layers as the learner's fused ones
+  # (`ModelConfig.lora_update_f32`); False rounds the routed update to bf16, as before
+  # 2026-11-29. Every backbone's; no effect in f32.
   lora_update_f32: bool = True
 
   def __post_init__(self):
