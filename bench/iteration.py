@@ -96,6 +96,7 @@ rows could skip in the learner; the shipped team's rows start with different sys
     python -m bench.iteration --task=code --max_staleness=1   # sync vs async, code task
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
       python -m bench.iteration --max_staleness=1 --sampler_devices=2   # + the sub-mesh split
+    ... --num_layers=10                                    # SmolLM2's first 10 layers (memory)
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ _SAMPLER_DEVICES = flags.DEFINE_integer("sampler_devices", 0, "n > 0 (with --max
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "team.max_new_tokens (0: the config's)")
 _LAST_MAX_NEW = flags.DEFINE_integer("last_max_new_tokens", 0,
                                      "team.last_max_new_tokens (0: the config's)")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 0, "n > 0: SmolLM2 cut to its first n layers "
+                                   "(the base of a run too big for this host's memory at its "
+                                   "full depth, e.g. on 8 virtual devices); 0: all 30",
+                                   lower_bound=0)
 _CEILING = flags.DEFINE_bool("ceiling", False, "also time a bare forward + backward and a bare "
                              "forward over dense rows of the minibatch's shape: the "
                              "update_useful_ceiling figures")
@@ -174,11 +179,18 @@ def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
   return algorithms.resolve(dataclasses.replace(config, **changes))
 
 
-def load_model(tiny: bool, config: TrainConfig) -> assembly.Model:
+def load_model(tiny: bool, config: TrainConfig, num_layers: int = 0) -> assembly.Model:
+  """The run's base: the tiny test model, model.source as `launch.train` loads it, or that
+  cut to its first `num_layers` layers (> 0)."""
   if tiny:
     from marft_jax.models import tiny as tiny_lib
     return assembly.Model(*tiny_lib.tiny_model(max_position_embeddings=1024))
-  return assembly.load(config)
+  if not num_layers:
+    return assembly.load(config)
+  from marft_jax.models import loading
+  dtype = config.model.param_dtype
+  return assembly.Model(*loading.load_model(config.model.source, param_dtype=dtype,
+                                            compute_dtype=dtype, num_layers=num_layers))
 
 
 class Probe:
@@ -365,7 +377,7 @@ def main(argv):
   peak = matmul_peak(repeats, **probe)
   config = default_config(tiny, iterations, _OLD_LOGP.value, _NUM_ENVS.value,
                           _ROW_STEP.value, _TASK.value)
-  model = load_model(tiny, config)
+  model = load_model(tiny, config, _NUM_LAYERS.value)
   # The peak is measured again after the runs, the higher kept (another process may have
   # held a core during one measurement).
   runs = []
