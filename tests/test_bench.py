@@ -108,3 +108,23 @@ def test_iteration_counts_the_useful_flops_of_the_formula():
       mask=np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 0]], bool),
       row_episode=np.array([0, 0, 1])))
   assert flops.shared_prefix_tokens(batch) == (2, 10)
+
+
+def test_iteration_num_layers_cuts_the_base_it_loads():
+  """bench.iteration --num_layers=n: model.source's first n layers, the rest of the model
+  (width, vocabulary, tokenizer) as `launch.train` loads it; 0: every layer."""
+  import dataclasses
+  import jax
+  import numpy as np
+  from bench import iteration
+  from marft_jax.train.config import TrainConfig
+  from tests.fixtures.old_checkpoints import make  # a tiny model folder, tokenizer included
+  config = TrainConfig()
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                 source=make.MODEL))
+  full, cut = iteration.load_model(False, config), iteration.load_model(False, config, 1)
+  assert full.config.num_layers > 1 and cut.config == full.config.replace(num_layers=1)
+  for whole, first in zip(jax.tree.leaves(full.params["layers"]),
+                          jax.tree.leaves(cut.params["layers"])):
+    np.testing.assert_array_equal(np.asarray(whole)[:1], np.asarray(first))
+  np.testing.assert_array_equal(np.asarray(full.params["embed"]), np.asarray(cut.params["embed"]))
