@@ -35,10 +35,14 @@ LENS = np.array([9, 4, 7])
 
 
 def _adapters(config, num_adapters=2, rank=4):
+  """Factors normal(0, 0.1), scale 2: each adapter's update is about half its layer's base
+  output, so a wrong route moves the logits far beyond the tolerances. Drawn at 0.3 they
+  outweighed the base several times, and the model's near-ties amplified every rounding:
+  the f32 layouts then differed beyond 1e-5 on some seeds, bf16 beyond 10 %."""
   rng = np.random.default_rng(1)
-  layers = {name: {"a": jnp.asarray(rng.normal(0, 0.3, (config.num_layers, num_adapters, i, rank)),
+  layers = {name: {"a": jnp.asarray(rng.normal(0, 0.1, (config.num_layers, num_adapters, i, rank)),
                                     jnp.float32),
-                   "b": jnp.asarray(rng.normal(0, 0.3, (config.num_layers, num_adapters, rank, o)),
+                   "b": jnp.asarray(rng.normal(0, 0.1, (config.num_layers, num_adapters, rank, o)),
                                     jnp.float32)}
             for name, (i, o) in linear_shapes(config).items()}
   return Adapters(layers=layers, scale=2.0)
@@ -100,11 +104,11 @@ def _real_slots(x, valid, slot_axis):
 def _assert_close(a, b, bf16, what):
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   if bf16:
-    # bf16 against the f32 model: measured up to 2.4 % relative RMS at these shapes (the
-    # training layout on Qwen2 per token; the decoding layout up to 1.8 %, 4.9 % before
-    # `lora_update_f32`). Other seeds of the fixture reached 3.7 % (12 % before).
+    # bf16 against the f32 model: measured up to 1.4 % relative RMS at these shapes, over
+    # five seeds of the weights and adapters (the logits; every mode and layout). Adapters
+    # drawn at 0.3 instead of 0.1 (`_adapters`) reached 12 % on one seed.
     rms = np.sqrt(np.mean((a - b) ** 2) / max(np.mean(b ** 2), 1e-12))
-    assert rms < 0.1, f"{what}: relative RMS {rms}"
+    assert rms < 0.04, f"{what}: relative RMS {rms}"
   else:  # f32 rounding, relative to the tensor's scale
     np.testing.assert_allclose(a, b, atol=1e-5 * max(np.abs(b).max(), 1.0), rtol=1e-5,
                                err_msg=what)
