@@ -132,8 +132,9 @@ def _chi_square_pvalue(tokens, log_probs):
 @pytest.mark.parametrize("top_k", [None, 6])
 def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
   """Chi-square over 32k draws (64 tokens): at this size sampling at temperature 1.05 instead
-  of 1 gives p < 1e-20, so the p > 1e-4 bar catches a temperature that is off by 5 %. (The
-  p-values of correct draws over 8 keys were 0.001-0.99, pooled 0.2-0.3: uniform, no bias.)"""
+  of 1 gives p < 1e-15 (30 draws over 5 logit seeds and 6 keys: at most 5e-16, median
+  3e-33), so the p > 1e-4 bar catches a temperature that is off by 5 %. (The p-values of
+  correct draws over 8 keys were 0.001-0.99, pooled 0.2-0.3: uniform, no bias.)"""
   logits = np.random.default_rng(1).normal(size=64).astype(np.float32) * 2
   rows = 1 << 15
   tile = lambda x: jnp.tile(jnp.asarray(x, jnp.float32), (rows,) + (1,) * np.ndim(x))
@@ -145,7 +146,7 @@ def test_sample_tokens_frequencies_follow_filtered_distribution(top_k):
     assert _chi_square_pvalue(tok, ref) > 1e-4
     if top_k is None and top_p == 1.0:  # the test has the power to see a 5 % temperature error
       hot, _ = sample(jax.random.key(0), tile(logits), tile(1.05), tile(top_p), top_k=top_k)
-      assert _chi_square_pvalue(hot, ref) < 1e-20
+      assert _chi_square_pvalue(hot, ref) < 1e-10
 
 
 @pytest.mark.xla_cpu_numbers  # an H200's bf16 kernels put the ratio up to 0.035 from 1
