@@ -143,8 +143,12 @@ def test_bfloat16_rms_norm_rounds_once():
   x64 = np.asarray(x, np.float64)
   normed = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6)
   ref = np.asarray(jnp.asarray(normed, jnp.bfloat16), np.float64) * np.asarray(w, np.float64)
-  assert _ulps(layers.rms_norm(x, w, 1e-6), ref).max() <= 1.0
-  assert _ulps(_bf16_norm_mutant(x, w, 1e-6), ref).max() > 1.0  # the check has teeth
+  # Half an ulp (the product's rounding), except where the f32 and f64 normalised values
+  # round to different bf16 neighbours (up to 1.8 ulps): over 30 seeds at most 6 of these
+  # 36,864 values; the bf16 mutant put at least 4,768 beyond 1 ulp.
+  ours = _ulps(layers.rms_norm(x, w, 1e-6), ref)
+  assert ours.max() <= 2.0 and np.mean(ours > 0.5 + 1e-9) < 1e-3
+  assert np.mean(_ulps(_bf16_norm_mutant(x, w, 1e-6), ref) > 1.0) > 0.1  # the check has teeth
 
 
 def test_bfloat16_attention_softmax_in_float32():
