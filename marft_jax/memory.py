@@ -14,10 +14,11 @@
              where the sampler reads the learner's weights
 
 A dimension that its mesh axes do not divide is replicated, as in `marft_jax.sharding`.
-With `mesh.sampler_devices` = n the learner's devices still hold `sampler_params` (their
-copy of the sampler's base serves the held-out evaluations, as does a cache there), and the
-sampler's n devices hold another whole copy (replicated, `async_rollout.place_weights`), the
-adapters' versions and a turn's cache: size those with data = n.
+With `mesh.sampler_devices` = n the learner's devices hold no `sampler_params`
+(`sampler_copy=False` sizes them; a held-out evaluation there converts the base for its own
+call, a copy and a turn's cache while it runs), and the sampler's n devices hold a whole
+copy (replicated, `async_rollout.place_weights`), the adapters' versions and a turn's cache:
+size those with data = n.
 Not modelled: the update's activations (one minibatch's forward and backward; set
 `model.remat` or raise `optimizer.minibatches` if they dominate).
 tests/test_memory.py checks every line against the arrays a tiny run actually allocates.

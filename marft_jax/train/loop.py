@@ -180,7 +180,10 @@ class _Run:
   envs: Any  # `envs.EnvBatch`: this process's environments
   judge: Optional[rewards_lib.Judge]
   play: Callable  # (policy, key, version, weights=) -> `rollout.RolloutResult`
-  weights: Any  # the sampler's (params, model config); a split team: {backbone: ...}
+  # The sampler's (params, model config) on the learner's mesh; a split team: {backbone: ...};
+  # None with a sampler sub-mesh (`mesh.sampler_devices`), whose copy `make_weights` makes.
+  weights: Any
+  make_weights: Callable[[], Any]  # the sampler's weights made anew (`assembly.rollout_model`)
   learn: Callable  # (state, kept episodes, iteration, key) -> (state, metrics)
   heldout: Callable  # (policy, step) -> "heldout/..." metrics
   export: Callable  # (checkpointer, step, state): the PEFT exports
@@ -315,7 +318,9 @@ def _start_async(cleanup, run: _Run, state, start, workdir, mesh, sampler_mesh,
                                              max_to_keep=config.max_to_keep + 1))
   behind = None if start == 0 else async_rollout.restore_versions(saved, start, state.policy,
                                                                   eta)
-  weights = async_rollout.place_weights(run.weights, sampler_mesh)
+  base = run.weights if run.weights is not None else run.make_weights()
+  weights = async_rollout.place_weights(base, sampler_mesh)
+  del base  # with a sub-mesh: the learner's devices keep no copy of the sampler's base
 
   def scope():  # JAX's mesh and matmul precision are per thread
     stack = contextlib.ExitStack()
@@ -338,8 +343,12 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
     return _build_split(config, mesh, model)
   model = _learner_model(model, config.model)
   team, structure = assembly.build_team(config)
-  rollout_weights = assembly.rollout_model(model, config)
-  judge = assembly.build_judge(config, model, rollout_weights)
+  make_weights = functools.partial(assembly.rollout_model, model, config)
+  # With a sampler sub-mesh its copy of the base lives there alone (`_start_async`): a
+  # held-out evaluation on the learner's mesh converts the base for its own call (a copy of
+  # the weights while it runs, where the learner's devices would hold one for the whole run).
+  rollout_weights = None if config.mesh.sampler_devices else make_weights()
+  judge = assembly.build_judge(config, model, rollout_weights)  # none with a sub-mesh
   policy_optimizer, critic_optimizer = assembly.optimizers(config)
   start = dataclasses.replace(config, init_from="") if resuming else config
   state = assembly.init_state(start, model, assembly.num_agents(team, structure),
@@ -367,7 +376,7 @@ def _build(config: TrainConfig, mesh, model: Model, resuming: bool) -> tuple[_Ru
   play = functools.partial(_play, envs=envs, team=team, structure=structure, model=model,
                            settings=assembly.rollout_settings(config), rows=rows)
   run = _Run(config=config, config_dict=recorded, team=team, envs=envs, judge=judge, play=play,
-             weights=rollout_weights,
+             weights=rollout_weights, make_weights=make_weights,
              learn=learn, heldout=functools.partial(_heldout, config=config, model=model,
                                                     weights=rollout_weights),
              export=functools.partial(_export, config=config))
@@ -415,7 +424,8 @@ def _build_split(config: TrainConfig, mesh, models: dict) -> tuple[_Run, dict]:
                            models=models, split=split, settings=assembly.rollout_settings(config))
   heldout = functools.partial(_heldout, config=config, model=models, weights=weights)
   run = _Run(config=config, config_dict=to_config_dict(assembly.as_recorded(config)).to_dict(),
-             team=team, envs=envs, judge=None, play=play, weights=weights, learn=learn,
+             team=team, envs=envs, judge=None, play=play, weights=weights,
+             make_weights=lambda: weights, learn=learn,
              heldout=heldout,
              export=functools.partial(backbones.export, config=config, split=split))
   return run, state

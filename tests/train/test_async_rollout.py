@@ -441,7 +441,8 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
                                                                          monkeypatch):
   """8 virtual devices: the learner on the first 6 (mesh.data=-1), the sampler on the last 2.
   Each rollout's adapters lie on the sampler's devices and are, bit for bit, the learner's
-  version max(k − 1, 0): the initial adapters, then version 1 as saved behind checkpoint 2."""
+  version max(k − 1, 0): the initial adapters, then version 1 as saved behind checkpoint 2.
+  The sampler's copy of the base lies there too, and on none of the learner's devices."""
   sampled = []
   real_rollout = loop.rollout
 
@@ -450,25 +451,34 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
                     [np.asarray(leaf) for leaf in jax.tree.leaves(lora)]))
     return real_rollout(*args, lora=lora, **kwargs)
 
-  trained = []
+  trained, copies = [], []
   real_learn = loop._learn
+  # The sampler's copy of the base (decoding layout on CPU: per-layer [out, in] kernels): an
+  # [F, D] array is a gate or up kernel of it; the learner's are stacked, [L, D, F].
+  copy_shape = (model.config.intermediate_size, model.config.hidden_size)
 
   def learn(*args, **kwargs):
     state, metrics = real_learn(*args, **kwargs)
     trained.append({d for leaf in jax.tree.leaves(state) for d in leaf.devices()})
+    copies.append({d for a in jax.live_arrays() if a.shape == copy_shape for d in a.devices()})
     return state, metrics
 
   monkeypatch.setattr(loop, "rollout", rollout)
   monkeypatch.setattr(loop, "_learn", learn)
-  config = _config(eta=1, iterations=3, mesh=config_lib.MeshSection(data=-1, sampler_devices=2))
+  # A held-out evaluation each iteration, on the learner's mesh: its copy is its own call's.
+  config = _config(eta=1, iterations=3, mesh=config_lib.MeshSection(data=-1, sampler_devices=2),
+                   eval_every=1, eval_episodes=2)
   workdir = str(tmp_path)
   loop.train(config, workdir, model=model, progress=False)
+  assert all("heldout/accuracy" in row for row in _metrics(workdir))
   assert [devices for devices, _ in sampled] == [set(jax.devices()[6:])] * 3
   initial = assembly.new_state(config, model).policy
   with checkpoint_lib.Checkpointer(async_rollout.versions_dir(workdir),
                                    read_only=True) as saved:
     version_1, = saved.restore((initial,), step=2)[0]
   assert trained == [set(jax.devices()[:6])] * 3
+  # The sampler's copy lies on its devices alone: the learner's keep none for the whole run.
+  assert copies == [set(jax.devices()[6:])] * 3
   for k, version in enumerate([initial, initial, version_1]):
     for x, y in zip(sampled[k][1], jax.tree.leaves(version)):
       np.testing.assert_array_equal(x, np.asarray(y))
