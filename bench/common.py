@@ -68,6 +68,19 @@ def matmul_peak(repeats: int, n: int = 2048, dtype=jnp.float32) -> float:
   return 2 * n ** 3 / best_time(lambda: mm(a, a), repeats + 5)
 
 
+def load_base(config, num_layers: int = 0):
+  """A training config's base (`assembly.Model`): model.source as `launch.train` loads it,
+  or, with `num_layers` > 0, that cut to its first `num_layers` layers (a run too big for
+  the host's memory at full depth)."""
+  from marft_jax.models import loading
+  from marft_jax.train import assembly
+  if not num_layers:
+    return assembly.load(config)
+  dtype = config.model.param_dtype
+  return assembly.Model(*loading.load_model(config.model.source, param_dtype=dtype,
+                                            compute_dtype=dtype, num_layers=num_layers))
+
+
 def model_sizes(params, config: ModelConfig) -> tuple[int, int]:
   """(bytes a decode step reads: every layer weight and the output projection; parameters of
   every matmul, the tied embedding counted once, as the output projection). A token costs

@@ -111,7 +111,7 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from bench.common import emit, matmul_peak
+from bench.common import emit, load_base, matmul_peak
 from bench.flops import (matmul_params, shared_prefix_tokens, update_ceiling, useful_flops,
                          useful_flops_by_pass)
 from marft_jax import host_allocator
@@ -180,17 +180,11 @@ def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
 
 
 def load_model(tiny: bool, config: TrainConfig, num_layers: int = 0) -> assembly.Model:
-  """The run's base: the tiny test model, model.source as `launch.train` loads it, or that
-  cut to its first `num_layers` layers (> 0)."""
+  """The run's base: the tiny test model, or `common.load_base`'s."""
   if tiny:
     from marft_jax.models import tiny as tiny_lib
     return assembly.Model(*tiny_lib.tiny_model(max_position_embeddings=1024))
-  if not num_layers:
-    return assembly.load(config)
-  from marft_jax.models import loading
-  dtype = config.model.param_dtype
-  return assembly.Model(*loading.load_model(config.model.source, param_dtype=dtype,
-                                            compute_dtype=dtype, num_layers=num_layers))
+  return load_base(config, num_layers)
 
 
 class Probe:

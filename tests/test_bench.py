@@ -111,18 +111,20 @@ def test_iteration_counts_the_useful_flops_of_the_formula():
 
 
 def test_iteration_num_layers_cuts_the_base_it_loads():
-  """bench.iteration --num_layers=n: model.source's first n layers, the rest of the model
-  (width, vocabulary, tokenizer) as `launch.train` loads it; 0: every layer."""
+  """bench.iteration --num_layers=n (`common.load_base`): model.source's first n layers, the
+  rest of the model (width, vocabulary, tokenizer) as `launch.train` loads it; 0: every
+  layer. (bench.iteration itself is not imported here: its flags would clash with the other
+  benchmarks'.)"""
   import dataclasses
   import jax
   import numpy as np
-  from bench import iteration
+  from bench.common import load_base
   from marft_jax.train.config import TrainConfig
   from tests.fixtures.old_checkpoints import make  # a tiny model folder, tokenizer included
   config = TrainConfig()
   config = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                  source=make.MODEL))
-  full, cut = iteration.load_model(False, config), iteration.load_model(False, config, 1)
+  full, cut = load_base(config), load_base(config, 1)
   assert full.config.num_layers > 1 and cut.config == full.config.replace(num_layers=1)
   for whole, first in zip(jax.tree.leaves(full.params["layers"]),
                           jax.tree.leaves(cut.params["layers"])):
