@@ -180,8 +180,9 @@ ADDED: tuple[Added, ...] = (
     Added("task.sandbox.parallel", 2, "a131ce0", "2026-11-28 19:59",
           "the sandbox ran 2 programs at once, and the rollout stepped its envs one by one"),
     Added("model.lora_update_f32", False, "19ac84b", "2026-11-29 03:49",
-          "a bf16 sampler rounded its LoRA factors, x @ a and the update to bf16 and added "
-          "them to a bf16 base output (the learner's fused path added its update in f32)"),
+          "a bf16 routed LoRA layer (the CPU sampler's, the learner's under dropout) rounded "
+          "its factors, x @ a and the update to bf16 and added them to a bf16 base output (the "
+          "fused path added its update in f32)"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)
