@@ -541,3 +541,17 @@ def test_kl_in_reward_and_per_agent_lora_critics_on_their_own_backbones(trained,
     np.testing.assert_allclose(np.asarray(values)[decided], batch.act_old_value[rows][decided],
                                atol=1e-5)
   assert np.abs(kl[batch.act_mask]).max() > 1e-6  # the adapters moved off their base
+
+
+def test_lora_update_f32_is_a_resume_difference_only_where_a_backbone_is_bf16():
+  """`assembly.resume_view`: model.lora_update_f32 changes bf16 models only, so a run whose
+  every backbone is f32 resumes under either value, and one with a bf16 backbone (the main
+  one f32) is refused naming the key, as a resumed run compares them."""
+  for smol, differs in (("float32", False), ("bfloat16", True)):
+    views = [assembly.resume_view(to_config_dict(_with(split_config(), **{
+        "model.backbones.smol.param_dtype": smol, "model.lora_update_f32": value})).to_dict())
+             for value in (False, True)]
+    assert (views[0]["model"]["lora_update_f32"] != views[1]["model"]["lora_update_f32"]) \
+        == differs, smol
+    assert {k: v for k, v in views[0].items() if k != "model"} == \
+        {k: v for k, v in views[1].items() if k != "model"}
