@@ -164,8 +164,10 @@ def _assert_corrected_objective(level, extras, w):
 def test_the_samplers_lora_update_in_f32_narrows_the_bfloat16_gap():
   """`ModelConfig.lora_update_f32`: the sampler's routed LoRA (decoding layout) adds its
   update in f32 and rounds once, as the learner's fused matmul does, so the bf16 log-probs
-  it records sit closer to the learner's (measured: largest gap 0.20 → 0.03 nats here). The
-  learner's π_old is `prepare`'s forward; the tokens are each sampler's own draw."""
+  it records sit closer to the learner's (measured: largest gap 0.20 → 0.03 nats here, mean
+  0.034 → 0.008; over six other seeds of the weights, prompts and draws the mean fell 2.5-3.1
+  times and the largest 2.0-4.4 times). The learner's π_old is `prepare`'s forward; the
+  tokens are each sampler's own draw."""
   loss = LossConfig(policy_level="token", behaviour_correction="on")
   gaps = {}
   for in_f32 in (False, True):
@@ -174,8 +176,8 @@ def test_the_samplers_lora_update_in_f32_narrows_the_bfloat16_gap():
     m = np.asarray(batch.act_mask)
     gaps[in_f32] = np.abs(np.asarray(extras.old_logp, np.float64)
                           - np.asarray(batch.act_behaviour_logp, np.float64))[m]
-  assert gaps[True].max() < gaps[False].max() / 3, gaps
   assert gaps[True].mean() < gaps[False].mean() / 2, gaps
+  assert gaps[True].max() < gaps[False].max() / 1.5, gaps
 
 
 def test_float32_sampler_and_learner_agree():
