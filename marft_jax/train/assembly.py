@@ -88,27 +88,21 @@ def read_for_resume(saved: Mapping[str, Any], where: str,
     raise CheckpointMismatchError(
         f"{where} was written by an earlier version that this one cannot continue as it "
         f"trained ({reasons}). Resume it with that version, or start again in a fresh workdir")
-  return resume_view(to_config_dict(read_saved_config(saved, where, written_at)).to_dict())
+  return resume_view(to_config_dict(config).to_dict(), config.run_dtype)
 
 
-def resume_view(config: Mapping[str, Any]) -> dict:
+def resume_view(config: Mapping[str, Any], run_dtype: str) -> dict:
   """A recorded config with its settings that mean the same behaviour written one way:
   `model.matmul_precision` "auto" as the precision it resolves to for the model's dtype;
-  `model.lora_update_f32` True where every backbone is f32 (it changes bf16 models only)."""
+  `model.lora_update_f32` True where the run loads no bf16 backbone (`run_dtype`,
+  `TrainConfig.run_dtype`: the key changes bf16 models only)."""
   config = copy.deepcopy(dict(config))
   model = config["model"] = dict(config["model"])
   model["matmul_precision"] = precision.resolve(model["matmul_precision"],
                                                 model["param_dtype"])
-  dtypes = [model["param_dtype"]] + [b["param_dtype"]
-                                     for b in _backbone_entries(model.get("backbones"))]
-  if "lora_update_f32" in model and all(d == "float32" for d in dtypes):
+  if run_dtype == "float32":
     model["lora_update_f32"] = True
   return config
-
-
-def _backbone_entries(backbones) -> list:
-  """A recorded `model.backbones` ({name: section}, or () / None: none) as its sections."""
-  return list(backbones.values()) if isinstance(backbones, Mapping) else list(backbones or ())
 
 
 # Keys a resumed run may change (extend the run, re-shard it, evaluate more or less often);

@@ -321,7 +321,7 @@ def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
   evaluation plays greedily, and `task.eval_problems`, the evaluation's own count, which
   training never read (its held-out evaluation plays `eval_episodes`)."""
   as_dict = lambda c: assembly.resume_view(to_config_dict(
-      _without_what_eval_ignores(assembly.as_recorded(c))).to_dict())
+      _without_what_eval_ignores(assembly.as_recorded(c))).to_dict(), c.run_dtype)
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
   return [f"{key}: trained with {brief(was)}, now {brief(now)}"
           for key, was, now in config_differences(as_dict(trained), as_dict(config))

@@ -449,7 +449,8 @@ def _restore(checkpointer: Checkpointer, run: _Run, state: TrainState, workdir: 
   known = checkpointer.read_meta(checkpointer.latest_step()).get("changes_known")
   written = checkpointer.written_at(checkpointer.latest_step())
   state, meta = checkpointer.restore(
-      state, config=assembly.resume_view(run.config_dict), may_differ=assembly.RESUME_MAY_DIFFER,
+      state, config=assembly.resume_view(run.config_dict, run.config.run_dtype),
+      may_differ=assembly.RESUME_MAY_DIFFER,
       read_config=lambda saved: assembly.read_for_resume(saved, where, known, written))
   start = int(meta["iteration"])
   run.envs.load_state_dict(meta["envs"])

@@ -548,9 +548,10 @@ def test_lora_update_f32_is_a_resume_difference_only_where_a_backbone_is_bf16():
   every backbone is f32 resumes under either value, and one with a bf16 backbone (the main
   one f32) is refused naming the key, as a resumed run compares them."""
   for smol, differs in (("float32", False), ("bfloat16", True)):
-    views = [assembly.resume_view(to_config_dict(_with(split_config(), **{
-        "model.backbones.smol.param_dtype": smol, "model.lora_update_f32": value})).to_dict())
-             for value in (False, True)]
+    configs = [_with(split_config(), **{"model.backbones.smol.param_dtype": smol,
+                                        "model.lora_update_f32": value})
+               for value in (False, True)]
+    views = [assembly.resume_view(to_config_dict(c).to_dict(), c.run_dtype) for c in configs]
     assert (views[0]["model"]["lora_update_f32"] != views[1]["model"]["lora_update_f32"]) \
         == differs, smol
     assert {k: v for k, v in views[0].items() if k != "model"} == \
