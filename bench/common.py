@@ -72,6 +72,8 @@ def load_base(config, num_layers: int = 0):
   """A training config's base (`assembly.Model`): model.source as `launch.train` loads it,
   or, with `num_layers` > 0, that cut to its first `num_layers` layers (a run too big for
   the host's memory at full depth)."""
+  # Imported here: bench.accelerator imports this module on hosts without the packages the
+  # trainer's config and loaders need (tests/test_bench_accelerator.py).
   from marft_jax.models import loading
   from marft_jax.train import assembly
   if not num_layers:

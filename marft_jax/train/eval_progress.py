@@ -11,8 +11,9 @@ nothing. `CallLog(folder, settings)` writes each finished call as one file,
 
 each written to a temporary name and renamed (`metrics.write_atomically`), so a file is
 whole or absent. A second run with the same settings reads the calls back (`played`) and
-goes on from the next; its episodes are those the uninterrupted run plays, because every call's key is a function of
-the episodes before it and the environments resume at the saved cursor. A folder of other
+goes on from the next; its episodes are those the uninterrupted run plays, because every
+call's key is a function of the episodes before it and the environments resume at the saved
+cursor. A folder of other
 settings is refused with the keys that differ (mixing calls of two settings would be a
 silent wrong score); the caller removes the folder once its results are written (`clear`).
 """
