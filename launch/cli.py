@@ -6,6 +6,10 @@
       cli.run(main, CONFIG, GenerateConfig)
 
 `cli.run` parses the flags itself so that
+  * `--config` takes a file or a shipped config's name (`--config=code_2agents`; also
+    `launch.configs.code_2agents`, and `launch/configs/code_2agents.py` from any folder), so
+    the console scripts (`marft-train`, ...) of an installed package find them from anywhere;
+    an unknown name is one line listing the shipped ones;
   * `--help` prints the script's docstring and every config field with its value and comment,
     then exits 0 (absl's own `--help` exits 1 and knows nothing of the fields);
   * a bad override (`--config.xyz=1`, `--config.seed=abc`) or a value the typed config refuses
@@ -30,6 +34,7 @@ import logging as std_logging
 import os
 import re
 import sys
+import textwrap
 import typing
 from typing import Any, Callable, Optional
 
@@ -58,13 +63,16 @@ _default_config_path = ""  # set by define_config_flag
 def define_config_flag(file_name: str) -> flags.FlagHolder:
   """`--config`, defaulting to `launch/configs/<file_name>`, overridable as `--config.a.b=v`.
 
-  ml_collections reads the `--config.` overrides of `sys.argv` right here, so an unknown key
-  is reported (one line, exit 2) before it can raise from inside the flag definition.
+  A `--config=<name>` of `sys.argv` is rewritten there as the shipped file's path (what
+  ml_collections reads), or is one line listing the shipped names (exit 2). ml_collections
+  reads the `--config.` overrides of `sys.argv` right here, so an unknown key is reported
+  (one line, exit 2) before it can raise from inside the flag definition.
   """
   global _default_config_path
   _default_config_path = os.path.join(CONFIG_DIR, file_name)
-  if not os.path.isfile(_config_path(sys.argv)):
-    fail(f"--config={_config_path(sys.argv)}: no such config file")
+  for i, arg in enumerate(sys.argv[1:], 1):
+    if arg.startswith("--config="):
+      sys.argv[i] = "--config=" + config_file(arg.split("=", 1)[1])
   if not any(arg in _HELP_FLAGS for arg in sys.argv[1:]):
     unknown = _unknown_override(sys.argv)
     if unknown:
@@ -83,7 +91,8 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
   the algorithm's keys); its ValueError is one line and exit status 2, like a bad key's."""
   def parse(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
-      print(_help_text(argv, config_cls))
+      # The script's docstring: its module's, whether it runs as `__main__` or a console script.
+      print(_help_text(argv, config_cls, main.__globals__.get("__doc__")))
       sys.exit(0)
     try:
       return flags.FLAGS(argv)
@@ -168,6 +177,27 @@ def one_line_errors(*types: type):
     fail(_last_line(e))
 
 
+def shipped_configs() -> list[str]:
+  """The names of the config files of launch/configs/, as `--config=<name>` takes them."""
+  return sorted(name[:-3] for name in os.listdir(CONFIG_DIR)
+                if name.endswith(".py") and name != "__init__.py")
+
+
+def config_file(value: str) -> str:
+  """The file `--config=<value>` reads: `value` where that is a file, else the shipped config
+  it names as `grpo`, `launch.configs.grpo` or (a file of the repository, from a folder that
+  has none) `launch/configs/grpo.py`; else one line listing the shipped names (exit 2)."""
+  if os.path.isfile(value):
+    return value
+  name = value.removeprefix("launch.configs.")
+  if os.path.normpath(value).startswith(os.path.join("launch", "configs", "")):
+    name = os.path.basename(value).removesuffix(".py")
+  if name in shipped_configs():
+    return os.path.join(CONFIG_DIR, f"{name}.py")
+  fail(f"--config={value}: no such config file, nor a shipped config's name (one of "
+       f"{', '.join(shipped_configs())})")
+
+
 def fail(message: str) -> None:
   """Prints `error: message` and exits with status 2 (a usage error, not a traceback)."""
   print(f"error: {message}", file=sys.stderr)
@@ -177,16 +207,26 @@ def fail(message: str) -> None:
 # --- --help ----------------------------------------------------------------------------------
 
 
-def _help_text(argv: list[str], config_cls: type) -> str:
+def _help_text(argv: list[str], config_cls: type, doc: Optional[str]) -> str:
   path = _config_path(argv)
   config = _load_config_file(path)
-  lines = [(sys.modules["__main__"].__doc__ or "").strip(), "",
-           f"Config fields (file {os.path.relpath(path)}; override as --config.<key>=<value>):"]
+  lines = [(doc or "").strip(), "",
+           f"Config fields ({_config_name(path)}; override as --config.<key>=<value>):"]
   lines += _field_lines(config_cls, config)
-  lines += ["", "Other flags: --config=<file.py> (another config file), --verbosity=0 (INFO logs;",
-            "1: also the traceback of a one-line error), --compilation_cache=<folder> (keep",
-            "compiled programs for later launches)."]
+  lines += [""] + textwrap.wrap(
+      "Other flags: --config=<name> (a shipped config: " + ", ".join(shipped_configs()) +
+      ") or --config=<file.py> (another config file), --verbosity=0 (INFO logs; 1: also the "
+      "traceback of a one-line error), --compilation_cache=<folder> (keep compiled programs "
+      "for later launches).", width=96)
   return "\n".join(lines)
+
+
+def _config_name(path: str) -> str:
+  """How --help names the config: a shipped one by its name and place in the package."""
+  folder, file_name = os.path.split(os.path.abspath(path))
+  if folder == os.path.abspath(CONFIG_DIR) and file_name[:-3] in shipped_configs():
+    return f"{file_name[:-3]}, launch/configs/{file_name}"
+  return f"file {os.path.relpath(path)}"
 
 
 def _field_lines(cls: type, values: Any, prefix: str = "", skip: tuple = ()) -> list[str]:
@@ -256,7 +296,7 @@ def _field_comments(cls: type) -> dict[str, str]:
 def _config_path(argv: list[str]) -> str:
   for arg in argv[1:]:
     if arg.startswith("--config="):
-      return arg.split("=", 1)[1]
+      return config_file(arg.split("=", 1)[1])
   return _default_config_path
 
 

@@ -2,7 +2,7 @@ r"""Evaluate a team on held-out problems: a run's latest checkpoint, or the untu
 
   python -m launch.eval --workdir=runs/default                # the checkpoint in runs/default
   python -m launch.eval --workdir=runs/default --untuned      # the same team, adapters off
-  python -m launch.eval --config=launch/configs/marft_t.py --workdir=runs/marft_t
+  python -m launch.eval --config=marft_t --workdir=runs/marft_t     # a shipped config
   python -m launch.eval --workdir=runs/default --problems=50  # fewer than task.eval_problems
 
 Score a run on any task and data set: the model, the adapters' shape and the team must be
@@ -46,6 +46,8 @@ A long evaluation loses nothing when stopped: each finished sampler call is kept
 plays only the rest (the episodes an uninterrupted run plays), and the folder goes once the
 results are written. Other flags, config or checkpoint than the stopped run's are refused
 while the folder is there, naming it and what differs.
+
+`marft-eval` (installed with the package) is the same program, from any folder.
 """
 
 from __future__ import annotations
@@ -163,5 +165,10 @@ def main(config: TrainConfig) -> None:
     print(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}")
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The `marft-eval` console script; `python -m launch.eval` runs it too."""
   cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)
+
+
+if __name__ == "__main__":
+  run()

@@ -6,7 +6,8 @@ r"""Chat with a model, or with a trained agent through its exported adapter, fro
   python -m launch.generate --config.adapter=runs/default/exports/step_16/actor   # an agent
 
 Loads the model from local files (nothing is downloaded), prints the answer, and streams the
-progress of the jitted sampler with a tqdm bar on stderr.
+progress of the jitted sampler with a tqdm bar on stderr. `marft-generate` (installed with the
+package) is the same program, from any folder.
 """
 
 from __future__ import annotations
@@ -76,5 +77,10 @@ def main(config: GenerateConfig) -> None:
   print(f"assistant: {chat(config)}")
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The `marft-generate` console script; `python -m launch.generate` runs it too."""
   cli.run(main, _CONFIG, GenerateConfig)
+
+
+if __name__ == "__main__":
+  run()

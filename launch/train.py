@@ -1,8 +1,11 @@
 r"""Train a team of agents with MARFT (the main job).
 
   python -m launch.train --workdir=runs/default            # SmolLM2, reasoner → actor
-  python -m launch.train --config=launch/configs/marft_t.py --workdir=runs/marft_t
+  python -m launch.train --config=marft_t --workdir=runs/marft_t    # a shipped config
   python -m launch.train --workdir=runs/default --config.iterations=80   # extend a run
+
+`marft-train` (installed with the package) is the same program, from any folder; --config
+takes a shipped config's name (listed at the end of --help) or a config file.
 
 The checkpoint already in --workdir always wins: the same command resumes where it stopped
 (SIGTERM or Ctrl-C save first); a second launch into a workdir whose run is still going
@@ -87,5 +90,10 @@ def main(config: TrainConfig) -> None:
           + f" workdir={_WORKDIR.value}")
 
 
-if __name__ == "__main__":
+def run() -> None:
+  """The `marft-train` console script; `python -m launch.train` runs it too."""
   cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)
+
+
+if __name__ == "__main__":
+  run()
