@@ -14,6 +14,7 @@ import functools
 import glob
 import json
 import os
+import pwd
 import resource
 import shutil
 import socket
@@ -425,6 +426,19 @@ def test_helper_programs_use_the_standard_library_only(name):
   imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                if isinstance(node, ast.ImportFrom)}
   assert imported and imported <= set(sys.stdlib_module_names), imported
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sweep switches uid: root only")
+def test_the_uid_sweep_works_where_the_uid_cannot_read_the_trainers_python(caplog):
+  """The sweeper starts as root with the trainer's interpreter, whose library the uid may not
+  read (here, a Python under /root) and so imports nothing after the switch (was: a codec for
+  /proc's files, a LookupError, and so no sweep after a run without a PID namespace)."""
+  sandbox = _sandbox("plain")
+  uid = next(u for u in range(sandbox.uid_base + 4095, sandbox.uid_base, -1)
+             if u not in {entry.pw_uid for entry in pwd.getpwall()})
+  with caplog.at_level("WARNING", logger="marft_jax.envs.sandbox"):
+    sandbox._kill_uid(uid)  # pylint: disable=protected-access
+  assert not caplog.records, caplog.records[0].getMessage()
 
 
 @pytest.mark.parametrize("event, args", [

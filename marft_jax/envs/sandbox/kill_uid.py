@@ -17,8 +17,9 @@ import time
 def uid_of(pid):
   """The real uid of process `pid`, or None if it is gone."""
   try:
-    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-      return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    # Bytes: decoding would import a codec as the uid, which may not read the library.
+    with open(f"/proc/{pid}/status", "rb") as f:
+      return int(next(line for line in f if line.startswith(b"Uid:")).split()[1])
   except (OSError, StopIteration, ValueError):
     return None  # exited meanwhile
 
