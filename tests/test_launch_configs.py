@@ -261,3 +261,41 @@ def test_the_heterogeneous_example_trains_resumes_and_evaluates_on_tiny_models(t
   out = _launch("eval", *flags, "--problems=2")
   assert out.returncode == 0, out.stderr[-3000:]
   assert json.loads((workdir / "eval.json").read_text())["checkpoint_step"] == 2
+
+
+def test_config_takes_a_shipped_configs_name_from_any_folder(tmp_path, monkeypatch, capsys):
+  """`--config=code_2agents` (also `launch.configs.code_2agents`, and the repository's path
+  from a folder that has no such file) is the shipped file; a file at the path given wins;
+  an unknown name is one line listing the shipped ones (exit 2)."""
+  from launch import cli  # noqa: PLC0415 (defines absl flags)
+  assert cli.shipped_configs() == sorted(name[:-3] for name in TYPED)
+  shipped = os.path.join(cli.CONFIG_DIR, "code_2agents.py")
+  monkeypatch.chdir(tmp_path)
+  for value in ("code_2agents", "launch.configs.code_2agents", "launch/configs/code_2agents.py",
+                "./launch/configs/code_2agents.py"):
+    assert cli.config_file(value) == shipped, value
+  own = tmp_path / "launch" / "configs" / "code_2agents.py"
+  own.parent.mkdir(parents=True)
+  own.write_text("")
+  assert cli.config_file("launch/configs/code_2agents.py") == "launch/configs/code_2agents.py"
+  assert cli.config_file(str(own)) == str(own)
+  with pytest.raises(SystemExit) as exited:
+    cli.config_file("code_2agent")
+  assert exited.value.code == 2
+  assert capsys.readouterr().err == (
+      "error: --config=code_2agent: no such config file, nor a shipped config's name (one of "
+      f"{', '.join(cli.shipped_configs())})\n")
+
+
+def test_a_config_named_is_what_the_flag_reads_and_help_shows():
+  """The name reaches ml_collections as the shipped file: its field is parsed (here refused,
+  before anything loads), and --help names the config and lists the shipped ones."""
+  out = _launch("train", "--config=grpo", "--config.seed=abc")
+  assert out.returncode == 2
+  assert out.stderr.startswith("error: flag --config.seed=abc: invalid literal"), out.stderr
+  out = _launch("train", "--config=grpo", "--help")
+  assert out.returncode == 0, out.stderr
+  assert "Config fields (grpo, launch/configs/grpo.py; override as" in out.stdout, out.stdout
+  assert "algorithm = 'grpo'" in out.stdout
+  from launch import cli  # noqa: PLC0415
+  assert "a shipped config: " + ", ".join(cli.shipped_configs()) in " ".join(out.stdout.split())
