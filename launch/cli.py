@@ -92,7 +92,10 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
   def parse(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
       # The script's docstring: its module's, whether it runs as `__main__` or a console script.
-      print(_help_text(argv, config_cls, main.__globals__.get("__doc__")))
+      try:
+        print(_help_text(argv, config_cls, main.__globals__.get("__doc__")), flush=True)
+      except BrokenPipeError:  # `--help | head`: the reader stopped early, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
       sys.exit(0)
     try:
       return flags.FLAGS(argv)
