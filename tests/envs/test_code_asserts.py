@@ -432,7 +432,7 @@ def _same_python_elsewhere(python):
   for other in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
     if other and os.path.realpath(other) != python:
       version[0] = os.path.realpath(other)
-      if subprocess.run(version, capture_output=True, text=True).stdout == mine:
+      if subprocess.run(version, capture_output=True, text=True, check=False).stdout == mine:
         return version[0]
   return None
 
@@ -467,7 +467,6 @@ def test_one_grade_in_every_sandbox(grade, plain_box, other):
       pytest.skip(f"no second interpreter of {plain_box.plan.python}'s version here")
     box = _sandbox("plain", python)
   try:
-    assert box.plan.python != plain_box.plan.python or other == "bwrap"
     mine, theirs = grade(plain_box), grade(box)
   finally:
     box.close()
