@@ -15,6 +15,26 @@ unbatched arrays (one sequence or trajectory) or arrays of any shape, and works 
 - normalize: reward shaping and batch / agent-within-group normalisation.
 - masked: masked reductions.
 
+Three calls composed: MARFT-T's token advantages of one reply (4 tokens, reward 1 at the
+end, every value 0.5, γ = 1, λ = 0.5: A halves back from the last token), the clipped
+loss on them, and its gradient. At ρ = 1 it is −A_t / 4 in each token's log-prob.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from marft_jax import ppo
+    >>> r, v, mask = jnp.array([[1.0]]), jnp.full((1, 1, 4), 0.5), jnp.ones((1, 1, 4))
+    >>> adv, _ = ppo.token_level_advantages(r, v, mask, jnp.array([1]), 0.0, gamma=1.0,
+    ...                                     lambda_=0.5)
+    >>> print(adv[0, 0])  # [T, N, K] -> the K tokens of env step 0, agent 0
+    [0.0625 0.125  0.25   0.5   ]
+    >>> old_logp = jnp.log(jnp.full(4, 0.5))
+    >>> loss = lambda logp: ppo.ppo_clip_loss(logp, old_logp, adv[0, 0], mask[0, 0], 0.2)
+    >>> print(jax.grad(loss)(old_logp))
+    [-0.015625 -0.03125  -0.0625   -0.125   ]
+
+Every public function's docstring has such an example, with numbers to check by hand
+(`tests/ppo/test_doctests.py` runs them). Inside a module's docstrings the examples call
+its functions by their bare names, with `jnp` imported as the module imports it.
+
 Bad input is refused by name, never turned into a wrong number. An array of the wrong rank
 or shape raises `ValueError("v_t: shape (2,) differs from r_t's (3,)")`, at call or trace
 time (shapes are static). Scalars (γ, λ, ε, δ, temperatures, eps) and ids (group, agent,
@@ -76,6 +96,7 @@ from marft_jax.ppo.policy_loss import (
     clip_fraction,
     clipped_surrogate,
     decoupled_ppo_loss,
+    importance_weights,
     ppo_clip_loss,
 )
 from marft_jax.ppo.returns import (

@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.validation import (check_forward_pointers, check_range, check_rank,
-                                  check_same_shape, check_unit_interval, is_traced)
+from marft_jax.ppo._checks import check_range, check_unit_interval
+from marft_jax.validation import (check_forward_pointers, check_rank, check_same_shape,
+                                  is_traced)
 
 
 def turn_successors(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Array) -> jax.Array:
@@ -71,6 +72,14 @@ def turn_successors(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Array) -
   Raises:
     ValueError: sees_kk not [n, n]; a concrete valid_k that is not a prefix, or concrete env
       steps that go back (traced ones are not checked: a turn could then hop past a step).
+
+  Example: env step 0 runs turn 0, then turns 1 and 2 in parallel (both see turn 0, not
+  each other); env step 1 runs turn 3. Turn 0 hops to its first descendant, 1; both branches
+  are sinks of step 0 and hop to step 1; turn 3 ends the episode (4: none).
+
+    >>> step, layer, valid = jnp.array([0, 0, 0, 1]), jnp.array([0, 1, 1, 0]), jnp.ones(4)
+    >>> print(turn_successors(step, layer_sees(step, layer, valid), valid))
+    [1 3 3 4]
   """
   check_rank(1, step_k=step_k, valid_k=valid_k)
   check_rank(2, sees_kk=sees_kk)
@@ -116,6 +125,15 @@ def layer_sees(step_k: jax.Array, layer_k: jax.Array, valid_k: jax.Array) -> jax
   Raises:
     ValueError: a concrete valid_k that is not a prefix, env steps that go back, or a group
       whose turns are not contiguous.
+
+  Example: a fork, turn 0 then turns 1 and 2 in parallel: both see turn 0 (row j, column k:
+  turn j's prompt holds turn k's reply).
+
+    >>> step, layer = jnp.array([0, 0, 0]), jnp.array([0, 1, 1])
+    >>> print(layer_sees(step, layer, jnp.ones(3)).astype(int))
+    [[0 0 0]
+     [1 0 0]
+     [1 0 0]]
   """
   check_rank(1, step_k=step_k, layer_k=layer_k, valid_k=valid_k)
   check_same_shape(step_k=step_k, layer_k=layer_k, valid_k=valid_k)
@@ -163,6 +181,11 @@ def hops_to_sink(step_k: jax.Array, next_k: jax.Array) -> jax.Array:
     next_k: [n] successor of each turn, in (k, n] (n: none).
   Raises:
     ValueError: a concrete next_k[k] outside (k, n].
+
+  Example: a chain of three turns in env step 0, then one turn in step 1.
+
+    >>> print(hops_to_sink(jnp.array([0, 0, 0, 1]), jnp.array([1, 2, 3, 4])))
+    [2 1 0 0]
   """
   check_rank(1, step_k=step_k, next_k=next_k)
   check_same_shape(step_k=step_k, next_k=next_k)
@@ -204,6 +227,15 @@ def turn_hops(step_k: jax.Array, next_k: jax.Array, done_k: jax.Array, gamma: fl
     gamma, lambda_, gamma_agent, lambda_agent: in [0, 1].
   Raises:
     ValueError: a γ or λ outside [0, 1] or NaN; a concrete next_k[k] outside (k, n].
+
+  Example: two turns in env step 0, one in step 1 where the episode ends, γ = λ = 0.5
+  across env steps and γ_agent = λ_agent = 1 inside one.
+
+    >>> step, next_k, done = jnp.array([0, 0, 1]), jnp.array([1, 2, 3]), jnp.array([0, 0, 1])
+    >>> discount, lambdas = turn_hops(step, next_k, done, 0.5, 0.5, gamma_agent=1.0,
+    ...                               lambda_agent=1.0)
+    >>> print(discount, lambdas)
+    [1.  0.5 0. ] [1.  0.5 0.5]
   """
   check_rank(1, step_k=step_k, next_k=next_k, done_k=done_k)
   check_same_shape(step_k=step_k, next_k=next_k, done_k=done_k)
@@ -246,6 +278,18 @@ def expand_turns(r_k: jax.Array, discount_k: jax.Array, lambda_k: jax.Array,
   Raises:
     ValueError: gamma_token or lambda_token outside [0, 1]; concrete next_k[k] outside
       (k, n], a negative length_k or Σ length_k > width.
+
+  Example: turn 0 at two positions (its tokens), turn 1 at one, in a width of 4 (position 3
+  is padding), γ_token = 0.5. Turn 0's first position hops to its second with γ_token and
+  no reward; its last one carries the turn's reward and hop, to turn 1's position 2.
+
+    >>> r_t, discount_t, _, next_t, mask_t, turn_t = expand_turns(
+    ...     jnp.array([0.0, 1.0]), jnp.array([1.0, 0.0]), jnp.ones(2), jnp.array([1, 2]),
+    ...     jnp.array([2, 1]), width=4, gamma_token=0.5)
+    >>> print(r_t, discount_t, next_t)
+    [0. 0. 1. 0.] [0.5 1.  0.  1. ] [1 2 4 4]
+    >>> print(mask_t, turn_t)
+    [ True  True  True False] [0 0 1 2]
   """
   check_rank(1, r_k=r_k, discount_k=discount_k, lambda_k=lambda_k, next_k=next_k,
              length_k=length_k)

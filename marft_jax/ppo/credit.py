@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.ppo import chains
-from marft_jax.validation import (check_forward_pointers, check_rank, check_same_shape,
-                                  check_unit_interval)
+from marft_jax.ppo._checks import check_unit_interval
+from marft_jax.validation import check_forward_pointers, check_rank, check_same_shape
 
 CREDITS = ("equal", "step_discount", "per_step")
 
@@ -53,6 +53,12 @@ def token_to_action_frame(x_t: jax.Array, fill) -> jax.Array:
     fill: value for the last position, which emits no token (0, −1, …).
   Returns:
     [T] array in x's dtype.
+
+  Example: a loss mask on the two generated tokens 1 and 2 moves to the decisions that
+  emit them, positions 0 and 1.
+
+    >>> print(token_to_action_frame(jnp.array([0, 1, 1, 0]), fill=0))
+    [1 1 0 0]
   """
   check_rank(1, x_t=x_t)
   x_t = jnp.asarray(x_t)
@@ -84,6 +90,18 @@ def turn_credit(team_reward_k: jax.Array, own_reward_k: jax.Array, step_k: jax.A
   Raises:
     ValueError: an unknown credit, gamma_c outside [0, 1], or a concrete next_k[k] outside
       (k, n].
+
+  Example: a chain of three turns in one env step, team reward 1 (the turns' own rewards
+  2, 3, 4).
+
+    >>> team, own = jnp.ones(3), jnp.array([2.0, 3.0, 4.0])
+    >>> step, next_k, valid = jnp.zeros(3, int), jnp.array([1, 2, 3]), jnp.ones(3)
+    >>> print(turn_credit(team, own, step, next_k, valid, "equal"))
+    [0. 0. 1.]
+    >>> print(turn_credit(team, own, step, next_k, valid, "step_discount", gamma_c=0.5))
+    [0.25 0.5  1.  ]
+    >>> print(turn_credit(team, own, step, next_k, valid, "per_step"))
+    [2. 3. 4.]
   """
   check_rank(1, team_reward_k=team_reward_k, own_reward_k=own_reward_k, step_k=step_k,
              next_k=next_k, valid_k=valid_k)

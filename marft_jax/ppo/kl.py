@@ -25,24 +25,49 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_range, check_same_shape
+from marft_jax.ppo._checks import check_range
+from marft_jax.validation import check_same_shape
 from marft_jax.ppo.masked import at_least_float32, masked_mean
 
 
 def kl_k1(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
-  """k1 = log π(w_t) − log π_ref(w_t), elementwise."""
+  """k1 = log π(w_t) − log π_ref(w_t), elementwise.
+
+  Example: π(w) = 0.5 against π_ref(w) = 0.25, then 0.5 against 0.5: log 2 ≈ 0.693, then 0.
+
+    >>> import numpy as np  # rounded on the host: the digits are the same on every CPU
+    >>> logp, ref_logp = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.25, 0.5]))
+    >>> print(np.asarray(kl_k1(logp, ref_logp)).round(3))
+    [0.693 0.   ]
+  """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   return at_least_float32(logp_t) - at_least_float32(ref_logp_t)
 
 
 def kl_k2(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
-  """k2 = ½ (log π(w_t) − log π_ref(w_t))², elementwise."""
+  """k2 = ½ (log π(w_t) − log π_ref(w_t))², elementwise.
+
+  Example: as `kl_k1`'s, ½ (log 2)² ≈ 0.240.
+
+    >>> import numpy as np
+    >>> logp, ref_logp = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.25, 0.5]))
+    >>> print(np.asarray(kl_k2(logp, ref_logp)).round(3))
+    [0.24 0.  ]
+  """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   return 0.5 * (at_least_float32(logp_t) - at_least_float32(ref_logp_t)) ** 2
 
 
 def kl_k3(logp_t: jax.Array, ref_logp_t: jax.Array) -> jax.Array:
-  """k3 = exp(log r) − 1 − log r with log r = log π_ref(w_t) − log π(w_t), elementwise."""
+  """k3 = exp(log r) − 1 − log r with log r = log π_ref(w_t) − log π(w_t), elementwise.
+
+  Example: as `kl_k1`'s, r = 0.5: (0.5 − 1) + log 2 ≈ 0.193.
+
+    >>> import numpy as np
+    >>> logp, ref_logp = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.25, 0.5]))
+    >>> print(np.asarray(kl_k3(logp, ref_logp)).round(3))
+    [0.193 0.   ]
+  """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t)
   log_r = at_least_float32(ref_logp_t) - at_least_float32(logp_t)
   return jnp.expm1(log_r) - log_r
@@ -65,6 +90,14 @@ def kl_penalty(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array,
     estimator: `kl_k1`, `kl_k2` or `kl_k3` (static under jit).
   Returns:
     scalar.
+
+  Example: `kl_k3`'s two tokens; the second is padding, so the mean is over the first alone.
+
+    >>> logp, ref_logp = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.25, 0.5]))
+    >>> print(f"{kl_penalty(logp, ref_logp, jnp.array([1, 0])):.3f}")
+    0.193
+    >>> print(f"{kl_penalty(logp, ref_logp, jnp.array([1, 0]), kl_k2):.3f}")
+    0.240
   """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   valid = mask_t != 0
@@ -94,6 +127,13 @@ def kl_reward(logp_t: jax.Array, ref_logp_t: jax.Array, mask_t: jax.Array, kl_co
     ValueError: a concrete kl_coef < 0, NaN or inf (a negative β would reward moving away
       from the reference). A traced β is checked only under `checkify` (`marft_jax.ppo`);
       without it a NaN β makes every valid reward NaN.
+
+  Example: `kl_k3`'s first token with β = 0.1: −0.1 · 0.193; the padding gets 0.
+
+    >>> import numpy as np
+    >>> logp, ref_logp = jnp.log(jnp.array([0.5, 0.25])), jnp.log(jnp.array([0.25, 0.5]))
+    >>> print(np.asarray(kl_reward(logp, ref_logp, jnp.array([1, 0]), kl_coef=0.1)).round(4))
+    [-0.0193  0.    ]
   """
   check_same_shape(logp_t=logp_t, ref_logp_t=ref_logp_t, mask_t=mask_t)
   check_range("kl_coef", kl_coef, 0.0, math.inf, high_open=True)
@@ -107,6 +147,12 @@ def approx_kl(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array) -> ja
   """Diagnostic KL(π_old ‖ π) ≈ mean_t[(ρ_t − 1) − log ρ_t], ρ_t = π(a_t)/π_old(a_t).
 
   k3 on samples from π_old, as the original's `approx_kl`. Any shape; scalar, no gradient.
+
+  Example: ρ = 2 on one token: (2 − 1) − log 2 ≈ 0.307.
+
+    >>> kl = approx_kl(jnp.log(jnp.array([0.5])), jnp.log(jnp.array([0.25])), jnp.array([1]))
+    >>> print(f"{kl:.3f}")
+    0.307
   """
   check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, mask_t=mask_t)
   valid = mask_t != 0

@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_positive, check_rank, check_same_shape
+from marft_jax.ppo._checks import check_positive
+from marft_jax.validation import check_rank, check_same_shape
 from marft_jax.ppo.masked import at_least_float32, masked_mean, masked_sum
 
 
@@ -54,6 +55,16 @@ def logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature=1.0,
     (log π(w) [...], H [...]), at least float32.
   Raises:
     ValueError: a concrete temperature ≤ 0, NaN or inf (see the module docstring for τ = 0).
+
+  Example: two positions over a vocabulary of 2, scoring token 0: uniform logits give
+  log π = −log 2 and H = log 2; logits (log 3, 0) give π = (0.75, 0.25), log π = log 0.75
+  and H = −(0.75 log 0.75 + 0.25 log 0.25).
+
+    >>> logits = jnp.array([[0.0, 0.0], [jnp.log(3.0), 0.0]])
+    >>> logp, entropy = logprobs_and_entropy(logits, jnp.array([0, 0]))
+    >>> import numpy as np  # rounded on the host: the digits are the same on every CPU
+    >>> print(np.asarray(logp).round(3), np.asarray(entropy).round(3))
+    [-0.693 -0.288] [0.693 0.562]
   """
   check_positive("temperature", temperature)
   logits, tokens, temperature = (jnp.asarray(x) for x in (logits, tokens, temperature))
@@ -84,6 +95,12 @@ def action_log_prob(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array:
   """log π(a) = Σ_t m_t log π(w_t): the sequence log-likelihood (original mode `sum`).
 
   The PPO ratio exp(Σ Δ) is sharp for long replies. logp_t, mask_t: [T]; returns scalar.
+
+  Example: two tokens of probability 0.5 and a pad slot: log 0.25.
+
+    >>> logp_t = jnp.log(jnp.array([0.5, 0.5, 0.1]))
+    >>> print(f"{action_log_prob(logp_t, jnp.array([1, 1, 0])):.3f}")
+    -1.386
   """
   check_rank(1, logp_t=logp_t, mask_t=mask_t)
   return masked_sum(logp_t, mask_t)
@@ -95,6 +112,12 @@ def action_log_prob_per_token(logp_t: jax.Array, mask_t: jax.Array) -> jax.Array
   The ratio exp of its difference is GSPO's length-normalised sequence ratio (Zheng et al.
   2025). The original divided by the last valid index + 1, which is ℓ for a prefix mask.
   logp_t, mask_t: [T]; returns scalar, 0 for an empty action.
+
+  Example: `action_log_prob`'s reply, per token: log 0.5.
+
+    >>> logp_t = jnp.log(jnp.array([0.5, 0.5, 0.1]))
+    >>> print(f"{action_log_prob_per_token(logp_t, jnp.array([1, 1, 0])):.3f}")
+    -0.693
   """
   check_rank(1, logp_t=logp_t, mask_t=mask_t)
   return masked_mean(logp_t, mask_t)

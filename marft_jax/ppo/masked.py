@@ -28,18 +28,38 @@ def at_least_float32(x: jax.Array) -> jax.Array:
 
 
 def masked_sum(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """Σᵢ xᵢ over the valid elements of `x` (any shape, same shape as `mask`), at least f32."""
+  """Σᵢ xᵢ over the valid elements of `x` (any shape, same shape as `mask`), at least f32.
+
+  Example: the padding's NaN never reaches the sum.
+
+    >>> print(masked_sum(jnp.array([1.0, 2.0, jnp.nan]), jnp.array([1, 1, 0])))
+    3.0
+  """
   check_same_shape(x=x, mask=mask)
   x = at_least_float32(x)
   return jnp.sum(jnp.where(mask != 0, x, jnp.zeros_like(x)))
 
 
 def masked_count(mask: jax.Array) -> jax.Array:
-  """Number of valid elements, as a float so it can divide."""
+  """Number of valid elements, as a float so it can divide.
+
+  Example:
+
+    >>> print(masked_count(jnp.array([1, 1, 0])))
+    2.0
+  """
   return jnp.sum((mask != 0).astype(jnp.float32))
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Σᵢ mᵢxᵢ / max(Σᵢ mᵢ, 1): the mean over valid elements, 0 when there are none; at
-  least f32."""
+  least f32.
+
+  Example: the padding's NaN is not counted; nothing valid gives 0, not NaN.
+
+    >>> print(masked_mean(jnp.array([1.0, 2.0, jnp.nan]), jnp.array([1, 1, 0])))
+    1.5
+    >>> print(masked_mean(jnp.array([1.0, 2.0, jnp.nan]), jnp.zeros(3)))
+    0.0
+  """
   return masked_sum(x, mask) / jnp.maximum(masked_count(mask), 1.0)

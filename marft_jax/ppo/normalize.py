@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.ppo.masked import at_least_float32
-from marft_jax.validation import (check_ids, check_positive, check_range, check_same_shape,
-                                  check_size)
+from marft_jax.ppo._checks import check_positive, check_range
+from marft_jax.validation import check_ids, check_same_shape, check_size
 
 
 def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
@@ -47,6 +47,11 @@ def shape_rewards(r: jax.Array, scale: float = 1.0, bias: float = 0.0,
   Raises:
     ValueError: a concrete scale or bias that is NaN or inf, or clip ≤ 0 or NaN (a clip of
       0 would zero every reward; +inf means no clip).
+
+  Example: (r + 1) · 0.5 = (−1, 0.75, 2), clipped to [−1, 1].
+
+    >>> print(shape_rewards(jnp.array([-3.0, 0.5, 3.0]), scale=0.5, bias=1.0, clip=1.0))
+    [-1.    0.75  1.  ]
   """
   check_range("scale", scale, -math.inf, math.inf, low_open=True, high_open=True)
   check_range("bias", bias, -math.inf, math.inf, low_open=True, high_open=True)
@@ -94,6 +99,13 @@ def normalize(x: jax.Array, mask: jax.Array, *, center: bool = True, scale: bool
 
   Raises:
     ValueError: eps not > 0 (or NaN, inf) when concrete.
+
+  Example: μ = 2 and σ = 1 over the two valid elements; the padding's 100 is not counted.
+
+    >>> x, mask = jnp.array([1.0, 3.0, 100.0]), jnp.array([1, 1, 0])
+    >>> import numpy as np  # rounded on the host: the digits are the same on every CPU
+    >>> print(np.asarray(normalize(x, mask)).round(3))
+    [-1.  1.  0.]
   """
   check_same_shape(x=x, mask=mask)
   check_positive("eps", eps)
@@ -129,6 +141,19 @@ def agent_group_normalize(x: jax.Array, mask: jax.Array, group_ids: jax.Array,
       [0, num_agents) where mask is set (not caught under jit: an agent id out of range
       moves the element into a neighbouring group's pool), a size not an int ≥ 1, or eps
       not > 0.
+
+  Example: one group (a prompt's rollouts) of two agents, alternating: each agent's pool
+  is its own two rewards, (1, 3) and (10, 20), so each is normalised to (−1, 1) however far
+  apart the agents' scales are. Leave-one-out, centred only: each minus the other's reward.
+
+    >>> x, mask = jnp.array([1.0, 10.0, 3.0, 20.0]), jnp.ones(4)
+    >>> group, agent = jnp.zeros(4, int), jnp.array([0, 1, 0, 1])
+    >>> import numpy as np
+    >>> print(np.asarray(agent_group_normalize(x, mask, group, agent, 1, 2)).round(3))
+    [-1. -1.  1.  1.]
+    >>> print(agent_group_normalize(x, mask, group, agent, 1, 2, scale=False,
+    ...                             leave_one_out=True))
+    [ -2. -10.   2.  10.]
   """
   check_same_shape(x=x, mask=mask, group_ids=group_ids, agent_ids=agent_ids)
   num_groups = check_size("num_groups", num_groups)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marft_jax.validation import check_range, check_same_shape
+from marft_jax.ppo._checks import check_range
+from marft_jax.validation import check_same_shape
 from marft_jax.ppo.masked import at_least_float32, masked_count, masked_mean, masked_sum
 
 _sg = jax.lax.stop_gradient
@@ -67,6 +68,18 @@ def clipped_surrogate(ratio_t: jax.Array, adv_t: jax.Array, epsilon: float,
     ℓ_t, same shape.
   Raises:
     ValueError: a concrete epsilon or epsilon_high < 0 or NaN, or dual_clip ≤ 1 or NaN.
+
+  Example: ratios 0.5, 1, 1.5 with ε = 0.2. A = 1: ℓ = −min(ρ, clip(ρ)), the gain stops at
+  1.2. A = −1: ℓ = max(ρ, clip(ρ)), a ratio pushed down stops at 0.8; the dual clip c = 1.3
+  caps the loss of the exploded ratio 1.5.
+
+    >>> ratio = jnp.array([0.5, 1.0, 1.5])
+    >>> print(clipped_surrogate(ratio, jnp.ones(3), 0.2))
+    [-0.5 -1.  -1.2]
+    >>> print(clipped_surrogate(ratio, -jnp.ones(3), 0.2))
+    [0.8 1.  1.5]
+    >>> print(clipped_surrogate(ratio, -jnp.ones(3), 0.2, dual_clip=1.3))
+    [0.8 1.  1.3]
   """
   check_same_shape(ratio_t=ratio_t, adv_t=adv_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
@@ -99,6 +112,17 @@ def ppo_clip_loss(logp_t: jax.Array, old_logp_t: jax.Array, adv_t: jax.Array,
     scalar loss, 0 when every element is masked.
   Raises:
     ValueError: as `clipped_surrogate`.
+
+  Example: ratios 1.5 and 0.5 with A = 1, a third element masked: ℓ = (−1.2, −0.5), mean
+  −0.85. The clipped element gets no gradient; the other −ρ/2 = −0.25 in its log-prob.
+
+    >>> logp, old_logp = jnp.log(jnp.array([1.5, 0.5, 1.0])), jnp.zeros(3)
+    >>> adv, mask = jnp.array([1.0, 1.0, 9.0]), jnp.array([1, 1, 0])
+    >>> print(f"{ppo_clip_loss(logp, old_logp, adv, mask, epsilon=0.2):.3f}")
+    -0.850
+    >>> grad = jax.grad(ppo_clip_loss)(logp, old_logp, adv, mask, 0.2)
+    >>> print(grad[1], grad[0] == 0, grad[2] == 0)  # (0 == −0: the sign of a 0 may vary)
+    -0.25 True True
   """
   check_same_shape(logp_t=logp_t, old_logp_t=old_logp_t, adv_t=adv_t, mask_t=mask_t)
   _check_clip(epsilon, epsilon_high, dual_clip)
@@ -129,6 +153,20 @@ def decoupled_ppo_loss(logp_t: jax.Array, prox_logp_t: jax.Array, behav_logp_t: 
     scalar loss.
   Raises:
     ValueError: as `clipped_surrogate`, or a concrete imp_weight_cap ≤ 0 or NaN.
+
+  Example: `ppo_clip_loss`' ratios (1.5 and 0.5 against π_prox), the second token sampled
+  by a π_behav half as likely as π_prox (w = 2): ℓ = (−1.2, 2 · −0.5), mean −1.1. A cap of
+  1.5 drops it from the sum but not from the count: −1.2 / 2.
+
+    >>> logp, prox_logp = jnp.log(jnp.array([1.5, 0.5])), jnp.zeros(2)
+    >>> behav_logp = jnp.log(jnp.array([1.0, 0.5]))
+    >>> adv, mask = jnp.ones(2), jnp.ones(2)
+    >>> print(f"{decoupled_ppo_loss(logp, prox_logp, behav_logp, adv, mask, 0.2):.3f}")
+    -1.100
+    >>> capped = decoupled_ppo_loss(logp, prox_logp, behav_logp, adv, mask, 0.2,
+    ...                             imp_weight_cap=1.5)
+    >>> print(f"{capped:.3f}")
+    -0.600
   """
   check_same_shape(logp_t=logp_t, prox_logp_t=prox_logp_t, behav_logp_t=behav_logp_t,
                    adv_t=adv_t, mask_t=mask_t)
@@ -153,6 +191,13 @@ def importance_weights(prox_logp_t: jax.Array, behav_logp_t: jax.Array, mask_t: 
     (w_t, keep_t bool), same shape.
   Raises:
     ValueError: a concrete imp_weight_cap ≤ 0 or NaN.
+
+  Example: π_prox / π_behav = 0.5 / 0.5 and 0.5 / 0.25; a cap of 1.5 keeps the first.
+
+    >>> prox_logp, behav_logp = jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.5, 0.25]))
+    >>> weight, keep = importance_weights(prox_logp, behav_logp, jnp.ones(2), 1.5)
+    >>> print(weight, keep)
+    [1. 2.] [ True False]
   """
   check_range("imp_weight_cap", imp_weight_cap, 0.0, low_open=True)
   weight = _sg(_ratio(prox_logp_t, behav_logp_t, mask_t))
@@ -167,6 +212,12 @@ def clip_fraction(logp_t: jax.Array, old_logp_t: jax.Array, mask_t: jax.Array,
   """Diagnostic: fraction of valid elements with ρ_t outside [1 − ε, 1 + ε_high].
 
   Any shape; returns a scalar in [0, 1] with no gradient. ValueError as `clipped_surrogate`.
+
+  Example: ratios 1.5, 0.5, 1.1 with ε = 0.2: two of the three lie outside [0.8, 1.2].
+
+    >>> logp, old_logp = jnp.log(jnp.array([1.5, 0.5, 1.1])), jnp.zeros(3)
+    >>> print(f"{clip_fraction(logp, old_logp, jnp.ones(3), 0.2):.3f}")
+    0.667
   """
   _check_clip(epsilon, epsilon_high)
   epsilon_high = epsilon if epsilon_high is None else epsilon_high

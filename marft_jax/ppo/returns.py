@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from marft_jax.ppo import chains
 from marft_jax.ppo import credit as ppo_credit  # `credit` is turn_chain_advantages' mode
 from marft_jax.ppo.masked import at_least_float32
+from marft_jax.ppo._checks import check_range, check_unit_interval
 from marft_jax.validation import (check_forward_pointers, check_rank, check_same_shape,
-                                  check_unit_interval)
+                                  is_traced)
 
 
 def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | float,
@@ -70,9 +72,23 @@ def masked_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array | floa
     [T] advantages A_t, 0 at masked positions.
 
   Raises:
-    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN.
+    ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN, or a
+      v_bootstrap that is not a scalar (vmap for one per sequence).
+
+  Example: a 3-step episode, reward 1 on its last hop, every value 0.5, γ = 1, λ = 0.5.
+  δ = (0, 0, 0.5), so A₂ = 0.5, A₁ = 0 + 0.5 A₂, A₀ = 0 + 0.5 A₁; with position 1 masked,
+  its hop folds into position 0's: A₀ = δ₀₂ + (γλ)² A₂ with δ₀₂ = r₀ + r₁ + v₂ − v₀ = 0.
+
+    >>> r = jnp.array([0.0, 0.0, 1.0])
+    >>> discount = jnp.array([1.0, 1.0, 0.0])  # 0: the episode ends after position 2
+    >>> v = jnp.array([0.5, 0.5, 0.5])
+    >>> print(masked_gae(r, discount, 0.5, v, jnp.ones(3), v_bootstrap=0.0))
+    [0.125 0.25  0.5  ]
+    >>> print(masked_gae(r, discount, 0.5, v, jnp.array([1, 0, 1]), v_bootstrap=0.0))
+    [0.125 0.    0.5  ]
   """
   check_rank(1, r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t)
+  check_rank(0, v_bootstrap=v_bootstrap)
   check_same_shape(r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t)
   check_unit_interval("discount_t", discount_t)
   check_unit_interval("lambda_t", lambda_t)
@@ -134,9 +150,20 @@ def successor_gae(r_t: jax.Array, discount_t: jax.Array, lambda_t: jax.Array,
     [T] advantages, 0 at masked positions.
   Raises:
     ValueError: a concrete discount_t or lambda_t entry outside [0, 1] or NaN, or a concrete
-      next_t[t] outside (t, T].
+      next_t[t] outside (t, T], or a v_bootstrap that is not a scalar.
+
+  Example: positions 0 and 1 are parallel branches, both hopping to position 2 (γ = 1,
+  λ = 0.5): A₂ = 1 − 0.5, A₀ = (v₂ − v₀) + 0.5 A₂, A₁ = (v₂ − v₁) + 0.5 A₂.
+
+    >>> r = jnp.array([0.0, 0.0, 1.0])
+    >>> discount = jnp.array([1.0, 1.0, 0.0])
+    >>> v = jnp.array([0.25, 0.5, 0.5])
+    >>> next_t = jnp.array([2, 2, 3])  # 3: past the end
+    >>> print(successor_gae(r, discount, 0.5, v, jnp.ones(3), next_t))
+    [0.5  0.25 0.5 ]
   """
   check_rank(1, r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
+  check_rank(0, v_bootstrap=v_bootstrap)
   check_same_shape(r_t=r_t, discount_t=discount_t, v_t=v_t, mask_t=mask_t, next_t=next_t)
   check_forward_pointers("next_t", next_t, r_t.shape[0])
   check_unit_interval("discount_t", discount_t)
@@ -225,9 +252,24 @@ def action_level_advantages(r_t: jax.Array, v_t: jax.Array, done_t: jax.Array,
     (advantages, returns), both [T, N].
 
   Raises:
-    ValueError: a concrete gamma, lambda_, gamma_agent or lambda_agent outside [0, 1] or NaN.
+    ValueError: a concrete gamma, lambda_, gamma_agent or lambda_agent outside [0, 1] or NaN,
+      or a v_bootstrap that is not a scalar.
+
+  Example: two env steps of two agents, the team's reward 1 after the last action, every
+  value 0.5, γ = 1, λ = 0.5: each earlier decision gets half its successor's advantage.
+
+    >>> r = jnp.array([[0.0, 0.0], [0.0, 1.0]])  # [T=2, N=2]
+    >>> v = jnp.full((2, 2), 0.5)
+    >>> adv, ret = action_level_advantages(r, v, jnp.array([0, 1]), 0.0, gamma=1.0,
+    ...                                    lambda_=0.5)
+    >>> print(adv)
+    [[0.0625 0.125 ]
+     [0.25   0.5   ]]
+    >>> print(ret)  # v + A
+    [[0.5625 0.625 ]
+     [0.75   1.    ]]
   """
-  check_rank([2, 2, 1], r_t=r_t, v_t=v_t, done_t=done_t)
+  check_rank([2, 2, 1, 0], r_t=r_t, v_t=v_t, done_t=done_t, v_bootstrap=v_bootstrap)
   check_same_shape(r_t=r_t, v_t=v_t)
   check_same_shape(leading=1, r_t=r_t, done_t=done_t)
   _check_hops(gamma=gamma, lambda_=lambda_, gamma_agent=gamma_agent, lambda_agent=lambda_agent)
@@ -291,9 +333,24 @@ def token_level_advantages(r_t: jax.Array, v_t: jax.Array, mask_t: jax.Array,
     (advantages, returns), both [T, N, K], 0 where mask_t is 0.
 
   Raises:
-    ValueError: a concrete γ or λ argument outside [0, 1] or NaN.
+    ValueError: a concrete γ or λ argument outside [0, 1] or NaN, or a v_bootstrap that is
+      not a scalar.
+
+  Example: one env step, agent 0 writes two tokens and agent 1 one (its second slot is
+  padding), reward 1 after agent 1, every value 0.5, γ = 1, λ = 0.5 at every hop: the last
+  token gets 1 − 0.5, each earlier one half its successor's.
+
+    >>> r = jnp.array([[0.0, 1.0]])  # [T=1, N=2]
+    >>> v = jnp.full((1, 2, 2), 0.5)  # [T, N, K=2]
+    >>> mask = jnp.array([[[1, 1], [1, 0]]])
+    >>> adv, ret = token_level_advantages(r, v, mask, jnp.array([1]), 0.0, gamma=1.0,
+    ...                                   lambda_=0.5)
+    >>> print(adv[0])
+    [[0.125 0.25 ]
+     [0.5   0.   ]]
   """
-  check_rank([2, 3, 3, 1], r_t=r_t, v_t=v_t, mask_t=mask_t, done_t=done_t)
+  check_rank([2, 3, 3, 1, 0], r_t=r_t, v_t=v_t, mask_t=mask_t, done_t=done_t,
+             v_bootstrap=v_bootstrap)
   check_same_shape(v_t=v_t, mask_t=mask_t)
   check_same_shape(leading=2, r_t=r_t, v_t=v_t)
   check_same_shape(leading=1, r_t=r_t, done_t=done_t)
@@ -353,7 +410,8 @@ def turn_chain_advantages(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Ar
     team_reward_k, own_reward_k: [n] the team's and the turn's own role's reward of its env
       step (`credit.turn_credit`).
     done_k: [n] the episode ended after the turn's env step.
-    v_t: [W] values of the positions, in the layout above (0 past the last).
+    v_t: [W] values of the positions, in the layout above; W ≥ Σ length_k, and the
+      padding past the last position 0 (a value there is one the turns do not count).
     credit, credit_discount: `credit.turn_credit`'s mode and γ_c (static).
     gamma … lambda_token: the hops' discounts and trace decays, in [0, 1].
     kl_reward_t: optional [W] rewards added at every position (KL-in-reward: on a token's
@@ -363,7 +421,33 @@ def turn_chain_advantages(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Ar
 
   Returns:
     (advantages [W], returns [W]): 0 past the last position.
+  Raises:
+    ValueError: as the functions above; a v_bootstrap that is not a scalar; a kl_reward_t not
+      of v_t's shape; or concrete v_t and length_k whose layout disagrees: v_t narrower than
+      Σ length_k, or not 0 past it (a v_t of width 3 for two one-position turns).
+
+  Example: `token_level_advantages`' example as a chain of two turns in env step 0 (turn 1
+  sees turn 0), the team reward 1 on the step's last turn ("equal" credit): first one
+  position a turn, then turn 0 at two positions (its tokens), in a v_t padded to width 4.
+
+    >>> step = jnp.array([0, 0])
+    >>> sees = chains.layer_sees(step, jnp.array([0, 1]), jnp.ones(2))  # turn 1 sees turn 0
+    >>> team, own, done = jnp.ones(2), jnp.zeros(2), jnp.ones(2)
+    >>> hops = dict(credit="equal", gamma=1.0, lambda_=0.5, lambda_token=0.5)
+    >>> adv, ret = turn_chain_advantages(step, sees, jnp.ones(2), jnp.array([1, 1]), team, own,
+    ...                                  done, jnp.array([0.5, 0.5]), **hops)
+    >>> print(adv, ret)
+    [0.25 0.5 ] [0.75 1.  ]
+    >>> adv, _ = turn_chain_advantages(step, sees, jnp.ones(2), jnp.array([2, 1]), team, own,
+    ...                                done, jnp.array([0.5, 0.5, 0.5, 0.0]), **hops)
+    >>> print(adv)
+    [0.125 0.25  0.5   0.   ]
   """
+  check_rank(1, v_t=v_t, length_k=length_k)
+  check_rank(0, v_bootstrap=v_bootstrap)
+  if kl_reward_t is not None:
+    check_same_shape(v_t=v_t, kl_reward_t=kl_reward_t)
+  _check_layout(v_t, length_k)
   width = v_t.shape[0]
   next_k = chains.turn_successors(step_k, sees_kk, valid_k)
   discount_k, lambda_k = chains.turn_hops(step_k, next_k, done_k, gamma, lambda_, gamma_agent,
@@ -377,3 +461,25 @@ def turn_chain_advantages(step_k: jax.Array, sees_kk: jax.Array, valid_k: jax.Ar
   adv = successor_gae(r_t, discount_t, lambda_t, v_t, mask_t, next_t, v_bootstrap)
   v_t = jnp.asarray(v_t, adv.dtype)
   return adv, jnp.where(mask_t, v_t + adv, jnp.zeros_like(adv))
+
+
+def _check_layout(v_t, length_k) -> None:
+  """Refuses concrete values that the turns' layout would silently drop or miss.
+
+  Padding is what makes widths static (the trainer vmaps over episodes of bucketed width),
+  so a wider v_t is not an error in itself; a non-zero value past the turns' positions is
+  one the caller counted and the backup never reads: a length_k that misses a turn's tokens,
+  or one position a turn for a v_t of token values.
+  """
+  if is_traced(v_t, length_k):
+    return
+  check_range("length_k", length_k, 0)
+  filled, width = int(np.sum(length_k)), v_t.shape[0]
+  if filled > width:
+    raise ValueError(f"v_t: width {width} holds fewer positions than the {filled} that "
+                     f"length_k fills")
+  padding = np.asarray(v_t)[filled:]
+  if np.any(padding != 0):
+    t = filled + int(np.argmax(padding != 0))
+    raise ValueError(f"v_t[{t}]={np.asarray(v_t)[t].item()!r}: past the {filled} positions "
+                     f"that length_k fills, where v_t is padding and must be 0 (width {width})")

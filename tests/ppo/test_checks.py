@@ -144,6 +144,34 @@ def test_bad_python_number_is_refused_by_name(name, index, bad):
     call(bad)
 
 
+NAN_CASES = [(name, i, bad) for name, i, bad in CASES
+             if isinstance(bad, float) and math.isnan(bad)]
+
+
+@pytest.mark.parametrize("name,index,bad", NAN_CASES)
+def test_nan_is_refused_as_nan(name, index, bad):
+  """NaN fails every range, but "epsilon=nan: must be >= 0" read as if it were negative."""
+  with pytest.raises(ValueError, match=rf"^{re.escape(name)}(=nan: must be .+, not NaN$|: "
+                     rf"\d+ entr(y is|ies are) NaN; each must be )"):
+    CALLS[name][index][0](bad)
+
+
+def test_nan_messages_say_the_range():
+  cases = [
+      (lambda: ppo.ppo_clip_loss(_r(T), _r(T), _r(T), _m(T), NAN),
+       "epsilon=nan: must be >= 0, not NaN"),
+      (lambda: ppo.masked_gae(_r(T), _r(T), NAN, _r(T), _m(T), 0.0),
+       "lambda_t=nan: must be in [0, 1], not NaN"),
+      (lambda: ppo.huber_loss(_r(T), np.float32(NAN)),
+       "delta=nan: must be finite and > 0, not NaN"),
+      (lambda: ppo.masked_gae(_r(T), np.array([1.0, NAN, 0.5, NAN]), 0.9, _r(T), _m(T), 0.0),
+       "discount_t: 2 entries are NaN; each must be in [0, 1]"),
+  ]
+  for call, message in cases:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+      call()
+
+
 @pytest.mark.parametrize("name", ["gamma", "epsilon", "delta", "temperature", "eps"])
 def test_bad_concrete_0d_array_is_refused_by_name(name):
   call, values = CALLS[name][0]
@@ -308,6 +336,51 @@ SHAPE_CASES = [
      "own_reward_k: shape (3,) differs from team_reward_k's (4,)"),
     (lambda: ppo.token_to_action_frame(_r(T, 2), 0.0), "x_t: shape (4, 2) has rank 2, expected 1"),
 ]
+
+
+# One episode of two turns, one position each: `turn_chain_advantages`' arrays but v_t.
+TWO = np.array([0, 0])
+TWO_TURNS = (TWO, ppo.layer_sees(TWO, np.array([0, 1]), _m(2)), _m(2), np.ones(2, np.int32),
+             _r(2), _r(2), np.array([0, 1]))
+CHAIN = dict(credit="equal", gamma=0.9, lambda_=0.9)
+
+# A v_bootstrap of one value per sequence: today's rank check, before `lax.scan` met it as a
+# carry of the wrong shape (TypeError) or `.at[T].set` failed to broadcast it.
+BOOTSTRAP_CASES = [
+    (lambda: ppo.masked_gae(_r(T), _r(T), 0.9, _r(T), _m(T), _r(2))),
+    (lambda: ppo.successor_gae(_r(T), _r(T), 0.9, _r(T), _m(T), NEXT, _r(2))),
+    (lambda: ppo.action_level_advantages(_r(T, N), _r(T, N), DONE, _r(T), 0.9, 0.9)),
+    (lambda: ppo.token_level_advantages(_r(T, N), _r(T, N, K), _m(T, N, K), DONE, _r(1), 0.9,
+                                        0.9)),
+    (lambda: ppo.turn_chain_advantages(*TWO_TURNS, _r(2), v_bootstrap=_r(2), **CHAIN)),
+    (lambda: jax.jit(ppo.masked_gae)(_r(T), _r(T), 0.9, _r(T), _m(T), jnp.zeros(2))),
+]
+
+
+@pytest.mark.parametrize("index", range(len(BOOTSTRAP_CASES)))
+def test_a_v_bootstrap_that_is_not_a_scalar_is_refused_by_name(index):
+  # No `$`: under jit, JAX appends a note on its filtered traceback to the message.
+  with pytest.raises(ValueError, match=r"^v_bootstrap: shape \((1|2|4),\) has rank 1, "
+                     r"expected 0"):
+    BOOTSTRAP_CASES[index]()
+
+
+def test_turn_chain_v_t_must_fit_its_turns():
+  # Width 3 for two one-position turns: the third value was dropped without a word.
+  with pytest.raises(ValueError, match=re.escape(
+      "v_t[2]=0.5: past the 2 positions that length_k fills, where v_t is padding and must be "
+      "0 (width 3)")):
+    ppo.turn_chain_advantages(*TWO_TURNS, np.array([0.5, 0.5, 0.5], np.float32), **CHAIN)
+  with pytest.raises(ValueError, match=re.escape(
+      "v_t: width 1 holds fewer positions than the 2 that length_k fills")):
+    ppo.turn_chain_advantages(*TWO_TURNS, np.array([0.5], np.float32), **CHAIN)
+  with pytest.raises(ValueError, match=re.escape(
+      "kl_reward_t: shape (2,) differs from v_t's (3,)")):
+    ppo.turn_chain_advantages(*TWO_TURNS, _r(3), kl_reward_t=_r(2), **CHAIN)
+  # Zero padding is the layout of a batch of episodes (vmapped: not checked, traced).
+  adv, _ = ppo.turn_chain_advantages(*TWO_TURNS, np.array([0.5, 0.5, 0.0], np.float32),
+                                     **CHAIN)
+  assert adv.shape == (3,) and adv[2] == 0.0
 
 
 def test_a_wrong_shape_is_refused_naming_the_argument_under_jit():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from marft_jax import ppo
-from marft_jax.ppo.policy_loss import importance_weights
+from marft_jax.ppo import policy_loss
 
 ATOL = 1e-5
 
@@ -85,7 +85,7 @@ def test_importance_weights_match_numpy(cap):
   rng = np.random.default_rng(5)
   _, prox, _, mask = random_case(rng, 9, "random")
   behav = prox + rng.normal(size=9) * 0.4
-  weight, keep = importance_weights(prox, behav, mask, cap)
+  weight, keep = ppo.importance_weights(prox, behav, mask, cap)
   want = np.where(mask, np.exp(prox - behav), 1.0)  # masked elements: w = 1
   np.testing.assert_allclose(weight, want, rtol=1e-5)
   want_keep = mask & (want <= cap) if cap is not None else mask
@@ -93,7 +93,12 @@ def test_importance_weights_match_numpy(cap):
   if cap is not None:
     assert 0 < want_keep.sum() < mask.sum()  # the cap dropped some, kept some
   with pytest.raises(ValueError, match="imp_weight_cap=0"):
-    importance_weights(prox, behav, mask, 0.0)
+    ppo.importance_weights(prox, behav, mask, 0.0)
+
+
+def test_importance_weights_is_exported():
+  # Public, documented, and what the trainer's update calls; it was reachable only by its module.
+  assert ppo.importance_weights is policy_loss.importance_weights
 
 
 def test_decoupled_ppo_is_ppo_when_behaviour_is_proximal():

@@ -58,6 +58,13 @@ def _pick(xs, *indices):
   return tuple(xs[i] for i in indices)
 
 
+def _chain_args(rng):
+  """`turn_chain_advantages`' arrays: v_t over 3T positions, 0 past those the turns fill."""
+  step, sees, valid, length = _pick(_turns(rng), 0, 1, 2, 4)
+  v = np.where(np.arange(3 * T) < length.sum(), _f(rng, 3 * T), 0.0).astype(np.float32)
+  return step, sees, valid, length, _f(rng, T), _f(rng, T), rng.random(T) < 0.3, v
+
+
 # name -> (function with static arguments bound, example arguments for one instance)
 EXAMPLES = {
     "masked_sum": (ppo.masked_sum, lambda r: (_f(r, T), _mask(r, T))),
@@ -78,8 +85,7 @@ EXAMPLES = {
     "turn_chain_advantages": (
         functools.partial(ppo.turn_chain_advantages, credit="step_discount", gamma=0.9,
                           lambda_=0.8, gamma_agent=0.95, gamma_token=0.9, credit_discount=0.5),
-        lambda r: _pick(_turns(r), 0, 1, 2, 4) + (_f(r, T), _f(r, T), r.random(T) < 0.3,
-                                                  _f(r, 3 * T))),
+        lambda r: _chain_args(r)),
     "turn_successors": (ppo.turn_successors, lambda r: _turns(r)[:3]),
     "layer_sees": (ppo.layer_sees, lambda r: _pick(_turns(r), 0, 5, 2)),
     "hops_to_sink": (ppo.hops_to_sink, lambda r: _pick(_turns(r), 0, 3)),
@@ -104,6 +110,8 @@ EXAMPLES = {
     "decoupled_ppo_loss": (
         functools.partial(ppo.decoupled_ppo_loss, epsilon=0.2, imp_weight_cap=2.0),
         lambda r: (_logp(r, T), _logp(r, T), _logp(r, T), _f(r, T), _mask(r, T))),
+    "importance_weights": (functools.partial(ppo.importance_weights, imp_weight_cap=1.5),
+                           lambda r: (_logp(r, T), _logp(r, T), _mask(r, T))),
     "clip_fraction": (functools.partial(ppo.clip_fraction, epsilon=0.2),
                       lambda r: (_logp(r, T), _logp(r, T), _mask(r, T))),
     "huber_loss": (functools.partial(ppo.huber_loss, delta=1.0), lambda r: (_f(r, T) * 3,)),
