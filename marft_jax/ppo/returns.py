@@ -26,7 +26,10 @@ out-of-range value given as a number or a concrete array raises `ValueError` nam
 argument. Traced values are checked only under `checkify` (see `marft_jax.ppo`); without
 it the backup runs with the bad value (γ > 1 grows advantages geometrically, NaN spreads
 to every earlier position). Values at masked positions are never read, so padding may hold
-NaN or inf without reaching the advantages or their gradients.
+NaN or inf without reaching the advantages or their gradients; the one exception is the
+padding of `turn_chain_advantages`' v_t past the positions its turns fill, which must be 0
+when concrete (a value there is one its length_k does not count). v_bootstrap is a scalar
+(one sequence: vmap for a batch); anything else is refused by name before the scan.
 """
 
 from __future__ import annotations
