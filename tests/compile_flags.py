@@ -10,6 +10,7 @@ would (one device) passes `FAST_COMPILE` alone.
     these three changes what a program computes (fast-math stays off)."""
 
 import importlib.metadata
+import os
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -26,3 +27,11 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 " + _OLDER_EMITTERS +
                 "--xla_cpu_parallel_codegen_split_count=1 "
                 "--xla_llvm_disable_expensive_passes=true "
                 "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+
+# Another instruction set for the whole suite and every process it starts: XLA:CPU then
+# compiles as it would for a narrower CPU (`MARFT_TEST_MAX_ISA=SSE4_2` or `AVX2`), which
+# rounds f32 otherwise. CI runs the exactness-sensitive tests (`-m exactness`) a second time
+# so, to show they hold on CPUs other than the one a result was recorded on.
+MAX_ISA = os.environ.get("MARFT_TEST_MAX_ISA", "")
+if MAX_ISA:
+  FAST_COMPILE += f" --xla_cpu_max_isa={MAX_ISA}"

@@ -12,6 +12,8 @@ from marft_jax import sharding
 from marft_jax.models import config as config_lib
 from marft_jax.models import transformer
 
+pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -27,6 +27,8 @@ from marft_jax.models import layout, sampler, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.models.targets import linear_shapes
 
+pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
+
 LAYOUTS = (layout.TRAINING, layout.DECODING)
 MODES = ("none", "per_sequence", "per_token")
 B, T, N = 3, 9, 12

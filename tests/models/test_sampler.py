@@ -11,6 +11,8 @@ from marft_jax.models import (layout, sampler, sampler_plan, targets, token_samp
                               transformer)
 from marft_jax.models.config import tiny_config
 
+pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
+
 CONFIG = tiny_config()
 V = CONFIG.vocab_size
 LENS = np.array([11, 4, 7])  # real prompt tokens per row (bucket 16)

@@ -254,6 +254,7 @@ def straight(model, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.exactness
 def test_a_slow_sampler_or_a_slow_learner_trains_the_same_bits(model, straight, tmp_path,
                                                                monkeypatch):
   """η = 2: with the sampler slow, version k − 1 is out before iteration k samples (a
@@ -288,6 +289,7 @@ def _killed_run(workdir):
   loop.train(_config(), workdir, model=_model(), progress=False, on_iteration=kill)
 
 
+@pytest.mark.exactness
 def test_kill_9_then_resume_trains_every_iteration_once_as_an_uninterrupted_run(
     model, straight, tmp_path):
   workdir = str(tmp_path / "killed")
@@ -303,6 +305,7 @@ def test_kill_9_then_resume_trains_every_iteration_once_as_an_uninterrupted_run(
   _assert_same_run(_config(), model, straight, workdir)
 
 
+@pytest.mark.exactness
 def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninterrupted(
     model, straight, tmp_path, monkeypatch):
   """Ctrl-C (SIGINT) after iteration 1 of the η = 2 run, while the sampler thread is inside
@@ -360,6 +363,7 @@ def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninter
   _assert_same_run(_config(), model, straight, workdir)
 
 
+@pytest.mark.exactness
 def test_a_signal_while_the_learner_waits_for_its_batch_stops_at_once_and_resumes_exactly(
     model, straight, tmp_path, monkeypatch):
   """SIGTERM arrives while the learner waits in `take(3)` for the sampler's iteration 3, held

@@ -9,11 +9,8 @@ log-probs), and the config's refusals naming their keys.
 """
 
 import dataclasses
-import glob
-import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 
@@ -36,6 +33,8 @@ from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.batching import make_batch
+from tests import exactness
+from tests.fixtures.before_backbones import make as before_backbones
 from tests.train import echo_config
 from tests.train.test_advantages import TurnSpec
 from tests.train.test_dag_credit import closure, reference_advantages
@@ -235,7 +234,6 @@ def test_every_turn_trains_on_exactly_what_it_sampled(models, played):
 
 HOPS = dict(gamma=0.9, lambda_=0.8, gamma_agent=0.95, lambda_agent=0.7, gamma_token=0.97,
             lambda_token=0.9)
-DIGEST = re.compile(r"^time/|_s$|tok_s$|compile|^backbone/")
 
 
 def _trainer_models(smol_tokenizer):
@@ -247,37 +245,32 @@ def _trainer_models(smol_tokenizer):
   return {"main": main, "smol": smol}
 
 
-def _digest(workdir, metrics) -> str:
-  """The trained adapters (their PEFT exports' bytes) and the last iteration's metrics."""
-  h = hashlib.sha256()
-  for path in sorted(glob.glob(os.path.join(workdir, "exports", "step_*", "*",
-                                            "adapter_model.safetensors"))):
-    h.update(open(path, "rb").read())
-  for k in sorted(metrics):
-    if not DIGEST.search(k):
-      h.update(f"{k}={metrics[k]!r};".encode())
-  return h.hexdigest()[:16]
+_digest = before_backbones.digest  # a run's adapters (PEFT exports' bytes) and last metrics
 
 
-# main's code (abccff6, before backbones existed) on this suite's compiler flags: a run's
-# adapters and metrics (`_digest`) after 2 iterations of the echo marft_t team below.
-MAIN_DIGEST = "14195440228a2a89"
-
-
+@pytest.mark.exactness
 def test_a_team_on_one_declared_backbone_trains_bit_for_bit_as_before(tmp_path):
   """The default run (no backbone declared) and the same team on one explicitly declared
-  backbone train exactly as main's code did."""
+  backbone train alike, bit for bit, and as main's code did before backbones existed
+  (tests/fixtures/before_backbones): bit for bit where that record's codegen is this
+  process's, within the measured cross-host spread elsewhere on XLA:CPU."""
   model = echo_config.tiny_trainer_model(num_layers=1)
   config = echo_config.echo_config("marft_t", num_envs=4, iterations=2)
-  before = _digest(str(tmp_path / "a"), loop.train(config, str(tmp_path / "a"), model=model,
-                                                   progress=False))
+  before_dir, after_dir = str(tmp_path / "a"), str(tmp_path / "b")
+  before = before_backbones.digest(before_dir, loop.train(config, before_dir, model=model,
+                                                          progress=False))
   declared = _on_one_backbone(config, source="tiny")
   assert declared.used_backbones == ("solo",)
-  after = _digest(str(tmp_path / "b"), loop.train(declared, str(tmp_path / "b"),
-                                                  model={"solo": model}, progress=False))
-  assert before == after
-  if jax.default_backend() == "cpu":  # MAIN_DIGEST was recorded on XLA:CPU
-    assert after == MAIN_DIGEST
+  metrics = loop.train(declared, after_dir, model={"solo": model}, progress=False)
+  assert before == before_backbones.digest(after_dir, metrics)
+  with open(os.path.join(before_backbones.HERE, "record.json")) as f:
+    main = json.load(f)
+  if exactness.same_codegen(main["codegen"]):
+    assert before == main["digest"]
+  elif jax.default_backend() == "cpu":
+    with np.load(os.path.join(before_backbones.HERE, "adapters.npz")) as recorded:
+      exactness.assert_states_close(before_backbones.adapters(after_dir), dict(recorded))
+    exactness.assert_metrics_close(before_backbones.compared_metrics(metrics), main["metrics"])
 
 
 def _on_one_backbone(config, **backbone):
@@ -401,6 +394,7 @@ def assert_resumes_bit_for_bit(trained, tmp_path):
   return template, restored
 
 
+@pytest.mark.exactness
 def test_a_split_run_resumes_bit_for_bit_and_exports_each_role_on_its_base(trained, tmp_path):
   straight = trained["workdir"]
   template, restored = assert_resumes_bit_for_bit(trained, tmp_path)

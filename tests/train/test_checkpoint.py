@@ -58,6 +58,7 @@ def meta(step, config=CONFIG):
           "agent_schedule": [0, 1], "config": config}
 
 
+@pytest.mark.exactness
 def test_round_trip_into_a_fresh_state_is_bit_exact(tmp_path):
   state = make_state(seed=0)
   with Checkpointer(tmp_path) as ckpt:

@@ -49,6 +49,7 @@ def _stopping_at(monkeypatch, call):
   return made
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("stop_at", [1, 2])
 def test_a_stopped_evaluation_resumes_with_only_the_calls_left_and_equals_the_whole(
     model, tmp_path, monkeypatch, stop_at):

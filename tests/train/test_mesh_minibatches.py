@@ -21,6 +21,8 @@ from marft_jax.train.update import minibatch_slots
 from tests.fixtures.old_checkpoints import make
 from tests.train.echo_config import echo_config, tiny_trainer_model
 
+pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
+
 
 def _cases(count: int, seed: int = 0):
   """(team rows, minibatches, shards, processes, real rows per process, epochs), drawn."""

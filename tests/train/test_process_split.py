@@ -169,6 +169,7 @@ def test_advantages_of_each_processs_block_equal_the_whole_batchs(level, dropped
 # --- the rollout -------------------------------------------------------------------------------
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("context_mode", ["per_agent", "shared_stream"])
 def test_a_rollout_through_process_rows_equals_one_without(model, context_mode):  # noqa: F811
   """One process's `ProcessRows` path (rows placed from host blocks, read back per shard, a

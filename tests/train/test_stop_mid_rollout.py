@@ -17,6 +17,8 @@ from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import loop
 from tests.train.test_async_rollout import _assert_same_run, _config, _metrics, _model
 
+pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
+
 
 @pytest.fixture(scope="module")
 def model():

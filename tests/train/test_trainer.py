@@ -118,6 +118,7 @@ class _Learned(Exception):
   pass
 
 
+@pytest.mark.exactness
 def test_resume_is_exact(model, tmp_path):
   """4 iterations straight vs 2, a crash in the 3rd (before its checkpoint), and a resume of
   the same command: identical adapters, critic, optimizer states and metrics."""
