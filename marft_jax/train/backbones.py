@@ -362,12 +362,14 @@ def _value_shared(critic: shared_critic.SharedCritic, params, kept, batch: Train
 def _train_critic(critic: shared_critic.SharedCritic, state: TrainState, rows, extras, batch,
                   token_level: bool, placed, key) -> tuple[TrainState, dict]:
   """The shared critic's update over every turn (`rows`, with the team `batch`'s targets):
-  (its backbone's state with the new critic, its metrics)."""
+  (its backbone's state with the new critic, its metrics, with the turns it could not read
+  to the end, `CriticBatch.unaligned`)."""
   filled = shared_critic.with_targets(rows, batch, token_level)
   new, new_opt, metrics = critic.update(state.critic, state.critic_opt, critic.model.params,
                                         placed(filled), extras, key)
   return (state.replace(critic=new, critic_opt=new_opt),
-          {k: float(v) for k, v in metrics.items()})
+          {**{k: float(v) for k, v in metrics.items()},
+           "critic/unaligned_turns": float(np.sum(rows.unaligned))})
 
 
 # The fields `compute_advantages` fills in.

@@ -19,15 +19,22 @@ critic reads each turn's state as text in its own vocabulary:
                 u_j = prompt_len − 1 + #{i : e_i ≤ c_j}
 
             with e_i the characters the critic's reply tokens up to i reach
-            (`value_positions`, `agreed_lengths`). A critic token that straddles c_j is left
-            out: the value of a decision must not read any of the token being decided (a
-            baseline that sees the action is biased); its state then holds a few characters
-            less than the policy's. Characters are counted whole: a multi-byte character
-            split between tokens counts in c_j only once the policy has written all of it,
-            and in e_i as soon as a critic token holds any byte of it. Decision 0, the turn's
-            action-level value, sits on the critic prompt's last token, so a successor's
-            first-token value, which its predecessors bootstrap from, is the critic's at the
-            successor's own prompt in the critic's tokens.
+            (`value_positions`, `written_lengths`, `reached_lengths`). A critic token that
+            straddles c_j is left out: the value of a decision must not read any of the token
+            being decided (a baseline that sees the action is biased); its state then holds a
+            few characters less than the policy's. Characters are counted whole: a multi-byte
+            character split between tokens counts in c_j only once the policy has written all
+            of it (a U+FFFD, invalid UTF-8, once no byte after it could still complete a
+            character), and in e_i as soon as a critic token holds any byte of it. e_i is
+            known only while the critic's tokens spell the reply's text, their special tokens
+            spelled out (a literal "<|im_end|>" in a reply is one token to the critic) and
+            characters its vocabulary has no ids for skipped. Where they stop spelling it, e_i
+            and every later one count as past the end: each later decision is valued at the
+            last critic token before that point, never at one that may hold text the policy
+            had not written, and the turn is counted in `critic/unaligned_turns`. Decision 0,
+            the turn's action-level value, sits on the critic prompt's last token, so a
+            successor's first-token value, which its predecessors bootstrap from, is the
+            critic's at the successor's own prompt in the critic's tokens.
   training  the value loss over every role's turns (`CriticBatch`, one row per turn of the
             team batch, in its order), each decision's target at its u_j: several decisions
             on one critic position each pull it toward their own return (least squares:
@@ -35,7 +42,8 @@ critic reads each turn's state as text in its own vocabulary:
             epochs × minibatches as the policy's), its loss `update.LossConfig`'s value loss.
 
 A turn of a role on the critic's backbone is valued exactly as on one backbone (u_j = its
-own position), so a team on one backbone never comes here (`loop` runs it as before).
+own position), so a team on one backbone never comes here (`loop` runs it as before). Where a
+re-tokenized turn differs from what one backbone would read: docs/shared_critic.md.
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ from marft_jax.train.batching import TrainBatch, row_length
 from marft_jax.train.update import (LossConfig, all_finite, critic_step, minibatch_slots,
                                     value_objective)
 
+_REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a character
+
 
 @struct.dataclass
 class CriticBatch:
@@ -70,6 +80,9 @@ class CriticBatch:
   value_valid: np.ndarray  # [B, P] bool: decisions the value loss trains on
   old_value: np.ndarray  # [B, P] f32: the values at rollout time (the clip's centre)
   returns: np.ndarray  # [B, P] f32: the value targets
+  # [B] bool: re-tokenized turns whose critic tokens stop spelling the reply's text (each later
+  # decision valued at the last critic token before where they stop; `critic/unaligned_turns`)
+  unaligned: np.ndarray
 
 
 @struct.dataclass
@@ -80,19 +93,103 @@ class CriticExtras:
 # --- the critic's view of each turn (host) ------------------------------------------------------
 
 
-def agreed_lengths(tokenizer, prefixes: Sequence[Sequence[int]], text: str,
-                   reach: bool = False) -> np.ndarray:
-  """[n] how many whole characters of `text` each prefix of token ids gives, non-decreasing.
+def written_lengths(tokenizer, prefixes: Sequence[Sequence[int]], text: str) -> np.ndarray:
+  """[n] c_j: the whole characters of `text` (the policy's decoded reply) each prefix of its
+  sampled ids had written, non-decreasing.
 
-  A prefix that ends inside a multi-byte character decodes to a replacement character there
-  (its decoding then leaves `text` after their common prefix, k characters): it gives k
-  characters, or with `reach` k + 1 (it holds bytes of character k: it reaches into it)."""
+  A prefix's decoding agrees with `text` on its first k characters. A U+FFFD it ends on may
+  be a character's first bytes, which the next token decides (continued, a character;
+  broken off, U+FFFD in `text` too): it counts only where no continuation byte after it
+  (`_continuations`) decodes otherwise; in a vocabulary without byte tokens to try, none of
+  the U+FFFDs it ends on counts."""
   decoded = tokenizer.batch_decode([list(p) for p in prefixes], skip_special_tokens=True)
+  continuations = _continuations(tokenizer)
+  lengths = []
+  for p, d in zip(prefixes, decoded):
+    k = len(os.path.commonprefix([d, text]))
+    if k == len(d) and d.endswith(_REPLACEMENT):
+      if not continuations:  # how many of its U+FFFDs may be bytes still open: all
+        k = len(d.rstrip(_REPLACEMENT))
+      elif not _broken_off(tokenizer, list(p), d, continuations):
+        k -= 1  # one (a byte-level vocabulary decodes what is open as one U+FFFD)
+    lengths.append(k)
+  return _running_max(lengths)
+
+
+def reached_lengths(tokenizer, prefixes: Sequence[Sequence[int]], text: str
+                    ) -> tuple[np.ndarray, bool]:
+  """([n] e_i: how many characters of `text` each prefix of the critic's ids of `text`
+  reaches, non-decreasing; whether every prefix is accounted for).
+
+  A prefix reaches k where it decodes to text[:k] (special tokens spelled out: the critic's
+  tokenizer reads a reply's literal "<|im_end|>" as its special token), k + 1 where it
+  decodes to text[:k] then U+FFFD, fewer than character k has bytes (those bytes so far).
+  Characters the tokenizer gives no ids for (`_unencoded`: SmolLM2's GGUF vocabulary has no
+  token for bytes 0x04, 0x13, ...) may be skipped: a prefix that spells `text` without them
+  reaches up to its last character. Where both readings fit, the farther counts. A prefix
+  that neither fits reaches past the whole text (len(text) + 1), and so does every later
+  one: no decision is valued at it, each at the last prefix known to end before it
+  (`value_positions`)."""
+  decoded = tokenizer.batch_decode([list(p) for p in prefixes], skip_special_tokens=False)
+  dropped = _unencoded(tokenizer, text)
+  kept = [i for i, ch in enumerate(text) if ch not in dropped]
+  spelled = "".join(text[i] for i in kept)
   lengths = []
   for d in decoded:
-    k = len(os.path.commonprefix([d, text]))
-    lengths.append(k + 1 if reach and k < len(d) else k)
-  return np.maximum.accumulate(np.asarray(lengths, np.int64)) if lengths else \
+    reach = [_reach(d, text)]
+    if dropped:
+      k = _reach(d, spelled)
+      reach.append(None if k is None else kept[k - 1] + 1 if k else 0)
+    known = [k for k in reach if k is not None]
+    lengths.append(max(known) if known else len(text) + 1)
+  ends = _running_max(lengths)
+  return ends, bool(np.all(ends <= len(text)))
+
+
+def _reach(decoded: str, text: str) -> Optional[int]:
+  """k where `decoded` is text[:k]; k + 1 where it is text[:k] then U+FFFD, fewer than
+  character k's bytes in UTF-8 (those of it so far); None otherwise."""
+  k = len(os.path.commonprefix([decoded, text]))
+  tail = decoded[k:]
+  if not tail:
+    return k
+  if (k < len(text) and len(tail) < len(text[k].encode("utf-8"))
+      and not tail.strip(_REPLACEMENT)):
+    return k + 1
+  return None
+
+
+def _continuations(tokenizer) -> list[list[int]]:
+  """Ids of byte strings that continue any character's first bytes (0x80, 0x90 or 0xA0, then
+  0x80s: one of them fits each lead byte) in a byte-level vocabulary's alphabet, checked
+  to do so (0xC3 0x80 is "À"); none for another vocabulary."""
+  # Here, not at the top: a tokenizer has loaded transformers by now; importers of this module
+  # that never tokenize need not.
+  from transformers.convert_slow_tokenizer import bytes_to_unicode
+  spelling = bytes_to_unicode()
+  ids = {b: tokenizer.convert_tokens_to_ids(spelling[b]) for b in (0xC3, 0x80, 0x90, 0xA0)}
+  if any(i is None or i == tokenizer.unk_token_id for i in ids.values()) or \
+      tokenizer.decode([ids[0xC3], ids[0x80]]) != "\u00c0":
+    return []
+  return [[ids[first]] + [ids[0x80]] * n for first in (0x80, 0x90, 0xA0) for n in range(3)]
+
+
+def _broken_off(tokenizer, prefix: list[int], decoded: str, continuations) -> bool:
+  """Whether the U+FFFD `prefix` decodes to at its end (`decoded`) stays, whatever follows:
+  no continuation decodes otherwise."""
+  tried = tokenizer.batch_decode([prefix + c for c in continuations], skip_special_tokens=True)
+  return all(t.startswith(decoded) for t in tried)
+
+
+def _unencoded(tokenizer, text: str) -> frozenset:
+  """The characters of `text` that `tokenizer` gives no ids for, each on its own."""
+  chars = sorted(set(text))
+  ids = tokenizer(chars, add_special_tokens=False)["input_ids"] if chars else []
+  return frozenset(ch for ch, i in zip(chars, ids) if not i)
+
+
+def _running_max(lengths: Sequence[int]) -> np.ndarray:
+  return np.maximum.accumulate(np.asarray(lengths, np.int64)) if len(lengths) else \
       np.zeros((0,), np.int64)
 
 
@@ -103,9 +200,9 @@ def value_positions(prompt_len: int, reply_starts: np.ndarray, critic_ends: np.n
   Args:
     prompt_len: the critic's prompt tokens (≥ 1).
     reply_starts: [n] c_j, the whole characters of the reply text the policy wrote before its
-      token j (`agreed_lengths`).
+      token j (`written_lengths`).
     critic_ends: [m] e_i, the characters the critic's reply tokens up to i reach
-      (`agreed_lengths(reach=True)`; non-decreasing).
+      (`reached_lengths`; non-decreasing, len(text) + 1 past where they stop agreeing).
   Returns:
     [n] int32 critic positions.
   """
@@ -114,19 +211,20 @@ def value_positions(prompt_len: int, reply_starts: np.ndarray, critic_ends: np.n
 
 
 def critic_row(turn, reply_ids: Sequence[int], policy_tokenizer, tokenizer
-               ) -> tuple[list[int], np.ndarray]:
+               ) -> tuple[list[int], np.ndarray, bool]:
   """(the critic's tokens of a turn of another backbone: its prompt messages in `tokenizer`'s
-  chat template, then its reply's text; [n] u_j of each of its n sampled `reply_ids`)."""
+  chat template, then its reply's text; [n] u_j of each of its n sampled `reply_ids`;
+  whether the critic's tokens of the reply spell its text to the end, `reached_lengths`)."""
   if not turn.messages:
     raise ValueError(f"the {turn.role!r} turn has no prompt messages to re-tokenize (a "
                      "per-agent view turn records them)")
   prompt = chat_prompt(tokenizer, turn.messages)
   reply = tokenizer(turn.reply, add_special_tokens=False)["input_ids"]
-  starts = agreed_lengths(policy_tokenizer, [reply_ids[:j] for j in range(len(reply_ids))],
-                          turn.reply)
-  ends = agreed_lengths(tokenizer, [reply[:i + 1] for i in range(len(reply))], turn.reply,
-                        reach=True)
-  return list(prompt) + list(reply), value_positions(len(prompt), starts, ends)
+  starts = written_lengths(policy_tokenizer, [reply_ids[:j] for j in range(len(reply_ids))],
+                           turn.reply)
+  ends, aligned = reached_lengths(tokenizer, [reply[:i + 1] for i in range(len(reply))],
+                                  turn.reply)
+  return list(prompt) + list(reply), value_positions(len(prompt), starts, ends), aligned
 
 
 def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: int,
@@ -136,7 +234,7 @@ def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: i
   one turn a row; `owner` [R] each row's backbone, `tokenizers` each backbone's, the critic's
   at `critic_index`), padded to `num_rows` rows; targets zero until `with_targets`."""
   tokenizer = tokenizers[critic_index]
-  rows, positions = [], []
+  rows, positions, unaligned = [], [], []
   for episode in episodes:
     for sequence in episode.sequences:
       if len(sequence.spans) != 1:  # `backbones.check_backbones` refuses the shared stream
@@ -147,11 +245,13 @@ def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: i
       if owner[r] == critic_index:
         rows.append(ids)
         positions.append(np.arange(span.start - 1, span.end - 1, dtype=np.int32))
+        unaligned.append(False)
       else:
-        tokens, u = critic_row(episode.turns[span.step], ids[span.start:span.end],
-                               tokenizers[owner[r]], tokenizer)
+        tokens, u, aligned = critic_row(episode.turns[span.step], ids[span.start:span.end],
+                                        tokenizers[owner[r]], tokenizer)
         rows.append(np.asarray(tokens, np.int32))
         positions.append(u)
+        unaligned.append(not aligned)
   if len(rows) > num_rows:
     raise ValueError(f"{len(rows)} turns for a critic batch of {num_rows} rows")
   T, P = row_length(max(len(r) for r in rows), row_length_step), batch.tokens.shape[1]
@@ -162,9 +262,11 @@ def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: i
     tokens[r, :len(ids)], mask[r, :len(ids)] = ids, True
     value_pos[r, np.flatnonzero(batch.act_mask[r])] = u
   zeros = np.zeros((num_rows, P), np.float32)
+  flags = np.zeros((num_rows,), bool)
+  flags[:len(unaligned)] = unaligned
   return CriticBatch(tokens=tokens, mask=mask, act_agent=np.full((num_rows, T), -1, np.int32),
                      value_pos=value_pos, value_valid=np.zeros((num_rows, P), bool),
-                     old_value=zeros, returns=zeros)
+                     old_value=zeros, returns=zeros, unaligned=flags)
 
 
 def team_values(values: np.ndarray, critic: CriticBatch, batch: TrainBatch) -> np.ndarray:

@@ -8,8 +8,8 @@ written from its definition (the longest critic prefix whose text the policy had
 before the decided token); test_dag_credit's NumPy backups.
 """
 
+import codecs
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,17 +44,18 @@ def test_a_decision_is_valued_at_the_last_critic_token_ending_before_it():
       shared_critic.value_positions(3, np.array([0, 2, 3]), np.array([2, 3, 6])), [2, 3, 4])
 
 
-def test_agreed_lengths_count_a_character_split_between_tokens_whole(smol_tokenizer):
+def test_written_and_reached_lengths_count_a_character_split_between_tokens_whole(smol_tokenizer):
   """"é" is two bytes: a prefix ending between them has not written it (1 character), but
   reaches into it (2)."""
   text = "aé b"
   byte_ids = [smol_tokenizer.convert_tokens_to_ids(t) for t in ("a", "Ã", "©", "Ġb")]
   assert smol_tokenizer.decode(byte_ids) == text
   prefixes = [byte_ids[:i] for i in range(5)]
-  np.testing.assert_array_equal(shared_critic.agreed_lengths(smol_tokenizer, prefixes, text),
+  np.testing.assert_array_equal(shared_critic.written_lengths(smol_tokenizer, prefixes, text),
                                 [0, 1, 1, 2, 4])
-  np.testing.assert_array_equal(
-      shared_critic.agreed_lengths(smol_tokenizer, prefixes, text, reach=True), [0, 1, 2, 2, 4])
+  ends, aligned = shared_critic.reached_lengths(smol_tokenizer, prefixes, text)
+  np.testing.assert_array_equal(ends, [0, 1, 2, 2, 4])
+  assert aligned
 
 
 def _byte_decoder():
@@ -71,6 +72,27 @@ def _byte_decoder():
   return chars
 
 
+def _token_bytes(tokenizer, ids, spell_special: bool = False) -> list[bytes]:
+  """Each id's bytes; a special token's none (a reply's text drops it), or with
+  `spell_special` those of its string (what a critic state holds in its place)."""
+  alphabet, special = _byte_decoder(), set(tokenizer.all_special_ids)
+  return [b"" if i in special and not spell_special else bytes(alphabet[ch] for ch in piece)
+          for i, piece in zip(ids, tokenizer.convert_ids_to_tokens(list(ids)))]
+
+
+def _written(tokenizer, ids, text) -> np.ndarray:
+  """[n + 1] the characters of `text` the policy's ids[:j] had written, j = 0..n: those
+  Python's incremental UTF-8 decoder has given out for its bytes so far, whatever bytes come
+  next (it holds back a character begun, and bytes a later one may still complete)."""
+  decoder = codecs.getincrementaldecoder("utf-8")("replace")
+  out, chars = [0], ""
+  for piece in _token_bytes(tokenizer, ids):
+    chars += decoder.decode(piece)
+    out.append(len(chars))
+  assert chars + decoder.decode(b"", final=True) == text
+  return np.asarray(out)
+
+
 def _byte_ends(tokenizer, ids) -> np.ndarray:
   """[n + 1] how many bytes ids[:i] write, i = 0..n (from the vocabulary's byte alphabet)."""
   decoder = _byte_decoder()
@@ -81,10 +103,10 @@ def _byte_ends(tokenizer, ids) -> np.ndarray:
 
 def test_positions_follow_the_rule_in_bytes_on_drawn_texts(smol_tokenizer):
   """Texts drawn from ASCII and 2- to 4-byte characters, tokenized by either vocabulary as the
-  policy's and re-tokenized by the other as the critic's: u_j from `agreed_lengths` and
-  `value_positions` equals the rule computed on the tokens' bytes (whole characters the
-  policy wrote before token j; characters each critic prefix touches), and no critic state
-  holds a byte the policy had not written."""
+  policy's and re-tokenized by the other as the critic's: u_j from `written_lengths`,
+  `reached_lengths` and `value_positions` equals the rule computed on the tokens' bytes
+  (whole characters the policy wrote before token j; characters each critic prefix touches),
+  and no critic state holds a byte the policy had not written."""
   vocabularies = (tiny.tiny_tokenizer(), smol_tokenizer)
   alphabet = list("abcdefghij klmnop 0123456789 .,!?\n") + ["é", "ß", "中", "文", "😀", "→"]
   rng = np.random.default_rng(0)
@@ -98,9 +120,10 @@ def test_positions_follow_the_rule_in_bytes_on_drawn_texts(smol_tokenizer):
       c = critic(text, add_special_tokens=False)["input_ids"]
       p_bytes, c_bytes = _byte_ends(policy, p), _byte_ends(critic, c)
       assert p_bytes[-1] == len(text.encode()) == c_bytes[-1]
-      starts = shared_critic.agreed_lengths(policy, [p[:j] for j in range(len(p))], text)
-      ends = shared_critic.agreed_lengths(critic, [c[:i + 1] for i in range(len(c))], text,
-                                          reach=True)
+      starts = shared_critic.written_lengths(policy, [p[:j] for j in range(len(p))], text)
+      ends, aligned = shared_critic.reached_lengths(critic, [c[:i + 1] for i in range(len(c))],
+                                                    text)
+      assert aligned
       u = shared_critic.value_positions(1, starts, ends)  # a 1-token prompt: u_j = count
       touched = [sum(s < c_bytes[i + 1] for s in starts_b) for i in range(len(c))]
       for j in range(len(p)):
@@ -209,15 +232,16 @@ def test_the_critic_reads_each_turn_as_its_text_in_the_critics_tokens(trained):
 def _reference_positions(policy_tokenizer, critic_tokenizer, reply_ids, critic_ids,
                          prompt_len, text):
   """u_j from the definition: the critic prompt's last token, plus the most critic reply
-  tokens whose text is a prefix of the whole characters the policy had written before its
-  token j (a character it had begun decodes to a replacement character: left out)."""
+  tokens whose text (special tokens spelled out) is a prefix of the whole characters the
+  policy had written before its token j (`_written`: a character begun, or bytes a later
+  token may still complete, left out)."""
+  written = _written(policy_tokenizer, reply_ids, text)
   out = []
   for j in range(len(reply_ids)):
-    before = policy_tokenizer.decode(reply_ids[:j], skip_special_tokens=True)
-    before = text[:len(os.path.commonprefix([before, text]))]
+    before = text[:written[j]]
     count = 0
     for i in range(1, len(critic_ids) + 1):
-      if before.startswith(critic_tokenizer.decode(critic_ids[:i], skip_special_tokens=True)):
+      if before.startswith(critic_tokenizer.decode(critic_ids[:i], skip_special_tokens=False)):
         count = i
     out.append(prompt_len - 1 + count)
   return out
@@ -307,6 +331,9 @@ def test_the_critic_trains_on_its_backbone_alone_and_resumes_bit_for_bit(trained
       jax.tree.leaves(template["smol"].critic), jax.tree.leaves(restored[0]["smol"].critic))]
   assert all(moved)
   assert trained["metrics"]["value_loss"] > 0 and trained["metrics"]["critic_grad_norm"] > 0
+  # every turn of the last iteration read to its end (`critic/unaligned_turns`)
+  assert not trained["rows"][-1].unaligned.any()
+  assert trained["metrics"]["critic/unaligned_turns"] == 0
 
 
 def test_held_out_evaluation_scores_the_split_teams_policy_of_each_iteration(trained):
@@ -352,7 +379,7 @@ def test_the_critic_update_fits_its_targets_at_the_value_positions(smol_tokenize
   batch = shared_critic.CriticBatch(
       tokens=tokens, mask=np.ones((2, 16), bool), act_agent=np.full((2, 16), -1, np.int32),
       value_pos=value_pos, value_valid=valid, old_value=np.zeros((2, 16), np.float32),
-      returns=np.where(valid, 1.5, -100.0).astype(np.float32))
+      returns=np.where(valid, 1.5, -100.0).astype(np.float32), unaligned=np.zeros(2, bool))
   critic = critic_lib.init_critic(critic_config, model.config, 1, jax.random.key(0))
   opt = optimizer.init(critic)
   h = critic_lib.critic_hidden_states(critic, model.params, jnp.asarray(tokens), model.config,
