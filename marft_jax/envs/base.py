@@ -23,6 +23,10 @@ Rewards are the team's: every role receives the same score unless an environment
 otherwise (credit across agents is the trainer's job, `marft_jax.ppo.credit`). `info` may hold
 anything a person wants in the transcript or the metrics; numbers under `info["metrics"]` are
 averaged into the training metrics.
+
+An environment whose agents see different things gives each role its own view beside the
+shared task: `Observation(task="Answer the question together.", role_views={"reporter":
+"Box A holds 7 marbles.", "answerer": "How many marbles are in box A?"})` (`split_facts.py`).
 """
 
 from __future__ import annotations
@@ -36,13 +40,28 @@ from typing import Any, Mapping, Optional
 class Observation:
   """What the agents are shown at the start of an env step.
 
-  task: the problem statement, the same for the whole episode.
+  task: the problem statement, the same for the whole episode: what every role without a
+    view of its own is shown.
   feedback: the environment's messages after each earlier env step of this episode (e.g.
     "The answer is incorrect." in a multi-turn math episode), oldest first.
+  role_views: {role: text} shown to that role instead of `task`, and to no other role's
+    prompt (the Flex-POMDP's per-agent observation: each agent sees its part of the
+    problem). A role missing from it sees `task`. The others read a role's view only as far
+    as its replies repeat it. Only the per-agent view can keep a view to its role (one shared
+    stream shows every earlier token to the later roles: the rollout refuses it there).
   """
 
   task: str
   feedback: tuple[str, ...] = ()
+  role_views: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False)
+
+  def __post_init__(self):
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.role_views.items()):
+      raise ValueError(f"role_views={dict(self.role_views)!r}: a mapping of role name to text")
+
+  def view(self, role: str) -> str:
+    """What `role` is shown of the problem: its own view, else `task`."""
+    return self.role_views.get(role, self.task)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Per-agent view (the original MARFT): every turn is a fresh prompt of its own::
 
     system: <the agent's own system prompt>
-    user:   <task>
+    user:   <task>                     # or the agent's own view (Observation.role_views)
             Reasoner: <reply>          # earlier env steps: every reply, then the feedback
             Feedback: <env message>
             Reasoner: <reply>          # this env step: the replies the agent sees (its
@@ -22,6 +22,8 @@ Generated tokens are never re-tokenised: the next transition is tokenised on its
 appended, so the stream holds exactly the sampled tokens and agent k+1 continues agent k's
 KV cache. Transitions are found by diffing the chat template (a rendered conversation with a
 placeholder reply against the same plus the next user turn), so any chat template works.
+Every later token attends to every earlier one, so a stream cannot keep a role's own view
+(`Observation.role_views`) from the roles after it: the rollout refuses views there.
 """
 
 from __future__ import annotations
@@ -72,8 +74,11 @@ def per_agent_messages(profile: AgentProfile, team: Sequence[AgentProfile],
     earlier_steps: per earlier env step, its replies [(agent, text)]; observation.feedback
       holds the environment's message after each of them.
     visible: this env step's earlier replies the agent sees.
+
+  The agent is shown its own view of the problem where the observation gives it one
+  (`Observation.view`), else the task; no other role's view is in its prompt.
   """
-  parts = [observation.task.strip()]
+  parts = [observation.view(profile.role).strip()]
   for step, replies in enumerate(earlier_steps):
     parts += _history_lines(team, replies)
     if step < len(observation.feedback):

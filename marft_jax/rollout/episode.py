@@ -55,6 +55,9 @@ class Turn:
   # Per-agent view: the chat messages `prompt` was rendered from (`context.per_agent_messages`),
   # which another backbone's chat template re-tokenizes (a shared critic's state); () else.
   messages: tuple = ()
+  # The role's own view of the problem it was shown instead of the task
+  # (`Observation.role_views`); None: it saw the task (`Episode.task`).
+  view: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +120,8 @@ class Episode:
   dones: [S] bool: the episode ended after env step s.
   dropped: None, or why the episode cannot be trained on ("env_error: ...",
     "context_overflow", "reward_timeout", ...); its records may be partial.
+  task, role_views: the first observation's task and {role: its own view} (each turn
+    records the view it was shown: `Turn.view`).
   """
 
   env_index: int
@@ -129,6 +134,7 @@ class Episode:
   dones: list = dataclasses.field(default_factory=list)
   infos: list = dataclasses.field(default_factory=list)
   dropped: Optional[str] = None
+  role_views: dict = dataclasses.field(default_factory=dict)
 
   @property
   def num_env_steps(self) -> int:

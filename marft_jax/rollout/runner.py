@@ -7,10 +7,13 @@ its agent's adapter, system prompt and sampling settings (temperature, top-p and
 tokens per row; top-k is static in the sampler, so a team shares one). Rows with nothing to
 do (their episode is over, or their env step is) take adapter id -1 and sample nothing.
 
-Context modes (`context.py`): "per_agent" builds each turn's prompt afresh; "shared_stream"
+Context modes (`context.py`): "per_agent" builds each turn's prompt afresh, showing each role
+its own view of the problem where the observation gives one (`Observation.role_views`; the
+turn records it, `Turn.view`); "shared_stream"
 keeps one KV cache per environment and appends each transition to it, so agent k+1 continues
 agent k's cache instead of re-encoding the episode (`reencode=True` re-encodes instead: the
-reference the cache continuation is tested against).
+reference the cache continuation is tested against). A shared stream refuses an observation
+with role views (every later role would read them).
 
 Several processes (`rows`, a `multihost.ProcessRows`): each process plays only the block of
 environments it owns (`EnvBatch.owned`, the envs whose sampler rows live on its devices),
@@ -308,6 +311,7 @@ class _Runner:
       observations.append(self._env_call(episode, lambda i=index: self.envs.reset(i)[1]))
       if observations[-1] is not None:
         episode.task = observations[-1].task
+        episode.role_views = dict(observations[-1].role_views)
     self.streams = [None] * self.num_envs
     history: list[list[list[tuple[int, str]]]] = [[] for _ in range(self.num_envs)]
     for env_step in range(self.config.horizon):
@@ -527,7 +531,8 @@ class _Runner:
                          self.agents.profiles[agent].sampling.temperature,
                          len(self.episodes[i].turns), env_step)
       self.episodes[i].sequences.append(sequence)
-      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n], shown[row])
+      texts[j] = self._record_turn(i, agent, env_step, prompts[row], tokens[:n], shown[row],
+                                   observations[i].role_views.get(self.agents.profiles[agent].role))
     return texts
 
   def _prefix_groups(self, agents) -> Optional[np.ndarray]:
@@ -547,7 +552,7 @@ class _Runner:
                  for t in self.episodes[i].turns)
     return length + max(unused, 0)
 
-  def _record_turn(self, i, agent, env_step, prompt, reply, messages=()) -> str:
+  def _record_turn(self, i, agent, env_step, prompt, reply, messages=(), view=None) -> str:
     tokenizer = self._tokenizer(agent)
     text = tokenizer.decode(reply, skip_special_tokens=True)
     stopped = len(reply) > 0 and int(reply[-1]) == self._eos(self.agent_backbone[agent])
@@ -555,7 +560,7 @@ class _Runner:
                                        role=self.agents.profiles[agent].role,
                                        prompt=tokenizer.decode(prompt), reply=text,
                                        num_tokens=len(reply), stopped=stopped,
-                                       messages=tuple(messages)))
+                                       messages=tuple(messages), view=view))
     return text
 
   def _overflow(self, i):
@@ -569,6 +574,11 @@ class _Runner:
     chunks, agents, texts = [None] * self.rows, [0] * self.rows, [None] * len(jobs)
     for j, (i, agent) in enumerate(jobs):
       profile = self.agents.profiles[agent]
+      if observations[i].role_views:
+        raise ValueError(f"context_mode='shared_stream': env {self.first + i}'s observation "
+                         f"gives the roles {sorted(observations[i].role_views)} views of their "
+                         "own, which one stream would show to every later role; use "
+                         "context_mode='per_agent'")
       stream = self.streams[i]
       if stream is None:
         chunk = context.stream_start(self.tokenizer, observations[i].task, profile,
