@@ -118,7 +118,8 @@ _SLOW_FILES_FIRST = (
     "tests/envs/test_sandbox.py", "tests/models/test_sampler.py",
     "tests/models/test_transformer.py", "tests/test_launch.py", "tests/train/test_teams.py",
     "tests/rollout/test_rewards.py", "tests/train/test_steady_state_compiles.py",
-    "tests/test_bench_accelerator.py", "tests/models/test_sampler_fast_paths.py")
+    "tests/test_bench_accelerator.py", "tests/models/test_sampler_fast_paths.py",
+    "tests/test_packaging.py")  # a fresh venv and a wheel: 60-90 s
 
 
 def _worker_scope(nodeid: str) -> str:
