@@ -17,7 +17,8 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "launch", "configs")
 TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
 TYPED.update({name: ("marft_jax.train.config", "TrainConfig") for name in (
     "train.py", "marft_t.py", "grpo.py", "ppo.py", "math_2agents.py", "math_3agents.py",
-    "math_4agents.py", "code_2agents.py", "dag_3agents.py", "hetero_2agents.py")})
+    "math_4agents.py", "code_2agents.py", "dag_3agents.py", "hetero_2agents.py",
+    "split_facts.py", "verify_correct.py", "grid_path.py")})
 
 
 def _load(path):

@@ -40,6 +40,8 @@ from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
 from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
+
+TEAM_TASKS = envs_lib.team_tasks.names()
 from marft_jax.train.update import TrainState, make_update
 
 
@@ -154,6 +156,12 @@ def build_team(config: TrainConfig):
                      "branches each see only their ancestors, which one stream cannot show; "
                      "use rollout.context_mode='per_agent' (an algorithm that allows it) or "
                      "edges that order every role")
+  if config.rollout.context_mode == "shared_stream" and \
+      config.task.name in envs_lib.team_tasks.PRIVATE_VIEWS:
+    raise ValueError(f"rollout.context_mode='shared_stream' (algorithm={config.algorithm!r}) "
+                     f"with task.name={config.task.name!r}: each role sees a view of its own, "
+                     "which one stream would show to every later role; use "
+                     "rollout.context_mode='per_agent' (an algorithm that allows it)")
   if config.rollout.max_context:
     check_reply_budgets(team, structure, config.rollout.max_context)
   return team, structure
@@ -291,6 +299,11 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   num_tasks, shared = None, ()
   if task.name == "echo":
     make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
+  elif task.name in TEAM_TASKS:  # generated; its test split holds no training problem
+    from marft_jax.envs import team_tasks
+    source, roles = team_tasks.problems(task.name, split), [p.role for p in team]
+    team_tasks.module(task.name).check_roles(roles)
+    make = lambda i: team_tasks.make_env(task.name, source, roles, graded)
   elif task.name in ("code", "humaneval"):
     from marft_jax.envs import code_env
     problems = _file_problems(task, split, trained)

@@ -30,7 +30,10 @@ from marft_jax.train.critic import CriticConfig
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval")
+# The team tasks (`envs/team_tasks.py`: generated, two roles, a reason to work together) are the
+# last three.
+TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval", "split_facts",
+         "verify_correct", "grid_path")
 SANDBOX_TASKS = ("code", "humaneval")  # their programs run in `task.sandbox`
 
 

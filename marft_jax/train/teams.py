@@ -12,6 +12,10 @@ teams below are such data, which a config file copies in with `shipped(task, num
   code, 2 roles: planner → coder            (the coder's program is graded)
   code, 3 roles: planner → coder → reviewer (the reviewer returns the final program)
   echo (tests), n roles: helper0 … → repeater
+  split_facts, 2 roles: reporter → answerer      (the reporter sees the facts, the answerer
+                                                 the question; the answerer is graded)
+  verify_correct, 2 roles: solver → checker      (the checker gives the final answer)
+  grid_path, 2 roles: planner → executor         (the executor writes the graded path)
 
 The math roles have two prompt sets: one-line arithmetic ("arithmetic", tuned on level-1
 problems) and multi-step word problems ("math_jsonl"; the same role names, calibrated
@@ -103,6 +107,34 @@ _WORD_ROLES = {r.name: r for r in (
                 f"before you, one per line with its result, then the final answer in \\boxed{{}}, "
                 f"{_WORKED}", "Carries out the calculations and computes the answer."),
 )}
+# The team tasks (envs/team_tasks.py): two roles each, the second graded. Each prompt asks for
+# one thing in a worked form; calibrated for the untuned SmolLM2-135M team in
+# docs/team_tasks.md (held-out accuracy between 5 and 40 %).
+_TEAM_TASK_ROLES = {
+    "split_facts": (
+        RoleSection("reporter", "You are the Reporter of a two-person team. You see facts that "
+                    "your teammate needs but cannot see. Copy every fact exactly, one per line.",
+                    "Passes on the facts it sees."),
+        RoleSection("answerer", "You are the Answerer of a two-person team. Your teammate "
+                    "reports the facts; you see the question. Answer it in one line: the "
+                    "calculation, then the answer in \\boxed{}, e.g. 7 + 5 = \\boxed{12}.",
+                    "Answers the question from the reported facts.", max_new_tokens=32)),
+    "verify_correct": (
+        RoleSection("solver", "You are the Solver of a two-person team. Compute the result step "
+                    "by step, one calculation per line, e.g. 4 + 7 = 11\n11 * 2 = 22.",
+                    "Writes the calculation."),
+        RoleSection("checker", "You are the Checker of a two-person team. Check each line of the "
+                    "Solver's calculation and correct any mistake. Reply with only the final "
+                    "result in \\boxed{}, e.g. \\boxed{22}.",
+                    "Checks the calculation and gives the final answer.")),
+    "grid_path": (
+        RoleSection("planner", "You are the Planner of a two-person team. Find a way from S to G "
+                    "that never enters a # wall. Write the moves in order, e.g. right, right, "
+                    "down.", "Writes the moves from S to G."),
+        RoleSection("executor", "You are the Executor of a two-person team. Write the Planner's "
+                    "moves as letters U, D, L, R in \\boxed{}, e.g. \\boxed{RRD}.",
+                    "Writes the final path.")),
+}
 _MATH_TEAMS = {1: ("solver",), 2: ("reasoner", "actor"), 3: ("reasoner", "actor", "verifier"),
                4: ("analyst", "planner", "solver", "verifier")}
 _CODE_TEAMS = {2: ("planner", "coder"), 3: ("planner", "coder", "reviewer")}
@@ -118,6 +150,12 @@ def shipped(task: str, num_roles: int) -> dict:
     roles = {n: RoleSection(n, "Say it." if n != "repeater" else "Repeat it.",
                             "Says the number." if n != "repeater" else "Repeats it.")
              for n in names}
+  elif task in _TEAM_TASK_ROLES:
+    roles = {r.name: r for r in _TEAM_TASK_ROLES[task]}
+    if num_roles != 2:
+      raise ValueError(f"team.num_roles={num_roles}: the shipped {task} team has 2 roles (or "
+                       "declare team.roles)")
+    names = tuple(r.name for r in _TEAM_TASK_ROLES[task])
   else:
     roles, teams = {"code": (_CODE_ROLES, _CODE_TEAMS),
                     "humaneval": (_CODE_ROLES, _CODE_TEAMS),

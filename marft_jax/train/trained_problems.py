@@ -14,6 +14,9 @@ under another id or wrapped differently, has the same fingerprint. Each checkpoi
   (the level, the batch's seed, size and groups, and how many episodes each environment has
   started): `fingerprints` replays it (`EnvBatch.episode_seed`, `ArithmeticProblems`), which
   gives exactly the problems played, never stored one by one for an endless stream;
+- the team tasks ("split_facts", "verify_correct", "grid_path"): their stream, as arithmetic's
+  (its level unread). Their test split never holds a training problem (disjoint hash
+  buckets, `envs/team_tasks.py`), so an evaluation of one leaves nothing out;
 - "echo": none (its tasks are numbers to repeat, no problem a file could hold).
 
 `launch.eval` reads the latest checkpoint's record (`of_checkpoint`), plays a problem file's
@@ -34,7 +37,7 @@ from typing import Any, Collection, Mapping, Sequence
 
 from absl import logging
 
-from marft_jax.envs import splits
+from marft_jax.envs import splits, team_tasks
 from marft_jax.train.config import TrainConfig
 
 KEY = "training_problems"  # in a checkpoint's meta
@@ -58,7 +61,7 @@ def record(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> dict:
     else:
       train = splits.task_problems(task.name, task.path, task.test_path)[0]
     return {"task": task.name, "problems": [[p.id, fingerprint(p)] for p in train]}
-  if task.name == "arithmetic":
+  if task.name == "arithmetic" or task.name in team_tasks.names():
     return {"task": task.name, "stream": {
         "level": task.level, "seed": int(cursor["seed"]), "group_size": config.rollout.group_size,
         "episodes": [int(n) for n in cursor["episodes"]]}}
@@ -75,7 +78,10 @@ def fingerprints(recorded: Mapping[str, Any]) -> dict[str, str]:
   episodes = stream["episodes"]
   envs = EnvBatch(lambda i: None, len(episodes), seed=stream["seed"],
                   group_size=stream["group_size"])
-  source = arithmetic.ArithmeticProblems(levels=(stream["level"],), split="train")
+  if recorded.get("task") in team_tasks.names():
+    source = team_tasks.problems(recorded["task"], "train")
+  else:
+    source = arithmetic.ArithmeticProblems(levels=(stream["level"],), split="train")
   seeds = {envs.episode_seed(i, k) for i, n in enumerate(episodes) for k in range(n)}
   return {fingerprint(p): p.id for p in map(source.problem_for_seed, sorted(seeds))}
 

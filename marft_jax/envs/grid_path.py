@@ -1,0 +1,132 @@
+"""A small planning task in the spirit of Plan-Path: find a way through a grid with walls.
+
+A problem is a grid of at most 5 × 5 cells drawn row by row, `S` the start, `G` the goal,
+`#` a wall, `.` a free cell, with a way from S to G (checked by breadth-first search; the
+shortest takes at least two moves). Every role sees the grid. The team's first role writes
+the moves; the last (graded) role writes the final path in the graded form: move letters
+U (up), D (down), L (left), R (right) in `\\boxed{}`, e.g. `\\boxed{RRD}`.
+
+Knobs (calibrated for the untuned SmolLM2-135M team, docs/team_tasks.md): `ROWS` × `COLS`
+cells, `WALLS` walls.
+
+Grading is exact and accepts any way, not only the shortest: the last `\\boxed{}` of the
+graded reply must hold only move letters (either case; spaces, commas, hyphens or arrows
+between them are ignored), and the moves from S must stay on the grid, never enter a wall
+and end on G. Anything else scores 0: no box ("none"), a box with other text ("malformed"),
+a way off the grid or into a wall, or one that stops elsewhere ("boxed", wrong).
+Splits: a problem's signature is its grid; see `team_tasks`.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Optional, Sequence
+
+from marft_jax.envs import arithmetic
+from marft_jax.envs.base import Observation
+from marft_jax.envs.problems import Problem, last_boxed
+from marft_jax.envs.team_tasks import randint, rng_for
+
+NAME = "grid_path"
+ROWS, COLS = 3, 3
+WALLS = 2
+FORMATTED = ("boxed",)
+MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+_SEPARATORS = re.compile(r"[\s,;\-–>→]+")
+
+
+def shortest(rows: Sequence[str]) -> Optional[str]:
+  """The moves of a shortest way from S to G in `rows` (breadth-first, moves tried in
+  U, D, L, R order), or None where there is none."""
+  cells = {(r, c): ch for r, row in enumerate(rows) for c, ch in enumerate(row)}
+  start = next(p for p, ch in cells.items() if ch == "S")
+  seen, queue = {start: ""}, collections.deque([start])
+  while queue:
+    p = queue.popleft()
+    if cells[p] == "G":
+      return seen[p]
+    for move, (dr, dc) in MOVES.items():
+      q = (p[0] + dr, p[1] + dc)
+      if cells.get(q, "#") != "#" and q not in seen:
+        seen[q] = seen[p] + move
+        queue.append(q)
+  return None
+
+
+def _draw(rng):
+  free = [(r, c) for r in range(ROWS) for c in range(COLS)]
+  picks = []
+  for _ in range(WALLS + 2):  # S, G, then the walls: distinct cells
+    picks.append(free.pop(randint(rng, 0, len(free) - 1)))
+  grid = [["."] * COLS for _ in range(ROWS)]
+  (sr, sc), (gr, gc) = picks[:2]
+  grid[sr][sc], grid[gr][gc] = "S", "G"
+  for r, c in picks[2:]:
+    grid[r][c] = "#"
+  rows = tuple("".join(row) for row in grid)
+  path = shortest(rows)
+  if path is None or len(path) < 2:
+    return None
+  return rows, path
+
+
+def render(rows: Sequence[str]) -> str:
+  """The grid as the roles see it: one line per row, cells separated by spaces."""
+  return "\n".join(" ".join(row) for row in rows)
+
+
+def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
+  """`n` problems of `split`; the same arguments always give the same list. `answer` is a
+  shortest path (one of several the grader accepts); meta: `rows` (the grid), `split`."""
+  rng = rng_for(NAME, split, seed)
+  problems = []
+  while len(problems) < n:
+    drawn = _draw(rng)
+    if drawn is None or arithmetic.split_of((NAME,) + drawn[0]) != split:
+      continue
+    rows, path = drawn
+    question = (f"Grid ({ROWS} rows, {COLS} columns; S start, G goal, # wall, . free):\n"
+                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right.")
+    problems.append(Problem(question=question, answer=path,
+                            id=f"{NAME}-{split}-s{seed}-{len(problems)}",
+                            meta={"rows": list(rows), "split": split}))
+  return problems
+
+
+def read_path(reply: str) -> tuple[Optional[str], str]:
+  """(the moves of the reply's last `\\boxed{}`, upper case, or None; "boxed", "malformed"
+  (a box with other text) or "none" (no box))."""
+  boxed = last_boxed(reply)
+  if boxed is None:
+    return None, "none"
+  moves = _SEPARATORS.sub("", boxed).upper()
+  if not moves or set(moves) - set(MOVES):
+    return None, "malformed"
+  return moves, "boxed"
+
+
+def follow(rows: Sequence[str], moves: str) -> bool:
+  """Whether `moves` from S stay on the grid, never enter a wall, and end on G."""
+  cells = {(r, c): ch for r, row in enumerate(rows) for c, ch in enumerate(row)}
+  p = next(q for q, ch in cells.items() if ch == "S")
+  for move in moves:
+    p = (p[0] + MOVES[move][0], p[1] + MOVES[move][1])
+    if cells.get(p, "#") == "#":
+      return False
+  return cells[p] == "G"
+
+
+def grade(reply: str, problem: Problem) -> tuple[bool, Optional[str], str]:
+  moves, how = read_path(reply)
+  return moves is not None and follow(problem.meta["rows"], moves), moves, how
+
+
+def check_roles(roles: Sequence[str]) -> None:
+  if not roles:
+    raise ValueError("grid_path: a team of at least one role")
+
+
+def observation(problem: Problem, roles: Sequence[str]) -> Observation:
+  """Every role sees the grid."""
+  return Observation(task=problem.question)
