@@ -9,3 +9,12 @@ Subpackages, each importable on its own:
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  """`marft_jax.restore` and `marft_jax.Restored` (train/restore.py), imported on first use:
+  `import marft_jax` alone loads no JAX."""
+  if name in ("restore", "Restored"):
+    from marft_jax.train import restore as restore_module
+    return getattr(restore_module, name)
+  raise AttributeError(f"module 'marft_jax' has no attribute {name!r}")

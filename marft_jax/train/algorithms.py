@@ -95,12 +95,15 @@ def get(name: str) -> Algorithm:
 
 
 def resolve(config: TrainConfig) -> TrainConfig:
-  """`config` with every algorithm-owned "auto" key filled in from `config.algorithm`.
+  """`config` with every algorithm-owned "auto" key filled in from `config.algorithm`, and
+  a profile file's roles as team.roles (`team.profiles`: `profile_files.expand`).
 
   Raises:
     ValueError: naming `algorithm` and the contradicting key, e.g. "loss.policy_level='token'
       contradicts algorithm='marft_a' (one ratio per turn: 'action')".
   """
+  from marft_jax.train import profile_files  # it imports train.config, which imports this
+  config = profile_files.expand(config)  # team.profiles: the file's roles, read once
   a = get(config.algorithm)
 
   def pick(key: str, value, auto, wanted, why: str):

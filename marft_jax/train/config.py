@@ -211,6 +211,12 @@ class TeamSection:
   # The roles' order, comma-separated: agent ids, the speaking order of a chain, and which
   # role is "last" (team.last_max_new_tokens). Required with `roles`.
   order: str = ""
+  # A profile file of the original MARFT, a JSON list of {"role", "prompt", "with_answer"}
+  # ("device" is ignored, with a warning): its roles, in its order, replace `roles` and
+  # `order`, each with that system prompt, graded where with_answer is true
+  # (train/profile_files.py). Read once, when the config is resolved; the run records the
+  # roles it gave, not the path. "": none
+  profiles: str = ""
   # The shipped team's size without `roles` (math 1-4, 1: a single solver; code 2-3); 0: the
   # algorithm's (ppo 1, else 2). With `roles`: their number.
   num_roles: int = 0

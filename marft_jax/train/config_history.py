@@ -183,6 +183,9 @@ ADDED: tuple[Added, ...] = (
           "a bf16 routed LoRA layer (the CPU sampler's, the learner's under dropout) rounded "
           "its factors, x @ a and the update to bf16 and added them to a bf16 base output (the "
           "fused path added its update in f32)"),
+    Added("team.profiles", "", "(next commit)", "",
+          "no profile files: a team was its team.roles (a run from a profile file records the "
+          "roles it gave and an empty team.profiles)"),
 )
 
 # (key named in the refusal, the test of a flat saved config: why it cannot be reproduced)

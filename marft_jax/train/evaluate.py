@@ -298,12 +298,9 @@ def restore_policy(config: TrainConfig, model, workdir: str):
     if step is None:
       raise FileNotFoundError(f"{workdir}: no checkpoint to evaluate (train first, or "
                               "evaluate the untuned model)")
-    saved = _saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
+    saved = saved_config(checkpointer.read_meta(step), f"{workdir}: step {step}")
     _check_same_adapters(saved, config, f"{workdir}: step {step}")
-    start = dataclasses.replace(saved, init_from="")
-    template = (backbones.new_states(start, model) if isinstance(model, dict)
-                else assembly.new_state(start, model))
-    state, _ = checkpointer.restore(template, step=step)
+    state = restore_state(checkpointer, saved, model, step)
   changed = changed_settings(saved, config)
   if changed:
     logging.warning("%s: step %d is evaluated with settings other than it trained with: %s",
@@ -339,7 +336,19 @@ def _without_what_eval_ignores(config: TrainConfig) -> TrainConfig:
   return dataclasses.replace(config, team=team, task=task)
 
 
-def _saved_config(meta: dict, where: str) -> TrainConfig:
+def restore_state(checkpointer: Checkpointer, saved: TrainConfig, model, step: int):
+  """The `TrainState` of `step` (a team on several backbones: {backbone: TrainState}), read
+  into a fresh state of its own saved config `saved` on `model` (its base, or {backbone:
+  base}); `init_from` is not read (the checkpoint holds the adapters)."""
+  start = dataclasses.replace(saved, init_from="")
+  template = (backbones.new_states(start, model) if isinstance(model, dict)
+              else assembly.new_state(start, model))
+  return checkpointer.restore(template, step=step)[0]
+
+
+def saved_config(meta: dict, where: str) -> TrainConfig:
+  """A checkpoint meta's saved config as this version reads it (`assembly.read_saved_config`);
+  `where` (e.g. "runs/x: step 8") prefixes a `CheckpointMismatchError`."""
   if "config" not in meta:
     raise CheckpointMismatchError(f"{where} has no saved config (the run that wrote it did "
                                   "not store meta['config'])")
