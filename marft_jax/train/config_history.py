@@ -183,7 +183,7 @@ ADDED: tuple[Added, ...] = (
           "a bf16 routed LoRA layer (the CPU sampler's, the learner's under dropout) rounded "
           "its factors, x @ a and the update to bf16 and added them to a bf16 base output (the "
           "fused path added its update in f32)"),
-    Added("team.profiles", "", "(next commit)", "",
+    Added("team.profiles", "", "8098e15", "2026-12-01 21:47",
           "no profile files: a team was its team.roles (a run from a profile file records the "
           "roles it gave and an empty team.profiles)"),
 )
