@@ -43,6 +43,8 @@ _CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 50, "config.checkpo
 _WORKDIR = flags.DEFINE_string("workdir", "", "the run's workdir, kept (default: a temporary "
                                "one, removed); must not hold a run")
 _POLL_S = flags.DEFINE_float("poll_s", 0.25, "seconds between memory samples")
+_SAMPLES = flags.DEFINE_string("samples", "", "a CSV file for the memory samples (step, RSS "
+                               "KB, seconds), to plot the curve behind the slope")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("transcripts", "tensorboard", "metrics.jsonl", "texts.jsonl", "checkpoints", "exports")
@@ -181,6 +183,9 @@ def main(argv):
                  + f.read()[-3000:])
     sizes.append((last_step(os.path.join(workdir, "metrics.jsonl")), part_sizes(workdir)))
     report(memory, sizes, _WARMUP.value)
+    if _SAMPLES.value:
+      np.savetxt(_SAMPLES.value, np.asarray(memory), fmt="%.6g", delimiter=",",
+                 header="step,rss_kb,seconds")
     end = sizes[-1][1]
     emit("workdir_mb_end", sum(v for k, v in end.items() if k != "files") / 2**20)
     emit("workdir_files_end", end["files"])

@@ -37,6 +37,7 @@ import pytest
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler
+from marft_jax.rollout import read_transcripts
 from marft_jax.train import algorithms, assembly, loop
 from marft_jax.train.config import TrainConfig
 from tests.train.echo_config import set_keys, tiny_trainer_model
@@ -199,8 +200,8 @@ def _assert_anonymous(workdir, config_dict):
   system prompt (the rollout and the update ran with neutral names)."""
   names = set(config_dict.team.roles)
   system_prompts = [config_dict.team.roles[n].system_prompt for n in names]
-  with open(os.path.join(workdir, "transcripts", "iteration_00000.jsonl")) as f:
-    turns = [turn for line in f for turn in json.loads(line)["turns"]]
+  turns = [turn for episode in read_transcripts(os.path.join(workdir, "transcripts"), 0)
+           for turn in episode["turns"]]
   assert turns
   for turn in turns:
     assert turn["role"] not in names, turn

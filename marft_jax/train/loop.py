@@ -23,7 +23,7 @@ and steps only those, builds and reads back only their rows of each sampler call
 their episodes into its block of the training batch's rows, and computes their advantages;
 what must be global goes through small collectives: the batch widths, the advantages for the
 batch whitening (one float a decision, gathered), the metrics and the transcript records
-(gathered: process 0 writes the one transcript file), and the data cursor of the checkpoint
+(gathered: process 0 appends them to the transcripts), and the data cursor of the checkpoint
 (each process advanced its own envs'; the saved cursor is the whole batch's, so it restores
 onto any process count).
 One process plays every environment, exactly as before.
@@ -50,7 +50,8 @@ from marft_jax import lora as lora_lib
 from marft_jax import compile_stats, multihost, sharding
 from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
-from marft_jax.rollout import RolloutCancelled, reply_budgets, rollout, write_transcripts
+from marft_jax.rollout import (RolloutCancelled, append_transcripts, cut_transcripts,
+                               reply_budgets, rollout)
 from marft_jax.rollout import rewards as rewards_lib
 from marft_jax.train import algorithms
 from marft_jax.train import assembly
@@ -67,7 +68,7 @@ from marft_jax.train.assembly import Model
 from marft_jax.train.batching import make_batch, per_row_adapters
 from marft_jax.train.checkpoint import Checkpointer, PreemptionFlag, saved_steps
 from marft_jax.train.config import ModelSection, TrainConfig, check_processes
-from marft_jax.train.metrics import MetricWriter, plot_learning_curves, read_metrics
+from marft_jax.train.metrics import MetricWriter, iter_metrics, plot_learning_curves
 from marft_jax.train.update import TrainState, prepare
 from marft_jax.train.write_failures import writing
 
@@ -149,7 +150,7 @@ def finished_run_metrics(config: TrainConfig, workdir: str) -> Optional[dict]:
                   last, config.iterations)
   path = os.path.join(workdir, "metrics.jsonl")
   metrics = {}
-  for row in read_metrics(path) if os.path.exists(path) else []:
+  for row in iter_metrics(path) if os.path.exists(path) else ():
     if row["step"] in (last - 1, last):  # the last iteration's, then its held-out scores
       metrics.update(row)
   metrics.pop("step", None)
@@ -203,6 +204,9 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
     writer = MetricWriter(workdir, enabled=multihost.is_primary(), resume_step=start)
     cleanup.callback(writer.close)
     _record_config(writer, workdir, start, run.config_dict)
+    if multihost.is_primary():  # a resumed run plays the iterations from `start` again
+      with writing(workdir, f"transcripts/, cut back to the iterations before {start}"):
+        cut_transcripts(os.path.join(workdir, "transcripts"), start)
     bar = _progress(progress, start, config.iterations)
     if bar is not None:
       cleanup.callback(bar.close)
@@ -244,9 +248,9 @@ def _train(config, workdir, mesh, model, progress, on_iteration, reward_fn, resu
         break
       t1 = time.perf_counter()
       if multihost.is_primary():  # every process's episodes, in env order
-        name = os.path.join("transcripts", f"iteration_{iteration:05d}.jsonl")
-        with writing(workdir, name):
-          write_transcripts(os.path.join(workdir, name), result.all_episodes)
+        with writing(workdir, f"the transcripts of iteration {iteration} (transcripts/)"):
+          append_transcripts(os.path.join(workdir, "transcripts"), iteration,
+                             result.all_episodes)
       kept = [e for e in result.episodes if e.dropped is None]  # this process's
       update_metrics = {}
       if all(e.dropped is not None for e in result.all_episodes):

@@ -14,6 +14,7 @@ import pytest
 
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax import envs
+from marft_jax.rollout import read_transcripts
 from marft_jax.train import teams
 from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
 from tests.compile_flags import FAST_COMPILE
@@ -217,8 +218,7 @@ def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
   assert again.stdout == out.stdout and "reward=nan" not in out.stdout
   assert "its latest checkpoint is iteration 1 and config.iterations=1: nothing left to " \
       "train" in again.stderr
-  with open(tmp_path / "run" / "transcripts" / "iteration_00000.jsonl") as f:
-    episode = json.loads(f.readline())
+  episode = read_transcripts(str(tmp_path / "run" / "transcripts"), 0)[0]
   turns = episode["turns"]
   assert [t["role"] for t in turns] == ["calculator", "estimator", "judge"]
   calculator, estimator, judge = turns
