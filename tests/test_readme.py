@@ -64,7 +64,7 @@ def test_readme_is_a_front_page():
   for extra in ('".[cuda]"', '".[tpu]"', "pip install -e .  "):
     assert extra in install, extra
   quickstart = _blocks("python")[0]
-  assert 10 <= len(quickstart.strip().splitlines()) <= 16, quickstart
+  assert 10 <= len(quickstart.strip().splitlines()) <= 15, quickstart
   assert "train(" in quickstart and "restore" in quickstart
   for section in ("Results", "Features", "Documentation", "Citation"):
     assert _section(section).strip(), section
