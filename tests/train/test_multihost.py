@@ -28,6 +28,7 @@ import pytest
 
 from marft_jax import envs, lora, sharding
 from marft_jax.models.tiny import save_tiny_model
+from marft_jax.rollout import read_transcripts
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import assembly
@@ -210,8 +211,7 @@ def test_the_two_process_run_resumes_in_one_process(runs, tmp_path):
   E = config.rollout.num_envs
   batch = envs.EnvBatch(lambda i: envs.EchoEnv(graded=["repeater"]), E, seed=config.seed,
                         group_size=config.rollout.group_size)
-  with open(os.path.join(resumed, "transcripts", "iteration_00002.jsonl")) as f:
-    seeds = [json.loads(line)["seed"] for line in f]
+  seeds = [r["seed"] for r in read_transcripts(os.path.join(resumed, "transcripts"), 2)]
   assert seeds == [batch.episode_seed(i, 2) for i in range(E)]  # each env's third task
   (record,) = _env_records(resumed).values()
   assert record["built"] == list(range(E)) and record["step"] == list(range(E))
