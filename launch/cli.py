@@ -10,8 +10,10 @@
     `launch.configs.code_2agents`, and `launch/configs/code_2agents.py` from any folder), so
     the console scripts (`marft-train`, ...) of an installed package find them from anywhere;
     an unknown name is one line listing the shipped ones;
-  * `--help` prints the script's docstring and every config field with its value and comment,
-    then exits 0 (absl's own `--help` exits 1 and knows nothing of the fields);
+  * `--help` prints the script's docstring, every config field with its value and its
+    documentation (`launch.reference`, which writes docs/config.md from the same comments)
+    and every flag the script takes, then exits 0 (absl's own `--help` exits 1 and knows
+    nothing of the fields);
   * a bad override (`--config.xyz=1`, `--config.seed=abc`) or a value the typed config refuses
     is one line naming the key, and exit status 2, instead of a traceback;
   * INFO logs (e.g. JAX's "Unable to initialize backend 'tpu'") stay off the progress bars;
@@ -26,21 +28,18 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import importlib.util
-import inspect
 import logging as std_logging
 import os
-import re
 import sys
 import textwrap
-import typing
 from typing import Any, Callable, Optional
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from launch import reference
 from marft_jax import host_allocator
 from marft_jax.configs import from_config_dict
 
@@ -93,7 +92,8 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
     if any(arg in _HELP_FLAGS for arg in argv[1:]):
       # The script's docstring: its module's, whether it runs as `__main__` or a console script.
       try:
-        print(_help_text(argv, config_cls, main.__globals__.get("__doc__")), flush=True)
+        print(_help_text(argv, config_cls, main.__globals__.get("__doc__"), main.__globals__),
+              flush=True)
       except BrokenPipeError:  # `--help | head`: the reader stopped early, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
       sys.exit(0)
@@ -210,18 +210,67 @@ def fail(message: str) -> None:
 # --- --help ----------------------------------------------------------------------------------
 
 
-def _help_text(argv: list[str], config_cls: type, doc: Optional[str]) -> str:
+def _help_text(argv: list[str], config_cls: type, doc: Optional[str],
+               script: dict[str, Any]) -> str:
+  """The script's docstring, every key of the config file read (`launch.reference`: its value
+  and documentation), then every flag the script takes. `script`: its module's globals."""
   path = _config_path(argv)
-  config = _load_config_file(path)
-  lines = [(doc or "").strip(), "",
-           f"Config fields ({_config_name(path)}; override as --config.<key>=<value>):"]
-  lines += _field_lines(config_cls, config)
-  lines += [""] + textwrap.wrap(
-      "Other flags: --config=<name> (a shipped config: " + ", ".join(shipped_configs()) +
-      ") or --config=<file.py> (another config file), --verbosity=0 (INFO logs; 1: also the "
-      "traceback of a one-line error), --compilation_cache=<folder> (keep compiled programs "
-      "for later launches).", width=96)
+  lines = [(doc or "").strip(), ""]
+  lines += _wrap(f"Config fields ({_config_name(path)}; override as --config.<key>=<value>; "
+                 "docs/config.md lists each key's default):")
+  lines += reference.help_lines(config_cls, _load_config_file(path))
+  lines += ["", "Flags (override as --<flag>=<value>):"]
+  lines += _flag_lines(script)
   return "\n".join(lines)
+
+
+def _wrap(text: str, indent: str = "") -> list[str]:
+  return textwrap.wrap(text, width=reference.WIDTH, initial_indent=indent,
+                       subsequent_indent=indent, break_long_words=False,
+                       break_on_hyphens=False)
+
+
+def _flag_lines(script: dict[str, Any]) -> list[str]:
+  """Every flag of absl's registry: the script's own (the flags its module defines), this
+  module's and --verbosity with their defaults and help, then the names of the rest (absl's
+  and the libraries')."""
+  holders = [v for v in script.values() if isinstance(v, flags.FlagHolder)]
+  holders += [_COMPILATION_CACHE, _RETAIN_HOST_MEMORY]
+  lines, shown = [], set()
+  for name in dict.fromkeys(h.name for h in holders):
+    flag = flags.FLAGS[name]
+    if name == "config":
+      default = os.path.basename(_default_config_path).removesuffix(".py")
+      text = (f"a shipped config: {', '.join(shipped_configs())}; or a config file (.py). Its "
+              "fields, above, are overridden as --config.<key>=<value>.")
+    else:
+      default, text = _flag_default(flag.default), flag.help
+    lines += reference.flag_lines(name, default, text)
+    shown.add(name)
+  lines += reference.flag_lines("verbosity", str(flags.FLAGS["verbosity"].default), _VERBOSITY)
+  shown.add("verbosity")
+  module_of = {flag.name: module for module, module_flags in
+               flags.FLAGS.flags_by_module_dict().items() for flag in module_flags}
+  rest = sorted({flags.FLAGS[name].name for name in flags.FLAGS} - shown)
+  libraries = sorted({module_of.get(name, "absl").split(".")[0] for name in rest})
+  lines += _wrap(f"Also taken ({' and '.join(lib + chr(39) + 's' for lib in libraries)}): "
+                 + ", ".join(f"--{name}" for name in rest) + ".", indent="  ")
+  return lines
+
+
+_VERBOSITY = ("-1: warnings and errors only (INFO logs would break into the progress bars); "
+              "0: INFO logs too; 1: also the traceback of a one-line error")
+
+
+def _flag_default(value: Any) -> Optional[str]:
+  """A flag's default as the command line writes it (None: no default, the flag is unset)."""
+  if value is None:
+    return None
+  if isinstance(value, bool):
+    return str(value).lower()
+  if isinstance(value, str):
+    return value if value and " " not in value else repr(value)
+  return str(value)
 
 
 def _config_name(path: str) -> str:
@@ -230,67 +279,6 @@ def _config_name(path: str) -> str:
   if folder == os.path.abspath(CONFIG_DIR) and file_name[:-3] in shipped_configs():
     return f"{file_name[:-3]}, launch/configs/{file_name}"
   return f"file {os.path.relpath(path)}"
-
-
-def _field_lines(cls: type, values: Any, prefix: str = "", skip: tuple = ()) -> list[str]:
-  """`  sampling.top_p = 0.95  # comment` for every (nested) field, as it is overridden. A
-  tuple of sections keyed by name in the file (the team's roles) lists each entry's fields
-  under its name: `team.roles.actor.temperature = -1.0  # < 0: team.temperature`."""
-  hints, comments = typing.get_type_hints(cls), _field_comments(cls)
-  lines = []
-  for field in dataclasses.fields(cls):
-    if field.name in skip:
-      continue
-    value, hint = values[field.name], hints[field.name]
-    if dataclasses.is_dataclass(hint):
-      lines += _field_lines(hint, value, f"{prefix}{field.name}.")
-      continue
-    entry = _named_entry_class(hint)
-    if entry is not None and value:
-      for name in sorted(value):
-        lines += _field_lines(entry, value[name], f"{prefix}{field.name}.{name}.",
-                              skip=("name",))
-      continue
-    comment = comments.get(field.name)
-    # A section of named entries with none declared (no backbone) as {}: an empty
-    # ConfigDict's repr ends its line.
-    shown = "{}" if entry is not None else repr(value)
-    lines.append(f"  {prefix}{field.name} = {shown}" + (f"  # {comment}" if comment else ""))
-  return lines
-
-
-def _named_entry_class(hint: Any) -> Optional[type]:
-  """The section class of a `tuple[Section, ...]` field whose entries are named (`name`), as a
-  config file writes them: a mapping from each entry's name to its other fields."""
-  args = typing.get_args(hint)
-  if (typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis
-      and dataclasses.is_dataclass(args[0])
-      and "name" in {f.name for f in dataclasses.fields(args[0])}):
-    return args[0]
-  return None
-
-
-def _field_comments(cls: type) -> dict[str, str]:
-  """Field name -> its documentation in the class source: the comment after its declaration,
-  else the first sentence of the comment lines right above it."""
-  try:
-    source = inspect.getsource(cls)
-  except (OSError, TypeError):
-    return {}
-  declaration = re.compile(r"^\s+(\w+)\s*:[^#\n]*?(?:#\s*(.+))?$")
-  comment_line = re.compile(r"^\s+#\s?(.*)$")
-  comments, above = {}, []
-  for line in source.splitlines():
-    comment = comment_line.match(line)
-    if comment:
-      above.append(comment.group(1).strip())
-      continue
-    match = declaration.match(line)
-    if match and (match.group(2) or above):
-      text = match.group(2) or re.split(r"(?<=\.)\s+(?=[A-Z])", " ".join(above))[0]
-      comments[match.group(1)] = text.strip()
-    above = []
-  return comments
 
 
 # --- flag errors -------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ r"""Evaluate a team on held-out problems: a run's latest checkpoint, or the untu
 Score a run on any task and data set: the model, the adapters' shape and the team must be
 those the run trained (model.source, model.backbones and each role's team.roles.<r>.backbone,
 lora.rank/alpha/targets, team.num_roles/shared_adapter/graph and the roles they make; a
-difference is an error naming the keys and the role), anything else may differ. So a run trained on the generated arithmetic is scored on a benchmark file with
+difference is an error naming the keys and the role), anything else may differ. So a run
+trained on the generated arithmetic is scored on a benchmark file with
 
   python -m launch.eval --workdir=runs/default --config.task.name=math_jsonl \
       --config.task.test_path=test.jsonl

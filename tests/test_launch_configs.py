@@ -208,32 +208,35 @@ def _leaves(node, prefix=""):
 def test_help_lists_exactly_the_keys_an_override_reaches(path):
   """`--help` prints one `key = value` line per leaf of the config file, each role's fields
   under `team.roles.<name>.` (not the roles' mapping as one blob), and nothing else."""
-  from launch import cli  # noqa: PLC0415 (defines absl flags)
+  from launch import reference  # noqa: PLC0415
   module_name, cls_name = TYPED[os.path.basename(path)]
   cls = getattr(importlib.import_module(module_name), cls_name)
   config = _load(path)
-  lines = cli._field_lines(cls, config)
-  printed = dict(line.split("  # ")[0].strip().split(" = ", 1) for line in lines)
-  assert len(printed) == len(lines)
-  assert printed == {key: repr(value) for key, value in _leaves(config).items()}
+  entries = reference.entries(cls, config)
+  assert {e.key: e.value for e in entries} == _leaves(config)
+  assert len(entries) == len(_leaves(config))
+  lines = reference.help_lines(cls, config)
+  assert [line[2:].split(" = ", 1)[0] for line in lines if not line.startswith("    ")] == [
+      e.key for e in entries]  # one key a line, its help's further lines indented
 
 
 def test_help_documents_the_role_fields_and_the_fields_commented_above():
-  from launch import cli  # noqa: PLC0415
+  from launch import reference  # noqa: PLC0415
   from marft_jax.train.config import TrainConfig
-  lines = cli._field_lines(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
-  comments = dict(line.strip().split("  # ", 1) for line in lines if "  # " in line)
+  entries = reference.entries(TrainConfig, _load(os.path.join(CONFIG_DIR, "train.py")))
+  docs = {e.key: e.help for e in entries}
   # A role's fields, with the comments of RoleSection (its sentinels say what they defer to).
-  assert comments["team.roles.actor.temperature = -1.0"] == "< 0: team.temperature"
-  assert comments["team.roles.reasoner.adapter = 'own'"].startswith('"own": an adapter of its')
-  assert not any(line.strip().startswith("team.roles.") and ".name = " in line
-                 for line in lines)  # the role's key, not a field to set
-  # A field documented by the comment block above it: its first sentence.
-  assert comments["iterations = 16"] == ("Rounds of a rollout (rollout.num_envs episodes) and "
-                                         "an update.")
-  assert comments["team.order = 'reasoner,actor'"].startswith("The roles' order, comma-sep")
-  # A trailing comment wins.
-  assert comments["team.max_new_tokens = 48"] == "per turn, every role but the last"
+  assert docs["team.roles.actor.temperature"] == ("its sampling temperature, > 0; < 0: "
+                                                  "team.temperature")
+  assert docs["team.roles.reasoner.adapter"].startswith('Its policy: "own" (an adapter of its')
+  assert not any(key.startswith("team.roles.") and key.endswith(".name")
+                 for key in docs)  # the role's key, not a field to set
+  # A field documented by the comment block above it: the whole block, one paragraph.
+  assert docs["iterations"].startswith("Rounds of a rollout (rollout.num_envs episodes) and "
+                                       "an update, >= 1. The defaults are the first half")
+  assert docs["team.order"].startswith("The roles' order, comma-separated")
+  # A trailing comment.
+  assert docs["team.max_new_tokens"] == "tokens per turn of every role but the last, >= 1"
 
 
 def test_the_heterogeneous_example_trains_resumes_and_evaluates_on_tiny_models(tmp_path):

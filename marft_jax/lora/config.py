@@ -25,13 +25,14 @@ class LoraConfig:
   `scale = alpha / rank`, or `alpha / sqrt(rank)` with rsLoRA (Kalajdzievski 2023).
   """
 
-  rank: int = 8  # R
-  alpha: float = 16.0
-  # "all-linear" (q, k, v, o, gate, up, down), a tuple of target names, or a regular expression
-  # that must match a whole target name (e.g. "q_proj|v_proj", ".*_proj").
+  rank: int = 8  # R >= 1: each adapter's factors are a [in, R] and b [R, out]
+  alpha: float = 16.0  # > 0: the update's scale is alpha / rank (alpha / √rank with rsLoRA)
+  # The layers adapted: "all-linear" (q, k, v, o, gate, up, down), a tuple of target names,
+  # or a regular expression that must match a whole target name (e.g. "q_proj|v_proj").
   targets: Union[str, tuple[str, ...]] = ALL_LINEAR
-  dropout_rate: float = 0.0  # on the LoRA branch's input, in training only (PEFT's lora_dropout).
-  use_rslora: bool = False
+  # Dropout on the LoRA branch's input, in training only, in [0, 1) (PEFT's lora_dropout)
+  dropout_rate: float = 0.0
+  use_rslora: bool = False  # True: rsLoRA's scale alpha / √rank (Kalajdzievski 2023)
 
   def __post_init__(self):
     if not isinstance(self.targets, str):

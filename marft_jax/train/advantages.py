@@ -82,35 +82,40 @@ class Blocks:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  """Discounts and credit (see the module docstring)."""
+  """Discounts, credit and reward shaping of the advantages (`marft_jax.train.advantages`)."""
 
-  # "action", "token" or "grpo"; "auto": the algorithm's (train/algorithms.py)
+  # The advantages: "action" (one per agent turn), "token" (one per token) or "grpo" (returns
+  # normalised per task and agent, no critic); "auto": the algorithm's
   level: str = "auto"
-  gamma: float = 1.0  # across env steps
-  lambda_: float = 0.95
-  gamma_agent: Optional[float] = None  # across turns of one env step (None: gamma)
-  lambda_agent: Optional[float] = None
-  gamma_token: float = 1.0  # between tokens of one reply (token level)
-  lambda_token: float = 1.0
+  gamma: float = 1.0  # γ in [0, 1]: the discount across env steps
+  lambda_: float = 0.95  # GAE's λ across env steps, in [0, 1] (grpo: 1)
+  gamma_agent: Optional[float] = None  # γ across the turns of one env step, in [0, 1]; None: gamma
+  lambda_agent: Optional[float] = None  # λ across one env step's turns, in [0, 1]; None: lambda_
+  gamma_token: float = 1.0  # γ between the tokens of one reply (token level), in [0, 1]
+  lambda_token: float = 1.0  # λ between the tokens of one reply (token level), in [0, 1]
+  # How an env step's rewards reach its turns: "equal" (the team reward on each of the step's
+  # last turns, those no later turn of it sees; the critic and GAE share it out),
+  # "step_discount" (a turn h hops before such a turn gets reward · credit_discount^h) or
+  # "per_step" (each turn its own role's reward)
   credit: str = "equal"
-  credit_discount: float = 1.0  # γ_c of step_discount
-  # The environment's rewards, shaped before credit (`ppo.shape_rewards`, AReaL's order):
-  # r' = clip((r + reward_bias) · reward_scale, ±reward_clip) on the team reward (the mean over
-  # roles) and on each role's own reward. AReaL's MARFT math recipe: scale 10, bias −0.5.
+  credit_discount: float = 1.0  # γ_c of credit "step_discount", in [0, 1]
+  # Reward shaping before credit, AReaL's order: r' = clip((r + reward_bias) · reward_scale,
+  # ±reward_clip), on the team reward (the mean over roles) and on each role's own. Finite,
+  # not 0 (AReaL's MARFT math recipe: scale 10, bias −0.5).
   reward_scale: float = 1.0
-  reward_bias: float = 0.0
-  reward_clip: Optional[float] = None
-  # KL-in-reward (AReaL's kl_ctl): every trained token's reward gets −β · k(log π_old, log
-  # π_base), the frozen base as reference; at the action level a turn gets its tokens' sum.
-  # 0: off. (A KL penalty in the loss instead: loss.kl_coef.)
+  reward_bias: float = 0.0  # added before reward_scale multiplies, finite
+  reward_clip: Optional[float] = None  # the shaped reward's bound, > 0; None: no clip
+  # KL-in-reward β >= 0 (AReaL's kl_ctl): every trained token's reward gets −β · k(log π_old,
+  # log π_base), the frozen base as reference; at the action level a turn gets its tokens'
+  # sum. 0: off (a KL penalty in the loss instead: loss.kl_coef).
   kl_reward_coef: float = 0.0
-  kl_reward_estimator: str = "k3"  # "k1", "k2" or "k3" (AReaL's release: k3)
-  # Whiten the advantages over the batch; None: the algorithm's (on, except GRPO: its
-  # advantages are normalised per group already).
+  kl_reward_estimator: str = "k3"  # its estimator k: "k1", "k2" or "k3" (AReaL's release: k3)
+  # Whiten the advantages over the batch (True or False); None: the algorithm's (on, except
+  # grpo: its advantages are normalised per group already)
   normalize: Optional[bool] = None
-  # The whitening as one jitted program (its reductions fused); False: op by op, as before
-  # df0626f (2026-11-26 22:35), the bits f32 checkpoints written then resume with (fused
-  # reductions round about 1e-7 apart). Each op then compiles per batch shape: slower.
+  # True: the whitening runs as one jitted program, its reductions fused; False: op by op,
+  # each op compiled per batch shape (slower; f32 results about 1e-7 apart). A resumed run
+  # keeps the value its checkpoint was written with.
   jit_whitening: bool = True
 
   def __post_init__(self):

