@@ -52,11 +52,12 @@ def test_extras_agree_with_the_base_and_the_readme(project):
   extra (the suite grades HumanEval) and the torch that the README installs first."""
   dependencies = project["project"]["dependencies"]
   extras = project["project"]["optional-dependencies"]
-  assert set(extras) == {"test", "benchmarks", "cuda", "cuda12", "tpu"}
+  assert set(extras) == {"test", "benchmarks", "docs", "cuda", "cuda12", "tpu"}
   jax_range = _range(next(d for d in dependencies if d.startswith("jax>")), "jax")
   for extra in ("cuda", "cuda12", "tpu"):
     assert [_range(r, "jax") for r in extras[extra]] == [jax_range], extra
   assert set(extras["benchmarks"]) <= set(extras["test"])
+  assert set(extras["docs"]) <= set(extras["test"])  # the suite builds the docs
   torch = re.search(r"pip install (torch==\S+) ", _read("README.md")).group(1)
   assert torch in extras["test"]
   assert all(re.search(r"[<>=]", d) for d in dependencies), "every dependency has a range"
