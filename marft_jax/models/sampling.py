@@ -41,7 +41,7 @@ class SamplingConfig:
   """Generation settings of one agent (or of a chat demo)."""
 
   max_new_tokens: int = 96  # tokens to generate at most (≥ 1).
-  temperature: float = 0.7  # ≥ 0; 0 = greedy.
+  temperature: float = 0.7  # the sampling temperature, ≥ 0; 0 = greedy.
   top_k: int = 0  # keep the k most probable tokens; 0 = off.
   top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off.
 

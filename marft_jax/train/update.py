@@ -103,9 +103,9 @@ class LossConfig:
   dual_clip: Optional[float] = None
   kl_coef: float = 0.0  # the weight of a KL penalty to the frozen base model, >= 0
   kl_estimator: str = "k3"  # that penalty's estimator: "k1", "k2" or "k3" (`ppo.kl`)
-  # The sampler's log-probs as the behaviour policy (decoupled PPO, see the module docstring):
-  # "on", "off", or "auto" = on wherever sampler and learner can differ (a bfloat16 model;
-  # always with rollout.max_staleness >= 1)
+  # The sampler's log-probs as the behaviour policy (decoupled PPO, train/update.py): "on",
+  # "off", or "auto" = on wherever sampler and learner can differ (a bfloat16 model; always
+  # with rollout.max_staleness >= 1)
   behaviour_correction: str = "auto"
   # With the correction on: drop a token (a turn, at the action level) whose weight
   # π_prox/π_behav exceeds this cap, >= 1 (AReaL's behav_imp_weight_cap in every MARFT
