@@ -10,9 +10,11 @@ line led by `"iteration"`: `transcripts.jsonl` takes the appends; once it holds
 `MAX_FILE_BYTES` it becomes `transcripts.1.jsonl` (replacing the one before) and a new one
 starts. So the folder never holds more than two files and 2 × `MAX_FILE_BYTES` plus one
 iteration's episodes, however long the run, and it holds the latest iterations: at least
-the last 32 MB of them, every iteration of a run short enough (the default job writes ~30 KB
-an iteration; the tiny model's soak 8 KB). A fixed size rather than a config key: what is
-kept changes nothing a run trains or resumes, and a person reads the latest iterations.
+the last 32 MB of them, every iteration of a run short enough (bench/soak.py's tiny-model
+run writes 7.8 KB an iteration, 8 episodes of 3-token replies: 4,000 iterations a file;
+longer prompts and replies write more, in proportion). A fixed size rather than a config
+key: what is kept changes nothing a run trains or resumes, and a person reads the latest
+iterations.
 `read_transcripts` reads the pair back, oldest first. A resumed run first drops what the
 interrupted run wrote at or after the iteration it resumes from (`cut_transcripts`), so each
 iteration appears once.
