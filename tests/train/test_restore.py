@@ -100,23 +100,26 @@ def test_a_role_replies_with_its_own_adapter_as_launch_generate_does(run, tmp_pa
   restored = restore_lib.restore(workdir)
   task = "Repeat: 0"
   answer = restored.reply("speaker", task)
-  # The reference: the sampler with the exported PEFT adapter of the role, on the prompt the
-  # rollout's per-agent view gives the first role.
+  second = restored.reply("repeater", task, replies=[("speaker", answer)])
+  # The reference: the sampler with each role's exported PEFT adapter, on the prompt the
+  # rollout's per-agent view gives it (the repeater sees the speaker's reply).
   from marft_jax.models import layout, sampler
   from marft_jax.rollout import context
   model = restored.model
-  folder = os.path.join(workdir, "exports", "step_2", "speaker")
-  adapter = lora_lib.load_peft_adapters([folder], model.config)
-  messages = [{"role": "system", "content": "Say it."}, {"role": "user", "content": task}]
-  ids = context.chat_prompt(model.tokenizer, messages)
   fast = model.config.replace(layout=layout.decoding())
   params = layout.convert_params(model.params, model.config.layout, fast.layout)
-  out = sampler.generate(params, np.asarray([ids]), fast, rng=jax.random.key(0),
-                         max_new_tokens=3, temperature=0.0, eos_ids=model.tokenizer.eos_token_id,
-                         lora=adapter, adapter_ids=[0])
-  tokens = np.asarray(out.tokens[0, :int(out.lengths[0])])
-  assert answer == model.tokenizer.decode(tokens, skip_special_tokens=True)
-  assert restored.reply("repeater", task, replies=[("speaker", answer)]) is not None
+  for role, prompt, user, got in (
+      ("speaker", "Say it.", task, answer),
+      ("repeater", "Repeat it.", f"{task}\n\nSpeaker: {answer.strip()}", second)):
+    folder = os.path.join(workdir, "exports", "step_2", role)
+    adapter = lora_lib.load_peft_adapters([folder], model.config)
+    ids = context.chat_prompt(model.tokenizer, [{"role": "system", "content": prompt},
+                                                {"role": "user", "content": user}])
+    out = sampler.generate(params, np.asarray([ids]), fast, rng=jax.random.key(0),
+                           max_new_tokens=3, temperature=0.0,
+                           eos_ids=model.tokenizer.eos_token_id, lora=adapter, adapter_ids=[0])
+    tokens = np.asarray(out.tokens[0, :int(out.lengths[0])])
+    assert got == model.tokenizer.decode(tokens, skip_special_tokens=True), role
   with pytest.raises(ValueError, match=r"role 'actor': not a role of the run .* speaker, "
                                        r"repeater"):
     restored.reply("actor", task)
