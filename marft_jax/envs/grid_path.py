@@ -29,8 +29,8 @@ from marft_jax.envs.problems import Problem, last_boxed
 from marft_jax.envs.team_tasks import randint, rng_for
 
 NAME = "grid_path"
-ROWS, COLS = 3, 3
-WALLS = 2
+ROWS, COLS = 2, 3
+WALLS = 1
 FORMATTED = ("boxed",)
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 _SEPARATORS = re.compile(r"[\s,;\-–>→]+")
@@ -87,7 +87,8 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
       continue
     rows, path = drawn
     question = (f"Grid ({ROWS} rows, {COLS} columns; S start, G goal, # wall, . free):\n"
-                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right.")
+                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right. "
+                "Answer like \\boxed{RD}.")
     problems.append(Problem(question=question, answer=path,
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
                             meta={"rows": list(rows), "split": split}))

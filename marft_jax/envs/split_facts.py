@@ -28,7 +28,7 @@ from marft_jax.envs.team_tasks import choice, integer_grade, randint, rng_for
 
 NAME = "split_facts"
 CONTAINERS = 2
-COUNTS = (2, 20)
+COUNTS = (1, 9)
 KINDS = ("total", "difference")
 FORMATTED = ("boxed", "hash", "answer_is")
 grade = integer_grade

@@ -25,8 +25,8 @@ from marft_jax.envs.problems import Problem
 from marft_jax.envs.team_tasks import choice, integer_grade, randint, rng_for
 
 NAME = "verify_correct"
-NUMBERS = (2, 30)
-FACTORS = (2, 9)
+NUMBERS = (1, 9)
+FACTORS = (2, 3)
 OPS = ("add", "sub", "times")
 FORMATTED = ("boxed", "hash", "answer_is")
 grade = integer_grade

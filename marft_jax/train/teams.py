@@ -113,7 +113,8 @@ _WORD_ROLES = {r.name: r for r in (
 _TEAM_TASK_ROLES = {
     "split_facts": (
         RoleSection("reporter", "You are the Reporter of a two-person team. You see facts that "
-                    "your teammate needs but cannot see. Copy every fact exactly, one per line.",
+                    "your teammate needs but cannot see. Repeat them word for word, e.g. Box A "
+                    "holds 7 marbles. Box B holds 5 marbles.",
                     "Passes on the facts it sees."),
         RoleSection("answerer", "You are the Answerer of a two-person team. Your teammate "
                     "reports the facts; you see the question. Answer it in one line: the "
@@ -129,10 +130,10 @@ _TEAM_TASK_ROLES = {
                     "Checks the calculation and gives the final answer.")),
     "grid_path": (
         RoleSection("planner", "You are the Planner of a two-person team. Find a way from S to G "
-                    "that never enters a # wall. Write the moves in order, e.g. right, right, "
-                    "down.", "Writes the moves from S to G."),
-        RoleSection("executor", "You are the Executor of a two-person team. Write the Planner's "
-                    "moves as letters U, D, L, R in \\boxed{}, e.g. \\boxed{RRD}.",
+                    "that never enters a # wall. Write only the moves as letters, e.g. R D.",
+                    "Writes the moves from S to G."),
+        RoleSection("executor", "You are the Executor of a two-person team. Reply with only the "
+                    "Planner's moves as letters U, D, L, R in \\boxed{}, e.g. \\boxed{RD}.",
                     "Writes the final path.")),
 }
 _MATH_TEAMS = {1: ("solver",), 2: ("reasoner", "actor"), 3: ("reasoner", "actor", "verifier"),
