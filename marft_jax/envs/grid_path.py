@@ -87,8 +87,7 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
       continue
     rows, path = drawn
     question = (f"Grid ({ROWS} rows, {COLS} columns; S start, G goal, # wall, . free):\n"
-                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right. "
-                "Answer like \\boxed{RD}.")
+                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right.")
     problems.append(Problem(question=question, answer=path,
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
                             meta={"rows": list(rows), "split": split}))
