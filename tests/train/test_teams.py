@@ -1,6 +1,6 @@
 """Teams in the config (train/teams.py): shipped teams as data, overrides by role name, DAG
 and orchestrator graphs, adapters, the anonymous ablation, refusals naming the key, and the
-README's 3-role DAG file launched on the tiny model."""
+concepts page's 3-role DAG file launched on the tiny model."""
 
 import dataclasses
 import json
@@ -181,24 +181,22 @@ def test_ppo_refuses_a_declared_team_of_two_naming_both_keys():
     _file("train.py", algorithm="ppo")
 
 
-def _readme_team_block():
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
-  section = readme.split("### Defining a team", 1)[1]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def test_readme_shows_the_shipped_dag_file():
+def _dag_file() -> str:
   with open(os.path.join(CONFIG_DIR, "dag_3agents.py")) as f:
-    assert _readme_team_block() == f.read()
+    return f.read()
 
 
-def test_readme_dag_team_trains_on_the_tiny_model(tmp_path):
-  """The README's config file, launched as the README says (tiny model, one short iteration):
-  the judge saw both branches, each branch only the task."""
+def test_the_concepts_page_shows_the_shipped_dag_file():
+  with open(os.path.join(ROOT, "docs", "concepts.md")) as f:
+    assert "```{literalinclude} ../launch/configs/dag_3agents.py" in f.read()
+
+
+def test_the_dag_file_trains_on_the_tiny_model(tmp_path):
+  """The shipped DAG file of the concepts page, launched as the page says (tiny model, one
+  short iteration): the judge saw both branches, each branch only the task."""
   from marft_jax.models import tiny
   config_file = tmp_path / "dag.py"
-  config_file.write_text(_readme_team_block())
+  config_file.write_text(_dag_file())
   model = tiny.save_tiny_model(tmp_path / "model")
   command = [sys.executable, "-m", "launch.train", f"--config={config_file}",
              f"--workdir={tmp_path / 'run'}", f"--config.model.source={model}",
