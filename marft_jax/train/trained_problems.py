@@ -37,7 +37,8 @@ from typing import Any, Collection, Mapping, Sequence
 
 from absl import logging
 
-from marft_jax.envs import splits, team_tasks
+from marft_jax.envs import splits
+from marft_jax.train import tasks
 from marft_jax.train.config import TrainConfig
 
 KEY = "training_problems"  # in a checkpoint's meta
@@ -55,35 +56,51 @@ def record(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> dict:
   training part as read when the run started (a file moved or deleted since does not fail
   the save); None: the files are read now."""
   task = config.task
-  if task.name in splits.KINDS:
+  entry = tasks.lookup(task.name)
+  if entry.record == "file":
     if envs is not None:  # CodeEnv.problems, MathEnv.problems: the part, in file order
       train = envs.envs[0].problems
     else:
       train = splits.task_problems(task.name, task.path, task.test_path)[0]
     return {"task": task.name, "problems": [[p.id, fingerprint(p)] for p in train]}
-  if task.name == "arithmetic" or task.name in team_tasks.names():
+  if entry.record == "stream":
     return {"task": task.name, "stream": {
         "level": task.level, "seed": int(cursor["seed"]), "group_size": config.rollout.group_size,
         "episodes": [int(n) for n in cursor["episodes"]]}}
+  if entry.record == "ids":
+    return {"task": task.name, "problems": _played_ids(config, cursor, envs)}
   return {"task": task.name, "problems": []}
+
+
+def _played_ids(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> list:
+  """[[id, fingerprint]] of the problems a factory's training stream played up to `cursor`
+  (its environments' `problem_id` of each episode's seed; [] without one), by id."""
+  env = envs.envs[0] if envs is not None else tasks.lookup(config.task.name).factory(
+      config.task, "train", int(cursor["seed"]))
+  if not hasattr(env, "problem_id"):
+    return []
+  ids = {env.problem_id(seed) for seed in _stream_seeds(
+      int(cursor["seed"]), config.rollout.group_size, cursor["episodes"])}
+  return [[i, tasks.id_fingerprint(i)] for i in sorted(ids)]
+
+
+def _stream_seeds(seed: int, group_size: int, episodes: Sequence[int]) -> list[int]:
+  """The episode seeds an `EnvBatch` of `len(episodes)` environments drew, environment i its
+  first episodes[i]."""
+  from marft_jax.envs.batch import EnvBatch
+  batch = EnvBatch(lambda i: None, len(episodes), seed=seed, group_size=group_size)
+  return sorted({batch.episode_seed(i, k) for i, n in enumerate(episodes) for k in range(n)})
 
 
 def fingerprints(recorded: Mapping[str, Any]) -> dict[str, str]:
   """{fingerprint: id} of the problems a `record` names (arithmetic: its stream replayed)."""
   if "stream" not in recorded:
     return {fp: problem_id for problem_id, fp in recorded["problems"]}
-  from marft_jax.envs import arithmetic
-  from marft_jax.envs.batch import EnvBatch
   stream = recorded["stream"]
   episodes = stream["episodes"]
-  envs = EnvBatch(lambda i: None, len(episodes), seed=stream["seed"],
-                  group_size=stream["group_size"])
-  if recorded.get("task") in team_tasks.names():
-    source = team_tasks.problems(recorded["task"], "train")
-  else:
-    source = arithmetic.ArithmeticProblems(levels=(stream["level"],), split="train")
-  seeds = {envs.episode_seed(i, k) for i, n in enumerate(episodes) for k in range(n)}
-  return {fingerprint(p): p.id for p in map(source.problem_for_seed, sorted(seeds))}
+  source = tasks.lookup(recorded.get("task", "arithmetic")).stream(stream["level"], "train")
+  seeds = _stream_seeds(stream["seed"], stream["group_size"], episodes)
+  return {fingerprint(p): p.id for p in map(source.problem_for_seed, seeds)}
 
 
 def of_checkpoint(workdir: str) -> dict[str, str]:
@@ -106,7 +123,7 @@ def of_checkpoint(workdir: str) -> dict[str, str]:
   try:
     saved = assembly.read_saved_config(meta["config"], where)
     cursor = meta.get("envs")
-    if saved.task.name == "arithmetic" and cursor is None:
+    if tasks.lookup(saved.task.name).record in ("stream", "ids") and cursor is None:
       raise ValueError("no data cursor saved")
     trained = fingerprints(record(saved, cursor))
   except (OSError, ValueError) as e:
@@ -153,12 +170,35 @@ class Unseen:
         raise ValueError(f"seed {seed}: its first 1000 held-out problems were all trained on")
 
 
+def heldout_dropped(config: TrainConfig, trained: Collection[str]) -> int:
+  """How many held-out problems of a problem file task (`heldout_problems`) an evaluation of
+  `config` leaves out as trained on (0 for the other tasks: their draws are replaced,
+  `replaced_draws`)."""
+  task = config.task
+  if tasks.lookup(task.name).heldout != "file":
+    return 0
+  return heldout_problems(task.name, task.path, task.test_path, trained)[1]
+
+
 def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
                    trained: Collection[str]) -> int:
-  """How many of the tasks of `episodes` (an evaluation of generated arithmetic, one task per
-  `Episode.seed`, several samples of it alike) `Unseen` dealt another problem than their
-  seed's first, a training problem."""
+  """How many of the tasks of `episodes` (an evaluation, one task per `Episode.seed`, several
+  samples of it alike) were dealt another problem than their seed's first, a training
+  problem: generated arithmetic's (`Unseen`), a factory's by its `problem_id`
+  (`tasks.unplayed`); 0 for the other tasks."""
+  seeds = {e.seed for e in episodes}
+  heldout = tasks.lookup(config.task.name).heldout
+  if heldout == "ids":
+    from marft_jax.train.evaluate import EVAL_SEED_OFFSET
+    env = tasks.lookup(config.task.name).factory(config.task, "test",
+                                                 config.seed + EVAL_SEED_OFFSET)
+    try:
+      return 0 if not hasattr(env, "problem_id") else sum(
+          tasks.id_fingerprint(env.problem_id(seed)) in trained for seed in seeds)
+    finally:
+      env.close()
+  if heldout != "replaced":
+    return 0
   from marft_jax.envs import arithmetic
   source = arithmetic.ArithmeticProblems(levels=(config.task.level,), split="test")
-  seeds = {e.seed for e in episodes}
   return sum(fingerprint(source.problem_for_seed(seed)) in trained for seed in seeds)

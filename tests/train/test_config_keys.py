@@ -4,7 +4,8 @@ The keys are generated from the config itself (`_leaves`: every dataclass field,
 including `team.roles.<name>.*` of a team that declares its roles), so a key added later is
 covered without editing this file. For each key, each changed valid value (`_changes`: a bool
 flipped, an int + 1, a float scaled by 0.01, every other allowed value of a choice, None <->
-a value, a tuple grown, a free string back to its default or to "x") and each algorithm, one of:
+a value, a tuple grown, a mapping given one more entry, a free string back to its default or
+to "x") and each algorithm, one of:
 
   * refused before the model is used: a ValueError naming the key, from building the config
     (what `--config.<key>=` does), `algorithms.resolve` or `loop.train`'s checks;
@@ -119,6 +120,8 @@ def _changes(config, key, hint, value):
     return [0.01 if value <= 0 else value * 0.01]
   if isinstance(value, tuple):
     return [value + value[-1:] if value else (8,)]
+  if isinstance(value, dict):  # a free-form mapping (task.options): one entry more
+    return [{**value, "x": 1}]
   if isinstance(value, str):
     allowed = _allowed(config, key)
     if allowed is not None:
