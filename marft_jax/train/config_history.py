@@ -186,7 +186,7 @@ ADDED: tuple[Added, ...] = (
     Added("team.profiles", "", "8098e15", "2026-12-01 21:47",
           "no profile files: a team was its team.roles (a run from a profile file records the "
           "roles it gave and an empty team.profiles)"),
-    Added("task.options", {}, "(next commit)", "",
+    Added("task.options", {}, "ccbe152", "2026-12-01 22:17",
           "no tasks of your own: a task read no free-form options"),
 )
 
