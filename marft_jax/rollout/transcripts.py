@@ -27,6 +27,7 @@ import json
 import os
 from typing import Optional, Sequence
 
+from marft_jax.jsonl import iter_records
 from marft_jax.rollout.episode import Episode
 
 
@@ -118,16 +119,8 @@ def _torn(path: str) -> bool:
 
 def _records(path: str):
   """The JSON objects of a JSONL file, one at a time (nothing if it does not exist)."""
-  if not os.path.exists(path):
-    return
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict):
-        yield record
+  if os.path.exists(path):
+    yield from iter_records(path)
 
 
 def _keep_before(path: str, step: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from marft_jax.jsonl import iter_records
 from marft_jax.train.write_failures import writing
 
 StrPath = Union[str, "os.PathLike[str]"]
@@ -141,14 +142,7 @@ def read_metrics(jsonl_path: StrPath) -> list[dict]:
 def iter_metrics(jsonl_path: StrPath):
   """`read_metrics`'s records one at a time: what the trainer reads (a long run's file, held
   whole as dicts, is ~6 KB an iteration, a peak the allocator keeps)."""
-  with open(jsonl_path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict):
-        yield record
+  return iter_records(jsonl_path)
 
 
 def _summary_writer_class():
