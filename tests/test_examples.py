@@ -69,3 +69,32 @@ def test_guess_number_plays_several_env_steps_with_feedback():
   assert steps and max(steps) == 3  # the tiny model's guesses are wrong: every step is played
   late = [t for e in result.episodes for t in e.turns if t.env_step == 2]
   assert any("too" in t.prompt or "No number" in t.prompt for t in late)
+
+
+def test_parity_trains_resumes_and_evaluates_from_python(tmp_path):
+  """The same task from Python: `train(config, workdir, task=factory)` names the factory in
+  the run's config, a second call resumes it, and `marft_jax.restore` evaluates it on
+  problems of the test split."""
+  import dataclasses
+
+  import marft_jax
+  from examples import parity, parity_config
+  from marft_jax.train import loop
+  from tests.train.echo_config import tiny_trainer_model
+  declared = from_config_dict(TrainConfig, parity_config.get_config())
+  config = dataclasses.replace(
+      declared, task=dataclasses.replace(TrainConfig().task, eval_problems=8),  # no task named
+      team=dataclasses.replace(declared.team, max_new_tokens=4, last_max_new_tokens=4),
+      rollout=dataclasses.replace(declared.rollout, max_context=256), iterations=1)
+  workdir, model = str(tmp_path / "run"), tiny_trainer_model()
+  loop.train(config, workdir, model=model, progress=False, task=parity.make_env)
+  assert os.path.isdir(os.path.join(workdir, "checkpoints", "1"))
+  loop.train(dataclasses.replace(config, iterations=2), workdir, model=model, progress=False,
+             task=parity.make_env)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    steps = [json.loads(line)["step"] for line in f if '"reward"' in line]
+  assert steps == [0, 1], steps  # each iteration once: the second after the resume
+  run = marft_jax.restore(workdir, model=model)
+  assert run.step == 2 and run.config.task.name == "examples.parity:make_env"
+  assert dict(run.config.task.options) == {}  # the factory's own defaults
+  assert 0.0 <= run.evaluate(num_problems=4)["accuracy"] <= 1.0
