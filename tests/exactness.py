@@ -75,7 +75,7 @@ def codegen(device_count: int | None = None) -> dict:
 def same_codegen(recorded: dict | None) -> bool:
   """Whether a result recorded under `recorded` (a `codegen()` record; None: recorded before
   records were kept) is this process's to compare bit for bit."""
-  return recorded is not None and recorded == codegen(recorded.get("devices"))
+  return recorded is not None and recorded == codegen()
 
 
 # --- tolerances ----------------------------------------------------------------------------
