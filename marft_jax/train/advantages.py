@@ -266,15 +266,40 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
                      "first (marft_jax.train.algorithms.resolve)")
   turns = _turns(episodes, batch)
   grpo, token = config.level == "grpo", config.level == "token"
+  # --- the chains: each episode's turns and positions, in execution order ---
   chains = build_chains(batch, episodes, turns, token, num_team, agent_sees, kl_reward)
+  chains = _shaped(chains, config, grpo)
+  # --- advantages along the chains, written back at the batch's positions ---
+  adv, ret = _chain_advantages(chains, config, grpo)
+  act_adv, act_ret, turn_adv, turn_ret, turn_val = _at_positions(batch, chains, adv, ret)
+  if grpo:
+    return _grpo(batch, turn_ret, chains, turns, num_team, groups)
+  if not token:  # an action's advantage applies to every token of it
+    act_adv = _spread(batch, turn_adv)
+  # --- the batch's whitening, over the turns that train ---
+  if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
+    act_adv, turn_adv = _whitened(batch, act_adv, turn_adv, config, blocks, active)
+  return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
+                       turn_return=turn_ret, turn_old_value=turn_val)
+
+
+def _shaped(chains: Chains, config: AdvantageConfig, grpo: bool) -> Chains:
+  """`chains` with its [E, n] team and own rewards shaped (`ppo.shape_rewards`) and, for
+  GRPO, its [E, W] values zeroed (Monte Carlo reward-to-go along the successors: no values,
+  λ = 1)."""
   shape = lambda r: np.asarray(ppo.shape_rewards(r, config.reward_scale, config.reward_bias,
                                                  config.reward_clip))
-  chains.turn["team_reward"] = shape(chains.turn["team_reward"])
-  # An orchestrator's turns have no reward of their own to shape.
-  chains.turn["own_reward"] = np.where(chains.team_turn, shape(chains.turn["own_reward"]), 0.0)
-  if grpo:  # Monte Carlo reward-to-go along the successors: no values, λ = 1
-    chains.values[:] = 0.0
-  adv, ret = _chain_advantages(chains, config, grpo)
+  turn = dict(chains.turn, team_reward=shape(chains.turn["team_reward"]),
+              # An orchestrator's turns have no reward of their own to shape.
+              own_reward=np.where(chains.team_turn, shape(chains.turn["own_reward"]), 0.0))
+  values = np.zeros_like(chains.values) if grpo else chains.values
+  return dataclasses.replace(chains, turn=turn, values=values)
+
+
+def _at_positions(batch: TrainBatch, chains: Chains, adv: np.ndarray, ret: np.ndarray):
+  """[E, W] per-position advantages and returns -> the batch's: ([B, T] advantages, [B, T]
+  returns) at every position (`chains.places`; 0 elsewhere), and ([B, K] advantages,
+  returns, the chains' values) at each turn's value position (`batch.turn_value_pos`)."""
   values = np.asarray(batch.act_old_value, np.float32)
   act_adv, act_ret = np.zeros_like(values), np.zeros_like(values)
   turn_adv = np.zeros(batch.turn_valid.shape, np.float32)
@@ -285,19 +310,22 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
       if p == batch.turn_value_pos[row, k]:
         turn_adv[row, k], turn_ret[row, k] = adv[e, j], ret[e, j]
         turn_val[row, k] = chains.values[e, j]
-  if grpo:
-    return _grpo(batch, turn_ret, chains, turns, num_team, groups)
-  if not token:  # an action's advantage applies to every token of it
-    act_adv = _spread(batch, turn_adv)
-  if config.normalize is None or config.normalize:  # None: on (GRPO returned above)
-    rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
-    act_on, turn_on = trained_masks(batch, active)
-    whiten = _whiten if config.jit_whitening else functools.partial(ppo.normalize,
-                                                                      eps=NORMALIZE_EPS)
-    act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks, whiten)
-    turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks, whiten)
-  return batch.replace(act_advantage=act_adv, act_return=act_ret, turn_advantage=turn_adv,
-                       turn_return=turn_ret, turn_old_value=turn_val)
+  return act_adv, act_ret, turn_adv, turn_ret, turn_val
+
+
+def _whitened(batch: TrainBatch, act_adv: np.ndarray, turn_adv: np.ndarray,
+              config: AdvantageConfig, blocks: Optional[Blocks],
+              active: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+  """([B, T] per-decision, [B, K] per-turn) advantages whitened over the whole batch's
+  trained decisions and turns (`batching.trained_masks` of `active`; 0 elsewhere),
+  `_normalize` (with `blocks`, every process's rows)."""
+  rows = None if blocks is None else blocks.gather(np.asarray(batch.row_episode))
+  act_on, turn_on = trained_masks(batch, active)
+  whiten = _whiten if config.jit_whitening else functools.partial(ppo.normalize,
+                                                                    eps=NORMALIZE_EPS)
+  act_adv = _normalize(act_adv, np.asarray(act_on), rows, blocks, whiten)
+  turn_adv = _normalize(turn_adv, np.asarray(turn_on), rows, blocks, whiten)
+  return act_adv, turn_adv
 
 
 def _chain_advantages(chains: Chains, config: AdvantageConfig, grpo: bool):

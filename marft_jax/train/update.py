@@ -86,7 +86,7 @@ class LossConfig:
   """Loss weights and PPO settings (static under jit)."""
 
   # The policy ratio: "action" (one per turn) or "token" (one per token); "auto": the
-  # algorithm's (train/algorithms.py resolves it before the update is built)
+  # algorithm's (train/config/algorithms.py resolves it before the update is built)
   policy_level: str = "auto"
   # At the action level, a turn's log-prob: "sum" (the sequence's) or "mean" (per token,
   # which makes the ratio GSPO's length-normalised sequence ratio, Zheng et al. 2025)
@@ -450,82 +450,127 @@ def make_update(model_config: ModelConfig, config: LossConfig, policy_optimizer,
   (`resolve_behaviour_correction`); the trainer resolves it earlier, with its sampling
   settings, so its saved config says what ran.
   """
+  config = _resolved_for_model(model_config, config)
+  grad_fn = jax.value_and_grad(
+      functools.partial(losses, model_config=model_config, config=config,
+                        critic_values=critic_values), argnums=(0, 1), has_aux=True)
+
+  def update(state, params, batch, extras, active, train_policy, rng):
+    # --- masks: a `base` role's and a frozen adapter's turns weigh nothing ---
+    trained = trained_masks(batch, active)
+    # --- the scan body, bound to this batch ---
+    gradients = functools.partial(_minibatch_gradients, grad_fn, params,
+                                  (batch, extras, trained), num_adapters)
+    step = functools.partial(
+        _minibatch_step, gradients=gradients,
+        no_gradients=functools.partial(_no_gradients, num_adapters),
+        optimizers=(policy_optimizer, critic_optimizer), config=config, active=active,
+        train_policy=train_policy)
+    # --- the minibatch slots: each epoch's, real rows first ---
+    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches,
+                                     logical_rows)
+    dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
+    # --- epochs × minibatches ---
+    (state, _), metrics = jax.lax.scan(step, (state, jnp.zeros((), bool)),
+                                       (indices, dropout_keys, taken))
+    # --- metrics ---
+    return state, _update_metrics(metrics, taken, batch, extras, config, trained)
+
+  return jax.jit(update, out_shardings=out_shardings)
+
+
+def _resolved_for_model(model_config: ModelConfig, config: LossConfig) -> LossConfig:
+  """`config` with `behaviour_correction` "auto" decided from the model's dtypes (on when
+  its params or compute are bfloat16, `resolve_behaviour_correction`); refuses a
+  `policy_level` the algorithm has not resolved."""
   bf16 = jnp.bfloat16 in (jnp.dtype(model_config.param_dtype),
                           jnp.dtype(model_config.compute_dtype))
   config = resolve_behaviour_correction(config, "bfloat16" if bf16 else "float32")
   if config.policy_level not in POLICY_LEVELS:
     raise ValueError(f"loss.policy_level={config.policy_level!r}: resolve the config's "
                      "algorithm first (marft_jax.train.algorithms.resolve)")
-  grad_fn = jax.value_and_grad(
-      functools.partial(losses, model_config=model_config, config=config,
-                        critic_values=critic_values), argnums=(0, 1), has_aux=True)
+  return config
 
-  def update(state, params, batch, extras, active, train_policy, rng):
-    # Decisions and turns of adapters this iteration trains: a `base` role's and a frozen
-    # adapter's weigh nothing in the policy loss and metrics.
-    trained = trained_masks(batch, active)
 
-    def gradients(policy, critic, indices, dropout_key):
-      """A minibatch with real rows: (loss, `losses`' diagnostics, the policy's and the
-      critic's gradients, [A] which adapters have tokens in it)."""
-      mb, ex, tr = jax.tree.map(lambda x: x[indices], (batch, extras, trained))
-      (loss, aux), (g_policy, g_critic) = grad_fn(policy, critic, params, mb, ex,
-                                                  dropout_key=dropout_key, trained=tr)
-      aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
-      return (jnp.asarray(loss, jnp.float32), aux, g_policy, g_critic,
-              _adapters_present(mb, num_adapters))
+def _minibatch_gradients(grad_fn, params, data: tuple, num_adapters: int, policy, critic,
+                         indices: jax.Array, dropout_key: jax.Array):
+  """A minibatch with real rows: ([] f32 loss, `losses`' diagnostics ([] f32 each), the
+  policy's and the critic's gradients (their parameters' trees), [A] bool: which adapters
+  have tokens in it).
 
-    def no_gradients(policy, critic, indices, dropout_key):
-      """A slot of padding rows: no forward, zero gradients, no adapter present (its
-      diagnostics by name, not by tracing `losses` again: 0.6 s a trace of the update)."""
-      del indices, dropout_key
-      zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-      return (jnp.zeros((), jnp.float32), dict.fromkeys(LOSS_METRICS, jnp.zeros(())),
-              zeros(policy), zeros(critic), jnp.zeros((num_adapters,), bool))
+  `grad_fn`: `losses`' value and gradients w.r.t. (policy, critic). `data`: the whole batch's
+  (TrainBatch, Extras, `trained_masks`), B rows; `indices` [B/M]: the minibatch's rows."""
+  mb, ex, tr = jax.tree.map(lambda x: x[indices], data)
+  (loss, aux), (g_policy, g_critic) = grad_fn(policy, critic, params, mb, ex,
+                                              dropout_key=dropout_key, trained=tr)
+  aux = {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()}
+  return (jnp.asarray(loss, jnp.float32), aux, g_policy, g_critic,
+          _adapters_present(mb, num_adapters))
 
-    def minibatch_step(carry, xs):
-      """One minibatch slot. A slot of padding alone moves nothing (neither the weights nor
-      the moments), but the policy optimizer's step count advances as in a taken step, so
-      its learning-rate schedule follows the iterations."""
-      state, stopped = carry
-      indices, dropout_key, taken = xs
-      loss, aux, g_policy, g_critic, present = jax.lax.cond(
-          taken, gradients, no_gradients, state.policy, state.critic, indices, dropout_key)
-      finite = jnp.isfinite(loss) & all_finite(g_policy.layers)
-      if g_critic is not None:
-        finite = finite & all_finite(g_critic)
-      too_far = jnp.asarray(False if config.kl_limit is None else
-                            aux["approx_kl"] > config.kl_limit)
-      g_policy, norms = optim.clip_per_agent(g_policy, config.max_grad_norm)
-      move = active & present & train_policy & finite & ~too_far & ~stopped
-      policy, policy_opt = optim.apply_masked(policy_optimizer, g_policy, state.policy_opt,
-                                              state.policy, move)
-      critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
-      if g_critic is not None:
-        critic, critic_opt, critic_norm = critic_step(
-            critic_optimizer, g_critic, state.critic, state.critic_opt,
-            config.critic_max_grad_norm, finite & taken)
-      stopped = stopped | (too_far & (config.kl_guard == "stop"))
-      new_state = state.replace(policy=policy, critic=critic, policy_opt=policy_opt,
-                                critic_opt=critic_opt, step=state.step + 1)
-      return (new_state, stopped), _step_metrics(aux, loss, finite, too_far, norms, critic_norm)
 
-    indices, taken = minibatch_slots(rng, jnp.any(batch.mask, axis=1), epochs, minibatches,
-                                     logical_rows)
-    dropout_keys = jax.random.split(jax.random.fold_in(rng, 1), epochs * minibatches)
-    (state, _), metrics = jax.lax.scan(minibatch_step, (state, jnp.zeros((), bool)),
-                                       (indices, dropout_keys, taken))
-    steps = jnp.sum(taken)
-    out = {k: jnp.sum(v) / jnp.maximum(steps, 1) for k, v in metrics.items()}
-    for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
-      out[key] = metrics[key][0]  # slot 0 holds real rows whenever any row is real
-    out.update(behaviour_metrics(batch, extras.old_logp, config, trained))
-    out["nonfinite"] = jnp.sum(metrics["nonfinite"])
-    out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
-    out["minibatches_trained"] = steps.astype(jnp.float32)
-    return state, out
+def _no_gradients(num_adapters: int, policy, critic, indices: jax.Array,
+                  dropout_key: jax.Array):
+  """A slot of padding rows, `_minibatch_gradients`' outputs without a forward: a [] zero
+  loss, zero gradients, [A] no adapter present (its diagnostics by name, not by tracing
+  `losses` again: 0.6 s a trace of the update)."""
+  del indices, dropout_key
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  return (jnp.zeros((), jnp.float32), dict.fromkeys(LOSS_METRICS, jnp.zeros(())),
+          zeros(policy), zeros(critic), jnp.zeros((num_adapters,), bool))
 
-  return jax.jit(update, out_shardings=out_shardings)
+
+def _minibatch_step(carry: tuple, xs: tuple, *, gradients: Callable, no_gradients: Callable,
+                    optimizers: tuple, config: LossConfig, active: jax.Array,
+                    train_policy: jax.Array):
+  """One minibatch slot, the update's `lax.scan` body: carry (TrainState, [] bool: a
+  `kl_guard` "stop" has fired), xs ([B/M] row indices, a dropout key, [] bool: the slot holds
+  real rows) -> (carry, `_step_metrics`).
+
+  `gradients` / `no_gradients`: `_minibatch_gradients` / `_no_gradients` bound to the batch.
+  `optimizers`: (policy's, critic's). `active` [A] bool, `train_policy` [] bool: the
+  update's. A slot of padding alone moves nothing (neither the weights nor the moments), but
+  the policy optimizer's step count advances as in a taken step, so its learning-rate
+  schedule follows the iterations."""
+  policy_optimizer, critic_optimizer = optimizers
+  state, stopped = carry
+  indices, dropout_key, taken = xs
+  loss, aux, g_policy, g_critic, present = jax.lax.cond(
+      taken, gradients, no_gradients, state.policy, state.critic, indices, dropout_key)
+  finite = jnp.isfinite(loss) & all_finite(g_policy.layers)
+  if g_critic is not None:
+    finite = finite & all_finite(g_critic)
+  too_far = jnp.asarray(False if config.kl_limit is None else
+                        aux["approx_kl"] > config.kl_limit)
+  g_policy, norms = optim.clip_per_agent(g_policy, config.max_grad_norm)
+  move = active & present & train_policy & finite & ~too_far & ~stopped
+  policy, policy_opt = optim.apply_masked(policy_optimizer, g_policy, state.policy_opt,
+                                          state.policy, move)
+  critic, critic_opt, critic_norm = state.critic, state.critic_opt, jnp.zeros(())
+  if g_critic is not None:
+    critic, critic_opt, critic_norm = critic_step(
+        critic_optimizer, g_critic, state.critic, state.critic_opt,
+        config.critic_max_grad_norm, finite & taken)
+  stopped = stopped | (too_far & (config.kl_guard == "stop"))
+  new_state = state.replace(policy=policy, critic=critic, policy_opt=policy_opt,
+                            critic_opt=critic_opt, step=state.step + 1)
+  return (new_state, stopped), _step_metrics(aux, loss, finite, too_far, norms, critic_norm)
+
+
+def _update_metrics(metrics: dict, taken: jax.Array, batch: TrainBatch, extras: Extras,
+                    config: LossConfig, trained: tuple) -> dict:
+  """The update's metrics, [] each, from the slots' [E·M] `_step_metrics` and `taken`
+  [E·M] bool (the trained slots): averaged over the trained slots; the first ratio's
+  deviations slot 0's (before any step); `nonfinite` and `kl_skipped` summed;
+  `minibatches_trained`; and the whole batch's `behaviour_metrics`."""
+  steps = jnp.sum(taken)
+  out = {k: jnp.sum(v) / jnp.maximum(steps, 1) for k, v in metrics.items()}
+  for key in ("first_ratio_max_dev", "behaviour/first_ratio_max_dev"):
+    out[key] = metrics[key][0]  # slot 0 holds real rows whenever any row is real
+  out.update(behaviour_metrics(batch, extras.old_logp, config, trained))
+  out["nonfinite"] = jnp.sum(metrics["nonfinite"])
+  out["kl_skipped"] = jnp.sum(metrics["kl_skipped"])
+  out["minibatches_trained"] = steps.astype(jnp.float32)
+  return out
 
 
 def minibatch_slots(rng: jax.Array, real_rows: jax.Array, epochs: int, minibatches: int,
