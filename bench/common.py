@@ -69,17 +69,17 @@ def matmul_peak(repeats: int, n: int = 2048, dtype=jnp.float32) -> float:
 
 
 def load_base(config, num_layers: int = 0):
-  """A training config's base (`assembly.Model`): model.source as `launch.train` loads it,
+  """A training config's base (`model_lib.Model`): model.source as `launch.train` loads it,
   or, with `num_layers` > 0, that cut to its first `num_layers` layers (a run too big for
   the host's memory at full depth)."""
   # Imported here: bench.accelerator imports this module on hosts without the packages the
   # trainer's config and loaders need (tests/test_bench_accelerator.py).
   from marft_jax.models import loading
-  from marft_jax.train import assembly
+  from marft_jax.train.build import model as model_lib
   if not num_layers:
-    return assembly.load(config)
+    return model_lib.load(config)
   dtype = config.model.param_dtype
-  return assembly.Model(*loading.load_model(config.model.source, param_dtype=dtype,
+  return model_lib.Model(*loading.load_model(config.model.source, param_dtype=dtype,
                                             compute_dtype=dtype, num_layers=num_layers))
 
 

@@ -36,7 +36,8 @@ from absl import app, flags
 
 from bench.common import emit
 from marft_jax.configs import from_config_dict
-from marft_jax.train import algorithms, loop
+from marft_jax.train import loop
+from marft_jax.train.config import resolve as resolve_lib
 from marft_jax.train.config import BackboneSection, TrainConfig
 
 ARMS = ("one", "split")
@@ -66,7 +67,7 @@ def arm_config(arm: str, tiny: bool, iterations: int, num_envs: int) -> TrainCon
         for r in team.roles))
   rollout = dataclasses.replace(config.rollout, num_envs=num_envs or (2 if tiny else
                                                                       config.rollout.num_envs))
-  return algorithms.resolve(dataclasses.replace(
+  return resolve_lib.resolve(dataclasses.replace(
       config, model=model, team=team, rollout=rollout, iterations=iterations, eval_every=0,
       checkpoint_every=10_000, critic=dataclasses.replace(config.critic,
                                                           mode="per_agent_head")))

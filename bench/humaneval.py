@@ -11,7 +11,7 @@ check(candidate) under the assert harness, `envs/sandbox/asserts.py`), 2 at a ti
   humaneval_none_passed         `return None` bodies that pass (must be 0)
   humaneval_s_per_job           wall seconds per job (the pair of runs / 2 problems' jobs)
 
-Then grading as a rollout does it: one code env per problem (`assembly.build_envs`, the
+Then grading as a rollout does it: one code env per problem (`envs_build.build_envs`, the
 coder's reply the canonical solution), all stepped once (`EnvBatch.step_many`), with
 `task.sandbox.parallel` 2 (the default: one env after another) and `--parallel`:
 
@@ -33,7 +33,8 @@ from absl import app, flags
 from bench.common import emit
 from marft_jax.envs import code_env
 from marft_jax.envs.sandbox import Limits, Sandbox
-from marft_jax.train import assembly
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import config as config_lib
 
 _PROBLEMS = flags.DEFINE_integer("problems", 164, "the first this many problems", lower_bound=1)
@@ -47,8 +48,8 @@ def grading_s(num_problems: int, parallel: int) -> float:
   as the coder's reply) to step once at `task.sandbox.parallel=parallel`; every one must pass."""
   config = config_lib.preset("marft_a", task=config_lib.TaskSection(
       name="humaneval", sandbox=config_lib.SandboxSection(parallel=parallel)))
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0, split="test", num_envs=num_problems,
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0, split="test", num_envs=num_problems,
                              group_size=1)
   try:
     envs.envs[0].sandbox.plan  # pylint: disable=pointless-statement  (its probe, untimed)

@@ -116,7 +116,11 @@ from bench.flops import (matmul_params, shared_prefix_tokens, update_ceiling, us
                          useful_flops_by_pass)
 from marft_jax import host_allocator
 from marft_jax.configs import from_config_dict
-from marft_jax.train import algorithms, assembly, loop
+from marft_jax.train import loop
+from marft_jax.train.config import resolve as resolve_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import learner as learner_lib
+from marft_jax.train.build import model as model_lib
 from marft_jax.train.config import TrainConfig
 from marft_jax.train.update import OLD_LOGPS
 
@@ -176,14 +180,14 @@ def default_config(tiny: bool, iterations: int, old_logp: str, num_envs: int,
   if num_envs:
     changes["rollout"] = dataclasses.replace(changes.get("rollout", config.rollout),
                                              num_envs=num_envs)
-  return algorithms.resolve(dataclasses.replace(config, **changes))
+  return resolve_lib.resolve(dataclasses.replace(config, **changes))
 
 
-def load_model(tiny: bool, config: TrainConfig, num_layers: int = 0) -> assembly.Model:
+def load_model(tiny: bool, config: TrainConfig, num_layers: int = 0) -> model_lib.Model:
   """The run's base: the tiny test model, or `common.load_base`'s."""
   if tiny:
     from marft_jax.models import tiny as tiny_lib
-    return assembly.Model(*tiny_lib.tiny_model(max_position_embeddings=1024))
+    return model_lib.Model(*tiny_lib.tiny_model(max_position_embeddings=1024))
   return load_base(config, num_layers)
 
 
@@ -230,7 +234,7 @@ class Probe:
     return make
 
 
-def run(config: TrainConfig, model: assembly.Model) -> tuple[list[dict], list[float]]:
+def run(config: TrainConfig, model: model_lib.Model) -> tuple[list[dict], list[float]]:
   """(per iteration: the loop's metrics, the probe's and the callback-to-callback wall time;
   each checkpoint's seconds)."""
   probe, seen = Probe(), []
@@ -241,22 +245,22 @@ def run(config: TrainConfig, model: assembly.Model) -> tuple[list[dict], list[fl
     seen.append(dict(metrics, wall_s=now - last[0]))  # the first: from the start of train
     last[0] = now
 
-  real_prepare, real_make_update, real_checkpoint = (loop.prepare, assembly.make_update,
+  real_prepare, real_make_update, real_checkpoint = (run_lib.prepare, learner_lib.make_update,
                                                      loop._checkpoint)
-  loop.prepare, assembly.make_update = probe.prepare(real_prepare), probe.make_update(
+  run_lib.prepare, learner_lib.make_update = probe.prepare(real_prepare), probe.make_update(
       real_make_update)
   loop._checkpoint = probe.checkpoint(real_checkpoint)
   try:
     with tempfile.TemporaryDirectory() as workdir:
       loop.train(config, workdir, model=model, progress=False, on_iteration=on_iteration)
   finally:
-    loop.prepare, assembly.make_update = real_prepare, real_make_update
+    run_lib.prepare, learner_lib.make_update = real_prepare, real_make_update
     loop._checkpoint = real_checkpoint
   # An iteration's checkpoint follows its callback: the last one's is not in any interval.
   return [dict(m, **p) for m, p in zip(seen, probe.rows)], probe.checkpoint_s
 
 
-def figures(config: TrainConfig, model: assembly.Model) -> dict:
+def figures(config: TrainConfig, model: model_lib.Model) -> dict:
   """The module docstring's figures for one run of `config` (rows after the warm-up), the
   useful fractions as FLOP/s (`main` divides them by the peak measured around all runs)."""
   n_layers, n_head = matmul_params(model.params, model.config)
@@ -318,7 +322,7 @@ def _async_figures(rows: list[dict], wall: float) -> dict:
           "version_gap": mean("async/version_gap")}
 
 
-def dense_rates_of(config: TrainConfig, model: assembly.Model, run_figures: dict,
+def dense_rates_of(config: TrainConfig, model: model_lib.Model, run_figures: dict,
                    repeats: int) -> tuple[float, float]:
   """`ceiling.dense_rates` at the run's minibatch shape, with fresh adapters of the config."""
   from bench import ceiling  # noqa: PLC0415
@@ -351,7 +355,7 @@ def _staleness_runs(config: TrainConfig) -> list[tuple[str, TrainConfig]]:
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, data=-1))
   runs = [("sync_", config)]
   for prefix, devices in (("async_", 0), ("split_", split))[:2 if split else 1]:
-    runs.append((prefix, algorithms.resolve(dataclasses.replace(
+    runs.append((prefix, resolve_lib.resolve(dataclasses.replace(
         config, rollout=dataclasses.replace(config.rollout, max_staleness=eta),
         mesh=dataclasses.replace(config.mesh, sampler_devices=devices),
         loss=dataclasses.replace(config.loss, behaviour_correction="auto", old_logp="auto")))))

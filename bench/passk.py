@@ -68,7 +68,8 @@ from bench.common import emit
 from launch.configs import code_2agents
 from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler, sampler_plan, tiny
-from marft_jax.train import algorithms, assembly
+from marft_jax.train.config import resolve as resolve_lib
+from marft_jax.train.build import model as model_lib
 from marft_jax.train import evaluate as evaluate_lib
 from marft_jax.train.config import TaskSection, TrainConfig
 
@@ -94,7 +95,7 @@ _CALLS_OUT = flags.DEFINE_string("calls_out", None, "a JSON Lines file for --thr
 
 def make_config(tiny_run: bool) -> TrainConfig:
   config = from_config_dict(TrainConfig, code_2agents.get_config())
-  config = algorithms.resolve(dataclasses.replace(config, task=TaskSection(name="humaneval")))
+  config = resolve_lib.resolve(dataclasses.replace(config, task=TaskSection(name="humaneval")))
   if tiny_run:
     config = dataclasses.replace(config, team=dataclasses.replace(
         config.team, max_new_tokens=8, last_max_new_tokens=8))
@@ -224,10 +225,10 @@ def main(argv):
   batches, split = (_ints(flag) for flag in (_THROUGHPUT, _SPLIT))
   config = make_config(_TINY.value)
   if _TINY.value:
-    model = assembly.Model(*tiny.tiny_model(max_position_embeddings=4096))
+    model = model_lib.Model(*tiny.tiny_model(max_position_embeddings=4096))
   else:
-    model = assembly.load(config)
-  weights = assembly.rollout_model(model, config)
+    model = model_lib.load(config)
+  weights = model_lib.rollout_model(model, config)
   team = evaluate_lib.greedy_team(config)[0]
   problems, n, batch = _PROBLEMS.value, _SAMPLES.value, _EVAL_BATCH.value
   emit("machine_load_avg_1m_start", os.getloadavg()[0])

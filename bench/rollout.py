@@ -57,7 +57,7 @@ from marft_jax.models import layout, sampler, sampler_plan, tiny
 from marft_jax.models.loading import load_model
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import RolloutConfig, rollout
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import TeamSection
 
 _TINY = flags.DEFINE_bool("tiny", False, "smoke run on the tiny test model (figures mean nothing)")

@@ -86,7 +86,7 @@ def run(main: Callable[[Any], None], config_flag: flags.FlagHolder, config_cls: 
         resolve: Optional[Callable[[Any], Any]] = None) -> None:
   """`app.run` that hands `main` the typed config (a `config_cls`) instead of argv.
 
-  `resolve`: applied to the typed config before `main` (e.g. `algorithms.resolve`, which fills
+  `resolve`: applied to the typed config before `main` (e.g. `config.resolve.resolve`, which fills
   the algorithm's keys); its ValueError is one line and exit status 2, like a bad key's."""
   def parse(argv: list[str]) -> list[str]:
     if any(arg in _HELP_FLAGS for arg in argv[1:]):

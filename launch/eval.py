@@ -61,9 +61,12 @@ from absl import flags
 
 from launch import cli
 from marft_jax.configs import to_config_dict
-from marft_jax.train import algorithms
+from marft_jax.train.config import resolve as resolve_lib
 from marft_jax.rollout import write_transcripts
-from marft_jax.train import assembly
+from marft_jax.train.build import preflight
+from marft_jax.train import run as run_lib
+from marft_jax.train.config import saved as saved_config
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import backbones
 from marft_jax.train import eval_progress
 from marft_jax.train import evaluate as evaluate_lib
@@ -122,13 +125,13 @@ def main(config: TrainConfig) -> None:
     raise SystemExit(f"error: {workdir}: no checkpoints to evaluate (train first, or pass "
                      "--untuned)")  # before the model loads
   with cli.one_line_errors(OSError, ValueError):  # the task's files and team before the model
-    assembly.read_task_data(config)
+    preflight.read_task_data(config)
     trained = trained_problems.of_checkpoint(workdir)
     dropped = trained_problems.heldout_dropped(config, trained)
-    assembly.build_team(config)
+    team_lib.build_team(config)
   cli.make_folder("--workdir", workdir)  # eval.json goes there (an --untuned run may start it)
   with cli.one_line_errors(OSError, ValueError):
-    model = backbones.load_models(config)  # {name: Model} for a split team
+    model = run_lib.load_models(config)  # {name: Model} for a split team
   try:
     policy, step = ((None, 0) if _UNTUNED.value
                     else evaluate_lib.restore_policy(config, model, workdir))
@@ -136,7 +139,7 @@ def main(config: TrainConfig) -> None:
     raise SystemExit(f"error: {e}") from None  # one line, exit status 1
   name = results_name(_UNTUNED.value, _SAMPLES.value, _TEMPERATURE.value)
   calls_dir = os.path.join(workdir, f"{name}.calls")  # finished calls, until the results
-  calls_settings = {"config": to_config_dict(assembly.as_recorded(config)).to_dict(),
+  calls_settings = {"config": to_config_dict(saved_config.as_recorded(config)).to_dict(),
                     "checkpoint_step": step, "untuned": _UNTUNED.value,
                     "problems": _PROBLEMS.value, "eval_batch": _EVAL_BATCH.value,
                     "trained": hashlib.sha256("\n".join(sorted(trained)).encode()).hexdigest()}
@@ -164,7 +167,7 @@ def main(config: TrainConfig) -> None:
 
 def run() -> None:
   """The `marft-eval` console script; `python -m launch.eval` runs it too."""
-  cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)
+  cli.run(main, _CONFIG, TrainConfig, resolve=resolve_lib.resolve)
 
 
 if __name__ == "__main__":

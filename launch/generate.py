@@ -31,7 +31,7 @@ from launch.configs.generate import GenerateConfig
 from marft_jax import lora
 from marft_jax.architecture import precision
 from marft_jax.models import layout, loading, sampler
-from marft_jax.train import assembly
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import restore as restore_lib
 
 _CONFIG = cli.define_config_flag("generate.py")
@@ -95,7 +95,7 @@ def run_agent(config: GenerateConfig, workdir: str, role: str = "",
   (`Restored.reply`, with `config.sampling` and `config.seed`)."""
   with cli.one_line_errors(OSError, ValueError):
     saved, _ = restore_lib.saved_config(workdir, step)  # the role, before the model loads
-    team = assembly.build_team(saved)[0]
+    team = team_lib.build_team(saved)[0]
     role = role or [p.role for p in team if p.graded][-1]  # the last graded: its answer counts
     if role not in [p.role for p in team]:
       raise ValueError(f"--role={role}: not a role of the run in {workdir} (its roles: "

@@ -11,7 +11,7 @@ line between) followed by the comment after it, as written in the dataclass's mo
 docs/config.md lists each with its default and this text, so the two cannot disagree; a test
 (tests/test_config_reference.py) fails when a field has none, when a line of it is wider than
 100 columns, or when it cites history (commits, dates, issues: those go to
-`marft_jax.train.config_history` and CHANGELOG.md). After changing a field or its comment:
+`marft_jax.train.config.history` and CHANGELOG.md). After changing a field or its comment:
 
     python -m launch.reference     # rewrites docs/config.md
 """
@@ -224,7 +224,7 @@ def markdown() -> str:
       "Every key is overridden on the command line as `--config.<key>=<value>`, e.g.",
       "`python -m launch.train --config.optimizer.lr=3e-5`.", "",
       "## Training and evaluation: `TrainConfig`", "",
-      "Read by `launch.train` and `launch.eval` (`marft_jax/train/config.py`).", ""]
+      "Read by `launch.train` and `launch.eval` (`marft_jax/train/config/`).", ""]
   out += _tables(TrainConfig, level=3)
   out += ["## Chat: `GenerateConfig`", "",
           "Read by `launch.generate` (`launch/configs/generate.py`).", ""]

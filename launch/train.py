@@ -30,10 +30,14 @@ from absl import flags
 from launch import cli
 from marft_jax import multihost, sharding
 from marft_jax.rollout.rewards import load_reward_fn
-from marft_jax.train import algorithms, assembly, backbones, workdir_lock
+from marft_jax.train import backbones, workdir_lock
+from marft_jax.train.config import resolve as resolve_lib
+from marft_jax.train.build import preflight
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.checkpoint import (CheckpointMismatchError, UnreadableCheckpointError,
                                        saved_steps)
-from marft_jax.train.config import TrainConfig, check_processes
+from marft_jax.train.config import TrainConfig
 from marft_jax.train.loop import finished_run_metrics, train
 from marft_jax.train.write_failures import WorkdirWriteError
 
@@ -60,12 +64,12 @@ def main(config: TrainConfig) -> None:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   try:  # the mesh against the devices and the processes, before the model loads
     mesh = sharding.mesh_from_config(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
-    check_processes(config, tuple(mesh.shape.values()), jax.process_count())
+    preflight.check_processes(config, tuple(mesh.shape.values()), jax.process_count())
   except ValueError as e:
     cli.fail(f"config.{e}")
   with cli.one_line_errors(OSError, ValueError):  # before the model: it can take minutes
-    assembly.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
-    assembly.build_team(config)  # a shipped team's edges and menu are checked only here
+    preflight.check_training_files(config, resuming=bool(saved_steps(_WORKDIR.value)))
+    team_lib.build_team(config)  # a shipped team's edges and menu are checked only here
   try:  # imported once here, before the model; `train` would import it too
     reward_fn = load_reward_fn(config.reward.fn) if config.reward.fn else None
   except ValueError as e:
@@ -77,7 +81,7 @@ def main(config: TrainConfig) -> None:
       metrics = finished_run_metrics(config, _WORKDIR.value)  # a finished run: no model
       if metrics is None:
         with cli.one_line_errors(OSError, ValueError):
-          model = backbones.load_models(config)  # {name: Model} for a split team
+          model = run_lib.load_models(config)  # {name: Model} for a split team
         metrics = train(config, _WORKDIR.value, model=model, reward_fn=reward_fn)
   except (CheckpointMismatchError, UnreadableCheckpointError,  # raised by the resume
           workdir_lock.WorkdirInUseError, WorkdirWriteError) as e:  # (a full disk)
@@ -92,7 +96,7 @@ def main(config: TrainConfig) -> None:
 
 def run() -> None:
   """The `marft-train` console script; `python -m launch.train` runs it too."""
-  cli.run(main, _CONFIG, TrainConfig, resolve=algorithms.resolve)
+  cli.run(main, _CONFIG, TrainConfig, resolve=resolve_lib.resolve)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
              heads over tensor. Agents take turns, so one turn's cache is alive at a time
              (a shared stream keeps one cache per episode that grows turn by turn)
   sampler_params  the sampler's copy of the base in its decoding layout
-             (`assembly.rollout_model`: `model.rollout_layout` "auto" converts on CPU, GPU
+             (`build.model.rollout_model`: `model.rollout_layout` "auto" converts on CPU, GPU
              and TPU alike), split as `params` is; 0 with `model.rollout_layout="training"`,
              where the sampler reads the learner's weights
 

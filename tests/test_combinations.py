@@ -6,9 +6,9 @@ Each combination is what `python -m launch.train --config=launch/configs/<file>
 --config.team.anonymous=...` builds (the file's ConfigDict with those overrides, then
 `from_config_dict` and `algorithms.resolve`, as `cli.run` does), sized down to the tiny model
 (one iteration, two environments, replies of two tokens). It is then trained by `loop.train`
-with no model given, so the run loads its own through `assembly.load` after the checks that
+with no model given, so the run loads its own through `model_lib.load` after the checks that
 `launch.train` runs before its load too (the mesh and processes, the task's files, the team
-and its graph). `assembly.load` is replaced by a recorder returning the tiny model: an error
+and its graph). `model_lib.load` is replaced by a recorder returning the tiny model: an error
 once it has been called fails the test (the user waited for the model for nothing); a refusal
 must be a ValueError raised before it that names a key.
 
@@ -38,7 +38,10 @@ from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler
 from marft_jax.rollout import read_transcripts
-from marft_jax.train import algorithms, assembly, loop
+from marft_jax.train import algorithms, loop
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.config import TrainConfig
 from tests.train.echo_config import set_keys, tiny_trainer_model
 
@@ -165,11 +168,11 @@ def _row_id(row):
 def test_refused_before_the_model_loads_or_trains(row, tiny_model, tmp_path, monkeypatch):
   loads = []
 
-  def load(config, backbone=None):  # each backbone a role runs on (`backbones.load_models`)
+  def load(config, backbone=None):  # each backbone a role runs on (`run_lib.load_models`)
     loads.append(config)
     return tiny_model
 
-  monkeypatch.setattr(assembly, "load", load)
+  monkeypatch.setattr(model_lib, "load", load)
   # The learning-curve PNG (matplotlib, each checkpoint) is the same for every combination.
   monkeypatch.setattr(loop, "plot_learning_curves", lambda *args, **kwargs: None)
   # A one-iteration run never reaches the next prompt bucket that the trainer's sampler
@@ -214,7 +217,7 @@ def test_a_shared_stream_over_parallel_branches_is_refused_before_the_model_load
     algorithm, tmp_path, monkeypatch):
   """Was: accepted by every check, then the first rollout refused it, after the model loaded.
   A DAG that orders every role (one branch a layer) is a chain in disguise and trains."""
-  monkeypatch.setattr(assembly, "load", lambda config: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(model_lib, "load", lambda config: pytest.fail("the model was loaded"))
   row = dict(algorithm=algorithm, config="dag_3agents", graph="dag",
              context_mode="shared_stream", anonymous=False)
   config = algorithms.resolve(from_config_dict(TrainConfig, _config_dict(row)))
@@ -223,4 +226,4 @@ def test_a_shared_stream_over_parallel_branches_is_refused_before_the_model_load
     loop.train(config, str(tmp_path), progress=False)
   sequential = dataclasses.replace(config, team=dataclasses.replace(
       config.team, edges="calculator>estimator, estimator>judge"))
-  assembly.build_team(sequential)
+  team_lib.build_team(sequential)

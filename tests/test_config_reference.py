@@ -50,7 +50,7 @@ def test_every_field_has_a_comment(root):
 
 @pytest.mark.parametrize("root", ROOTS, ids=lambda c: c.__name__)
 def test_no_help_cites_history(root):
-  """Commits, dates and issues belong to marft_jax.train.config_history and CHANGELOG.md."""
+  """Commits, dates and issues belong to marft_jax.train.config.history and CHANGELOG.md."""
   cited = {key: match.group(0) for key, text in reference.documented_keys(root).items()
            for match in [reference.HISTORY.search(text)] if match}
   assert not cited, cited
@@ -114,9 +114,10 @@ def test_the_comment_reader():
 
 
 def test_the_missing_comment_check_kills_a_mutant(tmp_path, monkeypatch):
-  """marft_jax/train/config.py with one comment deleted (a trailing one, then a block above
+  """marft_jax/train/config/schema.py with one comment deleted (a trailing one, then a block above
   a field): the check names exactly that key."""
-  with open(os.path.join(ROOT, "marft_jax", "train", "config.py"), encoding="utf-8") as f:
+  with open(os.path.join(ROOT, "marft_jax", "train", "config", "schema.py"),
+            encoding="utf-8") as f:
     source = f.read()
   trailing = "  max_to_keep: int = 3  # the latest checkpoints kept in the workdir, >= 1\n"
   block = "  # Iterations between checkpoints, >= 1; one is also written at the end and on SIGTERM\n"

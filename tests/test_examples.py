@@ -15,7 +15,10 @@ from marft_jax import envs
 from marft_jax.configs import from_config_dict
 from marft_jax.models import tiny
 from marft_jax.rollout import RolloutConfig, rollout
-from marft_jax.train import algorithms, assembly
+from marft_jax.train import algorithms
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import preflight
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.config import TrainConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,11 +60,11 @@ def test_parity_trains_resumes_and_evaluates_through_the_launch_scripts(tiny_mod
 def test_guess_number_plays_several_env_steps_with_feedback():
   from examples import guess_number_config
   config = algorithms.resolve(from_config_dict(TrainConfig, guess_number_config.get_config()))
-  assembly.read_task_data(config)
-  team, _ = assembly.build_team(config)
+  preflight.read_task_data(config)
+  team, _ = team_lib.build_team(config)
   team = envs.with_sampling(team, max_new_tokens=4)
   params, model_config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
-  batch = assembly.build_envs(config, team, seed=0)
+  batch = envs_build.build_envs(config, team, seed=0)
   settings = RolloutConfig(horizon=config.task.horizon)
   result = rollout(batch, team, None, params, model_config, tokenizer, jax.random.key(0),
                    config=settings)

@@ -154,9 +154,9 @@ def test_a_model_folder_that_does_not_load_is_one_line_naming_it(tmp_path):
 
 @pytest.mark.parametrize("key", ["init_from", "reward.judge_adapter", "reward.judge_model"])
 def test_every_file_a_training_run_reads_is_checked_naming_its_key(tmp_path, key):
-  """`assembly.check_training_files`, which `loop.train` and `launch.train` run before the
+  """`preflight.check_training_files`, which `loop.train` and `launch.train` run before the
   model loads: a missing adapter folder or judge model is named with its key."""
-  from marft_jax.train import assembly
+  from marft_jax.train.build import preflight
   from marft_jax.train.config import RewardSection, TrainConfig
   missing = str(tmp_path / "missing")
   reward = RewardSection(judge=True, **{key.split(".")[1]: missing}) if "." in key else None
@@ -169,7 +169,7 @@ def test_every_file_a_training_run_reads_is_checked_naming_its_key(tmp_path, key
               "reward.judge_adapter": f"{missing}/adapter_config.json: not found",
               "reward.judge_model": f"model '{missing}': not 'smollm2'"}[key]
   with pytest.raises(FileNotFoundError) as raised:
-    assembly.check_training_files(config)
+    preflight.check_training_files(config)
   assert str(raised.value).startswith(f"{key}='{missing}': {expected}"), raised.value
 
 

@@ -1,9 +1,14 @@
 """bench/learning.py and its aggregator: mean ± 95 % interval from hand-computed inputs, the
-results files, and every printed command parsing into the config its arm names."""
+results files, every printed command parsing into the config its arm names, and the team
+sweep's arms: equal generated tokens per iteration (counted from the parsed configs), what
+each arm trains, the majority vote's problems, the per-role analysis and paired differences."""
 
+import ast
 import json
 import math
 import os
+
+import shlex
 
 import pytest
 from absl import flags
@@ -11,6 +16,7 @@ from ml_collections import config_flags
 
 from bench import learning, learning_results
 from marft_jax.configs import from_config_dict
+from marft_jax.envs import team_tasks
 from marft_jax.train import algorithms
 from marft_jax.train.config import TrainConfig
 
@@ -53,7 +59,9 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
     f.write(f"# title\n\nhand-written\n\n{learning_results.BEGIN}\nold\n"
             f"{learning_results.END}\n\nnotes kept\n")
 
-  summary = learning_results.write_all(results, docs, "/runs")
+  commands = {a: [learning.shell(c) for c in learning.cell_commands(a, 0, "/runs")]
+              for a in learning.ARMS}
+  summary = learning_results.write_all(results, docs, learning.ARMS, commands)
 
   with open(os.path.join(docs, "results.json")) as f:
     written = json.load(f)
@@ -74,14 +82,14 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
   assert "| untuned_2agent | 25.0 n/a (1 seed) | 1 | 10.0 |" in md
   assert "| grpo_2agent | pending | 0 |" in md
   assert os.path.getsize(os.path.join(docs, learning_results.CURVES_PNG)) > 1000
-  curves = learning_results.curves(results)["marft_a_2agent"]
+  curves = learning_results.curves(results, learning.ARMS)["marft_a_2agent"]
   assert curves["reward"] == [(0, pytest.approx(0.1))]  # mean of 0, 0.1, 0.2
   assert curves["heldout"] == [(0, 0.25), (32, pytest.approx(0.3))]  # untuned at iteration 0
 
 
 def _parse(command):
   """The typed config a printed command gives, parsed and resolved as the launch scripts do."""
-  words = command.split()
+  words = shlex.split(command)
   assert words[0] == "python" and words[1] == "-m" and words[2] in ("launch.train", "launch.eval")
   values = flags.FlagValues()
   path = next(w for w in words if w.startswith("--config="))[len("--config="):]
@@ -163,3 +171,166 @@ def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
   ran.clear()
   learning.run_cell("marft_a_2agent", 0, runs, results)  # finished: nothing runs
   assert ran == []
+
+
+# --- the team sweep ----------------------------------------------------------------------------
+
+TEAM_TRAINED = [k for k, spec in learning.TEAM_ARMS.items() if spec.trained]
+
+
+def _turn_caps(config):
+  """Each turn's cap, read off the parsed config: a role's own, else the team's."""
+  order = config.team.role_order
+  roles = {r.name: r for r in config.team.roles}
+  return [roles[n].max_new_tokens or (config.team.last_max_new_tokens if i == len(order) - 1
+                                      else config.team.max_new_tokens)
+          for i, n in enumerate(order)]
+
+
+@pytest.mark.parametrize("task", learning.TASKS)
+def test_every_team_arm_spends_the_same_generated_tokens(task):
+  """episodes x the turns' caps, from each arm's parsed training config: one number per task,
+  the one the driver prints; the evaluated arms' turns have the team's caps too."""
+  budgets = {}
+  for key in [k for k in TEAM_TRAINED if k.startswith(task + "/")]:
+    config, _, _ = _parse(learning.shell(learning.train_command(key, 0, "/runs")))
+    budgets[key] = config.rollout.num_envs * sum(_turn_caps(config))
+    assert budgets[key] == learning.token_budget(key)
+  assert len(set(budgets.values())) == 1, budgets
+  first, last = learning.TEAM_SWEEP["tokens"][task]
+  assert set(budgets.values()) == {learning.TEAM_SWEEP["episodes"] * (first + last)}
+  for arm in ("untuned_team", "majority_single"):
+    config, _, _ = _parse(learning.shell(learning.eval_command(f"{task}/{arm}", 0, "/runs")))
+    assert sum(_turn_caps(config)) == first + last
+  assert learning.token_budget(f"{task}/majority_single") == \
+      learning.TEAM_SWEEP["group_size"] * (first + last)
+  printed = "\n".join(learning.budget_lines([f"{task}/marft_a_team"]))
+  assert f"{learning.TEAM_SWEEP['episodes'] * (first + last)} generated tokens" in printed
+
+
+@pytest.mark.parametrize("key", sorted(learning.TEAM_ARMS))
+def test_team_arms_train_what_they_say(key):
+  task, arm = key.split("/")
+  spec = learning.TEAM_ARMS[key]
+  commands = [learning.shell(c) for c in learning.cell_commands(key, 1, "/runs")]
+  config, module, others = _parse(commands[-1])
+  assert module == "launch.eval" and config.seed == 1
+  assert f"--workdir=/runs/{task}/{arm}/seed1" in others
+  assert ("--untuned" in others) == (not spec.trained)
+  single = arm in ("ppo_single", "twice_single", "majority_single")
+  if single:  # the whole problem for every role, the arm's graded role named in the options
+    assert config.task.name == "marft_jax.envs.team_tasks:full_information"
+    graded = [r.name for r in config.team.roles if r.graded]
+    assert dict(config.task.options) == {"task": task, "graded": graded[0]}
+  else:
+    assert config.task.name == task
+    assert config.team.role_order == learning.TEAM_ROLES[task]
+  algorithm = {"ppo_single": "ppo", "majority_single": "ppo", "grpo_team": "grpo"}.get(
+      arm, "marft_a")
+  assert config.algorithm == algorithm
+  assert config.team.num_roles == spec.agents == (1 if arm in ("ppo_single", "majority_single")
+                                                   else 2)
+  assert config.team.shared_adapter == (arm in ("shared_team", "twice_single"))
+  assert config.team.anonymous == (arm == "anonymous_team")
+  if arm == "grpo_team":
+    assert config.rollout.group_size == learning.TEAM_SWEEP["group_size"]
+  if arm == "majority_single":  # n samples of each problem, as many problems a call
+    n = learning.TEAM_SWEEP["group_size"]
+    assert f"--samples_per_problem={n}" in others
+    assert f"--eval_batch={n * 34}" in others  # 100 problems at most 40 a call: 3 calls of 34
+  else:
+    assert f"--eval_batch={learning.TEAM_SWEEP['eval_batch']}" in others
+  assert len(commands) == (2 * len(learning.TEAM_SWEEP["curve_points"]) + 2 if spec.trained
+                           else 1)
+
+
+def test_the_majority_vote_plays_the_greedy_arms_problems():
+  """launch.eval puts `problems_per_call(total, batch // n)` problems in each call: the vote's
+  batch gives as many as the greedy arms' (so the same episode seeds, the same problems)."""
+  n, greedy_batch = learning.TEAM_SWEEP["group_size"], learning.TEAM_SWEEP["eval_batch"]
+  for total in (100, 40, 7):
+    command = learning.eval_command("grid_path/majority_single", 0, "/runs", problems=total)
+    batch = int(next(w for w in command if w.startswith("--eval_batch=")).split("=")[1])
+    assert learning._problems_per_call(total, batch // n) == \
+        learning._problems_per_call(total, greedy_batch)
+  assert learning._problems_per_call(100, 40) == 34  # 3 calls: ceil(100 / 3)
+  assert learning._problems_per_call(164, 40) == 33
+
+
+def test_ablations_evaluate_marft_a_teams_adapters():
+  for task in learning.TASKS:
+    names = {k.split("/")[1] for k in learning.ABLATIONS if k.startswith(task + "/")}
+    assert names == {"swapped_team"} | {f"alone_{r}" for r in learning.TEAM_ROLES[task]}
+    key = f"{task}/alone_{learning.TEAM_ROLES[task][0]}"
+    assert learning.cell_commands(key, 2, "/runs") == [
+        [learning.sys.executable, "-m", "bench.learning_ablations", key, "2", "/runs"]]
+
+
+def _episode(seed, first, last, prediction, correct):
+  return {"seed": seed, "dropped": None,
+          "turns": [{"reply": first}, {"reply": last}],
+          "infos": [{"prediction": {"checker": prediction}, "correct": {"checker": correct}}]}
+
+
+def test_role_analysis_counts_who_fixes_what():
+  source = team_tasks.problems("verify_correct", "test")
+  gold = {s: int(source.problem_for_seed(s).answer) for s in (1, 2, 3, 4)}
+  episodes = [
+      _episode(1, f"x = {gold[1] + 1}", "", str(gold[1]), True),  # overruled, fixed
+      _episode(2, f"x = {gold[2]}", "", str(gold[2] + 1), False),  # overruled, broken
+      _episode(3, f"x = {gold[3]}", "", str(gold[3]), True),  # kept, right
+      _episode(4, "no number", "", None, False),  # no final answer: no overrule
+  ]
+  got = learning.role_analysis("verify_correct", episodes)
+  assert got == {"episodes": 4, "first_right_rate": 0.5, "last_right_rate": 0.5,
+                 "overrules_rate": 0.5, "fixes_rate": 0.25, "breaks_rate": 0.25,
+                 "keeps_rate": 0.25}
+
+
+def test_problem_scores_and_the_majority_vote():
+  greedy = [_episode(7, "", "", "3", True), _episode(8, "", "", "4", False)]
+  assert learning.problem_scores(greedy, 1) == {"7": 1.0, "8": 0.0}
+  votes = [_episode(5, "", "", p, c) for p, c in
+           (("3", False), ("4", True), ("4", True), (None, False))]  # 4 wins 2 to 1
+  ties = [_episode(6, "", "", p, c) for p, c in (("9", False), ("4", True))]  # the first drawn
+  assert learning.problem_scores(votes + ties, 4) == {"5": 1.0, "6": 0.0}
+
+
+def test_paired_differences_take_each_seeds_common_problems():
+  arm = {0: {"problems": {"a": 1.0, "b": 1.0, "c": 0.0}}, 1: {"problems": {"a": 1.0, "b": 0.0}},
+         2: {"problems": {"a": 0.0}}}
+  ref = {0: {"problems": {"a": 0.0, "b": 1.0, "c": 0.0}}, 1: {"problems": {"a": 0.0, "b": 0.0}},
+         2: {"problems": {"a": 1.0}}}
+  got = learning_results.paired_difference(arm, ref)
+  assert got["per_seed"] == {0: pytest.approx(1 / 3), 1: 0.5, 2: -1.0}
+  mean, half = learning_results.ci95([1 / 3, 0.5, -1.0])
+  assert (got["mean"], got["ci95"], got["seeds"]) == (pytest.approx(mean), pytest.approx(half), 3)
+  assert learning_results.paired_difference(arm, {})["seeds"] == 0
+
+
+def test_team_aggregate_marks_pending_cells(tmp_path):
+  results, docs = str(tmp_path / "results"), str(tmp_path / "docs")
+  os.makedirs(docs)
+  folder = os.path.join(results, "grid_path", "untuned_team", "seed0")
+  os.makedirs(folder)
+  json.dump({"accuracy": 0.25, "episodes": 4, "token_budget": 64},
+            open(os.path.join(folder, "eval.json"), "w"))
+  json.dump({"1": 1.0, "2": 0.0, "3": 0.0, "4": 0.0}, open(os.path.join(folder, "problems.json"),
+                                                            "w"))
+  summary = learning_results.write_team(results, docs, ["grid_path"], learning.TEAM_ARM_NAMES,
+                                        {"grid_path": ["swapped_team"]})
+  assert summary["grid_path"]["untuned_team"]["mean"] == 0.25
+  md = open(os.path.join(docs, "results.md")).read()
+  assert "| untuned_team | 25.0 (1 seed) | 1 | pending | – | 64 |" in md
+  assert "| marft_a_team | pending | 0 | pending | pending | – |" in md
+  assert json.load(open(os.path.join(results, "team.json")))["arms"]["grid_path"][
+      "ppo_single"]["seeds"] == 0
+
+
+def test_the_aggregator_does_not_import_the_driver():
+  """bench.learning imports bench.learning_results, never the other way round."""
+  path = os.path.join(ROOT, "bench", "learning_results.py")
+  imported = {a.name if isinstance(n, ast.Import) else n.module
+              for n in ast.walk(ast.parse(open(path).read()))
+              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+  assert not {m for m in imported if m and m.startswith("bench")}

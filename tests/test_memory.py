@@ -11,7 +11,8 @@ import pytest
 from marft_jax import lora, memory, sharding
 from marft_jax.models import config as config_lib
 from marft_jax.models import tiny, transformer
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
 from marft_jax.train import config as train_config
 from marft_jax.train import critic as critic_lib
 
@@ -51,12 +52,12 @@ def test_the_model_matches_the_allocated_arrays(architecture, shape, rollout_lay
   cache = jax.device_put(cache, sharding.shardings_for(mesh, cache,
                                                        sharding.cache_logical_axes(cache)))
 
-  # The sampler's weights as the trainer makes them (`loop._build`), from the placed base.
+  # The sampler's weights as the trainer makes them (`run_lib.build`), from the placed base.
   run_config = dataclasses.replace(train_config.TrainConfig(), model=train_config.ModelSection(
       rollout_layout=rollout_layout))
   with jax.set_mesh(mesh):
-    sampler_params, _ = assembly.rollout_model(
-        assembly.Model(params, config, tiny.tiny_tokenizer(384)), run_config)
+    sampler_params, _ = model_lib.rollout_model(
+        model_lib.Model(params, config, tiny.tiny_tokenizer(384)), run_config)
   copied = sampler_params is not params
 
   model = memory.per_device_bytes(

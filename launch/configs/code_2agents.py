@@ -2,7 +2,7 @@
 (reward: the fraction of tests passed in the sandbox)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import (RolloutSection, TaskSection, TeamSection,
                                      TrainConfig)
 

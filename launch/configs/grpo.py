@@ -2,7 +2,7 @@
 advantages normalised per task and agent; reasoner → actor on generated arithmetic."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import RolloutSection, TeamSection, TrainConfig
 
 

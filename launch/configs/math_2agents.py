@@ -2,7 +2,7 @@
 your own JSONL file: `--config.task.path=/data/gsm8k_train.jsonl`)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
 
 

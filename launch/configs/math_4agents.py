@@ -1,7 +1,7 @@
 """MARFT-A, analyst → planner → solver → verifier, on GSM8K-style problems (task.path)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
 
 

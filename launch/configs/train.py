@@ -6,7 +6,7 @@ tokens), plus the greedy held-out accuracy on 64 problems before training, after
 and at the end (the "heldout/" metrics, on the progress bar and in learning_curve.png)."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import TeamSection, TrainConfig
 
 

@@ -2,7 +2,7 @@
 
   base      Environment (reset(seed) / step(actions)), Observation, Step.
   batch     EnvBatch: E environments with a seeded, reproducible task order.
-  profiles  AgentProfile (the shipped teams are config data: marft_jax/train/teams.py).
+  profiles  AgentProfile (the shipped teams are config data: marft_jax/train/config/teams.py).
   graph     AgentGraph (chain, DAG) and Orchestrator (dynamic routing); Schedule.
   toy       EchoEnv: repeat the number shown (a task whose best answer is known).
   team_tasks  the generated tasks a team has a reason to solve together: split_facts,

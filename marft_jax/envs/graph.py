@@ -22,6 +22,7 @@ import re
 from typing import Optional, Sequence
 
 from marft_jax.envs.profiles import AgentProfile
+from marft_jax.models.sampling import SamplingConfig
 
 _CALL = re.compile(r"<call>\s*([\w-]+)\s*</call>", re.IGNORECASE)
 _DONE = re.compile(r"<done\s*/?>", re.IGNORECASE)
@@ -104,7 +105,6 @@ class Orchestrator:
 def orchestrator_profile(team: Sequence[AgentProfile], adapter: Optional[int] = None,
                          **sampling) -> AgentProfile:
   """An orchestrator for `team`: its system prompt lists the roles and the routing protocol."""
-  from marft_jax.models.sampling import SamplingConfig
   menu = "\n".join(f"- {p.role}: {p.description}" for p in team)
   prompt = ("You coordinate a team of agents that solve a task together. The agents are:\n"
             f"{menu}\nEach time it is your turn, think briefly about what the team still needs, "

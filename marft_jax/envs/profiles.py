@@ -2,7 +2,7 @@
 
 A team is a tuple of profiles; its order is the default speaking order (a sequential chain)
 and an agent's index in it is its agent id. The shipped teams are config data
-(`marft_jax/train/teams.py`), turned into profiles by `teams.build_team`.
+(`marft_jax/train/config/teams.py`), turned into profiles by `build.team.agents`.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 from absl import logging
 
+from marft_jax.envs import code_env, problems
+
 HELDOUT_FRACTION = 0.1
 SPLIT_SEED = 0
 KINDS = ("math_jsonl", "code", "humaneval")
@@ -62,20 +64,15 @@ def task_problems(kind: str, path: str, test_path: str = "") -> tuple[tuple, tup
 
 def _bundled(kind: str) -> str:
   if kind == "humaneval":
-    from marft_jax.envs import code_env
     return code_env.humaneval_path()
   if kind == "code":
-    from marft_jax.envs import code_env
     return code_env.bundled_path()
-  from marft_jax.envs import problems
   return problems.bundled_path("gsm8k_style.jsonl")
 
 
 def _read(kind: str, path: str) -> tuple:
   if kind in ("code", "humaneval"):
-    from marft_jax.envs import code_env
     return tuple(code_env.load_problems(path))
-  from marft_jax.envs import problems
   return tuple(problems.read_problems(path))
 
 

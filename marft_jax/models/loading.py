@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Union
 
+from marft_jax.models import tiny
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.gguf_checkpoint import load_gguf_checkpoint, open_gguf
 from marft_jax.models.hf_checkpoint import load_hf_checkpoint
@@ -36,7 +37,6 @@ def load_model(source: Union[str, os.PathLike],
   if kind == SMOLLM2:
     return load_smollm2(**config_overrides)
   if kind == TINY:
-    from marft_jax.models import tiny  # noqa: PLC0415 (it trains a tokenizer: only when named)
     return tiny.tiny_model(**config_overrides)
   path = os.fspath(source)
   if kind == "gguf":

@@ -211,7 +211,7 @@ def rollout_backbones(envs: EnvBatch, team: Sequence[AgentProfile],
                       rng: jax.Array, *, config: RolloutConfig = RolloutConfig(),
                       policy_version: int = 0,
                       cancel: Optional[threading.Event] = None) -> RolloutResult:
-  """`rollout` of a team whose agents run on different base models (issue 41).
+  """`rollout` of a team whose agents run on different base models.
 
   Text is the interface between backbones: each turn's prompt is built as text from what the
   agent may see and tokenized with its own backbone's tokenizer and chat template; its reply

@@ -263,7 +263,7 @@ def compute_advantages(batch: TrainBatch, episodes: Sequence[Episode],
   """
   if config.level not in ("action", "token", "grpo"):
     raise ValueError(f"advantage.level={config.level!r}: resolve the config's algorithm "
-                     "first (marft_jax.train.algorithms.resolve)")
+                     "first (marft_jax.train.config.resolve)")
   turns = _turns(episodes, batch)
   grpo, token = config.level == "grpo", config.level == "token"
   # --- the chains: each episode's turns and positions, in execution order ---

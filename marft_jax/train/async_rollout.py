@@ -10,7 +10,7 @@ exactly policy version
 and its own keys (`fold_in(seed, k)`, as the synchronous loop), whatever the timing: so an
 asynchronous run is reproducible, and resumes bit for bit. The batch of iteration k is
 min(k, η) versions old (`async/version_gap`); the decoupled-PPO correction weighs each sample
-by π_prox / π_behav (`loss.behaviour_correction`, on whenever η ≥ 1: `resolve_loss`), where
+by π_prox / π_behav (`loss.behaviour_correction`, on whenever η ≥ 1: `config.resolve`), where
 π_prox is the learner's current policy recomputed before the update.
 
 What the fixed schedule costs: the sampler waits for version k − η before it starts iteration
@@ -49,37 +49,6 @@ import jax
 from marft_jax import lora as lora_lib
 from marft_jax import sharding
 from marft_jax.rollout import RolloutCancelled
-
-
-def resolve_loss(loss, max_staleness: int):
-  """`loss` (a `LossConfig`) with the behaviour correction on for η ≥ 1; refuses, naming the
-  keys, a correction switched off or π_old read from the rollout (the samples come from an
-  older policy than the learner's: π_old must be the learner's own, π_behav the sampler's)."""
-  if not max_staleness:
-    return loss
-  if loss.behaviour_correction == "off":
-    raise ValueError(f"loss.behaviour_correction='off' with rollout.max_staleness="
-                     f"{max_staleness}: stale samples need the decoupled-PPO correction; leave "
-                     "loss.behaviour_correction unset (or 'on'), or use max_staleness=0")
-  if loss.old_logp == "rollout":
-    raise ValueError(f"loss.old_logp='rollout' with rollout.max_staleness={max_staleness}: "
-                     "the sampler's log-probs are an older policy's, not the learner's π_old; "
-                     "leave loss.old_logp unset (or 'recompute')")
-  return dataclasses.replace(loss, behaviour_correction="on")
-
-
-def check_split(config) -> None:
-  """Refuses, naming the keys, an LLM judge beside a sampler on its own devices (the judge's
-  weights stay on the learner's, and the sampler thread runs it), and asynchronous rollouts
-  of a team on several backbones (its sampler thread would play every backbone's model)."""
-  if config.rollout.max_staleness and len(config.used_backbones) > 1:
-    raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness} with team.roles on "
-                     f"the backbones {list(config.used_backbones)}: a team on several backbones "
-                     "trains synchronously; use rollout.max_staleness=0")
-  if config.mesh.sampler_devices and config.reward.judge:
-    raise ValueError(f"reward.judge=True with mesh.sampler_devices="
-                     f"{config.mesh.sampler_devices}: the judge runs on the learner's mesh; "
-                     "use mesh.sampler_devices=0 with a judge")
 
 
 def rollout_version(iteration: int, max_staleness: int) -> int:

@@ -1,7 +1,8 @@
-"""A team split over several backbones (issue 41): each role on the base model it names
+"""A team split over several backbones: each role on the base model it names
 (`team.roles.<role>.backbone`, `model.backbones`), trained together in one run.
 
-A team on one backbone never comes here: `loop` runs it as it always has. With several:
+A team on one backbone never comes here (`train.run` chooses): it runs as it always has.
+With several:
 
   rollout     `rollout.rollout_backbones`: text between backbones, one sampler call per
               backbone a turn, each turn's own token ids kept.
@@ -33,17 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax import lora as lora_lib
 from marft_jax import multihost, sharding
 from marft_jax.envs.profiles import adapter_index
 from marft_jax.rollout import Backbone, rollout_backbones
-from marft_jax.train import assembly
-from marft_jax.train import critic as critic_lib
-from marft_jax.train import shared_critic, teams
+from marft_jax.train import shared_critic
 from marft_jax.train.advantages import compute_advantages, kl_rewards
 from marft_jax.train.batching import PADDING, TrainBatch, make_batch, padding_fields
 from marft_jax.train.batching import per_row_adapters
-from marft_jax.train.config import MAIN_BACKBONE, TrainConfig
+from marft_jax.train.build.learner import Learner, make_learner
+from marft_jax.train.build.model import Model
+from marft_jax.train.config.schema import TrainConfig
+from marft_jax.train.config.sections import MAIN_BACKBONE
+from marft_jax.train.config.teams import declared
 from marft_jax.train.update import TrainState, prepare
 
 
@@ -79,45 +81,10 @@ class Split:
     return tuple(self.agents(b).index(a) for a, b in enumerate(self.agent_backbone))
 
 
-def check_backbones(config: TrainConfig) -> None:
-  """Refuses, naming the key, what a team split over several backbones cannot run (of a
-  resolved config; one backbone: nothing). Replies pass between backbones as text, so each
-  turn is its own sequence (the per-agent view); an adapter, a critic and an orchestrator
-  live on one backbone each."""
-  used = config.used_backbones
-  if len(used) == 1:
-    return
-  where = f"with the roles on backbones {used}"
-  if config.rollout.context_mode != "per_agent":  # named first: the split is the file's choice
-    raise ValueError(f"model.backbones={sorted(config.model.backbones)} {where}, but "
-                     f"rollout.context_mode={config.rollout.context_mode!r} (algorithm="
-                     f"{config.algorithm!r}): one token stream cannot hold two vocabularies; "
-                     "use an algorithm of the per-agent view")
-  if config.team.graph == "orchestrator":
-    raise ValueError(f"team.graph='orchestrator' {where}: not supported (a chain or a DAG)")
-  if config.team.shared_adapter:
-    raise ValueError(f"team.shared_adapter=True {where}: an adapter fits one backbone")
-  by_backbone = config.role_backbones
-  shared = sorted({by_backbone[r.name] for r in config.team.roles if r.adapter == "shared"})
-  if len(shared) > 1:
-    raise ValueError(f"team.roles: adapter='shared' on roles of backbones {shared}: an "
-                     "adapter fits one backbone (share it within one)")
-  for name in used:
-    roles = [r for r in config.team.roles if (r.backbone or MAIN_BACKBONE) == name]
-    if all(r.adapter == "base" for r in roles):
-      raise ValueError(f"team.roles {[r.name for r in roles]}: every role on backbone "
-                       f"{name!r} has adapter='base': nothing on it would train")
-  unsupported = (("init_from", config.init_from, ""),
-                 ("reward.judge", config.reward.judge, False))
-  for key, value, off in unsupported:
-    if value != off:
-      raise ValueError(f"{key}={value!r} {where}: not supported yet (issue 41)")
-
-
 def split_team(config: TrainConfig, team) -> Split:
-  """The `Split` of `team` (`assembly.build_team`'s profiles, in order: a chain or a DAG)."""
+  """The `Split` of `team` (`build.team.build_team`'s profiles, in order: a chain or a DAG)."""
   names = config.used_backbones
-  roles, _ = teams.declared(config.team, config.task.name)
+  roles, _ = declared(config.team, config.task.name)
   agent_backbone = tuple(names.index(r.backbone or MAIN_BACKBONE) for r in roles)
   adapter_backbone = [-1] * config.num_adapters
   for agent, b in enumerate(agent_backbone):
@@ -127,72 +94,13 @@ def split_team(config: TrainConfig, team) -> Split:
   return Split(names, agent_backbone, tuple(adapter_backbone))
 
 
-def load_models(config: TrainConfig):
-  """The run's base: one `assembly.Model` for a team on one backbone (as `assembly.load`),
-  else {name: Model} of every backbone a role runs on."""
-  names = config.used_backbones
-  if len(names) == 1:
-    return assembly.load(config)
-  return {name: assembly.load(config, name) for name in names}
-
-
-def role_bases(config: TrainConfig) -> dict[str, tuple[str, str]]:
-  """{role: (its backbone, that backbone's source)} of the config's team."""
-  roles, _ = teams.declared(config.team, config.task.name)
-  return {r.name: (r.backbone or MAIN_BACKBONE,
-                   config.model.backbone(r.backbone or MAIN_BACKBONE).source) for r in roles}
-
-
-# --- state ---------------------------------------------------------------------------------
-
-
-def init_states(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split,
-                policy_optimizer, critic_optimizer) -> dict[str, TrainState]:
-  """{backbone: its fresh `TrainState`}: the adapters of its roles (`config.lora`), its
-  per-agent critic for its agents (a shared critic: on `config.critic_backbone` alone), their
-  optimizer states. Keys fold in the backbone's index, so two backbones of one shape start
-  from different adapters."""
-  critic_settings = assembly.critic_config(config)
-  shared = critic_settings is not None and critic_settings.mode == "shared"
-  states = {}
-  for b, name in enumerate(split.names):
-    key = jax.random.fold_in(jax.random.key(config.seed), 1000 + b)
-    model_config = models[name].config
-    policy = lora_lib.init_adapters(config.lora, model_config, jax.random.fold_in(key, 1),
-                                    len(split.adapters(b)))
-    no_critic = critic_settings is None or (shared and name != config.critic_backbone)
-    critic = None if no_critic else critic_lib.init_critic(
-        critic_settings, model_config, len(split.agents(b)), jax.random.fold_in(key, 2))
-    states[name] = TrainState(
-        policy=policy, critic=critic, policy_opt=policy_optimizer.init(policy),
-        critic_opt=None if critic is None else critic_optimizer.init(critic),
-        step=jnp.zeros((), jnp.int32))
-  return states
-
-
-def new_states(config: TrainConfig, models: Mapping[str, assembly.Model]
-               ) -> dict[str, TrainState]:
-  """The state a run of `config` starts from (or a checkpoint of it restores into)."""
-  team, _ = assembly.build_team(config)
-  return init_states(config, models, split_team(config, team), *assembly.optimizers(config))
-
-
 # --- rollout -------------------------------------------------------------------------------
 
 
-def play(policies: Mapping[str, Any], rng, version: int, *, envs, team, structure,
-         weights: Mapping[str, tuple], models: Mapping[str, assembly.Model], split: Split,
-         settings, cancel=None):
-  """One rollout of the team (`rollout_backbones`), each backbone with its adapters
-  (`policies`: {backbone: adapters}, policy version `version`; `cancel`: `rollout`'s)."""
-  return player(models, policies, team, structure, split, weights)(envs, rng, settings,
-                                                                   version, cancel)
-
-
-def player(models: Mapping[str, assembly.Model], policies, team, structure, split: Split,
+def player(models: Mapping[str, Model], policies, team, structure, split: Split,
            weights: Mapping[str, tuple]):
   """`fn(envs, rng, settings, policy_version=0, cancel=None)`: one rollout of `team` on its
-  backbones (sampler weights `weights`: `assembly.rollout_model`'s) with `policies`
+  backbones (sampler weights `weights`: `run.rollout_weights`) with `policies`
   ({backbone: adapters}; None: every agent the base)."""
   backbones = [Backbone(*weights[name], models[name].tokenizer,
                         None if policies is None else policies[name]) for name in split.names]
@@ -202,15 +110,6 @@ def player(models: Mapping[str, assembly.Model], policies, team, structure, spli
                              split.adapter_local, rng, config=settings,
                              policy_version=policy_version, cancel=cancel)
   return play_all
-
-
-def evaluation_player(config: TrainConfig, models: Mapping[str, assembly.Model], policies,
-                      team, structure, weights: Optional[Mapping[str, tuple]] = None):
-  """`player` for `evaluate.play`: the sampler's `weights` ({backbone: its
-  `assembly.rollout_model`}; None: made here)."""
-  if weights is None:
-    weights = {name: assembly.rollout_model(m, config, name) for name, m in models.items()}
-  return player(models, policies, team, structure, split_team(config, team), weights)
 
 
 # --- batches -------------------------------------------------------------------------------
@@ -257,11 +156,11 @@ def scatter_rows(into: np.ndarray, rows: np.ndarray, values) -> np.ndarray:
 # --- learning ------------------------------------------------------------------------------
 
 
-def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: Split, mesh,
+def learners(config: TrainConfig, models: Mapping[str, Model], split: Split, mesh,
              policy_optimizer, critic_optimizer, turns_per_agent: int,
              state_shardings: Mapping[str, Any]
-             ) -> tuple[list[assembly.Learner], Optional[shared_critic.SharedCritic]]:
-  """(an `assembly.Learner` per backbone, in `split.names` order; the shared critic's
+             ) -> tuple[list[Learner], Optional[shared_critic.SharedCritic]]:
+  """(an `Learner` per backbone, in `split.names` order; the shared critic's
   learner, or None: per-agent critics train in their backbones' updates). `turns_per_agent`:
   the rows one agent fills in an episode (its turns: one per env step); `state_shardings`:
   each backbone's state's (`lora.follow_adapters`), kept by its update."""
@@ -270,7 +169,7 @@ def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: S
       config, split, models, mesh, critic_optimizer, rows(split.agent_backbone),
       state_shardings[config.critic_backbone])
   policy_only = lambda s: s.replace(critic=None, critic_opt=None) if critic else s
-  return [assembly.make_learner(
+  return [make_learner(
       config, name, models[name], len(split.adapters(b)), rows(split.agents(b)), mesh,
       policy_optimizer, critic_optimizer, policy_only(state_shardings[name]),
       with_critic=critic is None)
@@ -278,7 +177,7 @@ def learners(config: TrainConfig, models: Mapping[str, assembly.Model], split: S
 
 
 def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
-          learners: Sequence[assembly.Learner], mesh, envs, num_roles: int, agent_sees,
+          learners: Sequence[Learner], mesh, envs, num_roles: int, agent_sees,
           reply_budgets, active: np.ndarray,
           critic: Optional[shared_critic.SharedCritic] = None):
   """One update of every backbone from the team's `kept` episodes.
@@ -292,6 +191,36 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
       kept, 0, reply_budgets=reply_budgets, row_length_step=config.optimizer.row_length_step))
   owner = row_backbones(kept, split)
   placed = lambda b: jax.device_put(b, sharding.batch_shardings(mesh, b))
+  parts, values, old_logp, ref_logp = _score_parts(states, batch, owner, learners, split,
+                                                    config, placed)
+  if critic is not None:
+    critic_rows, critic_extras, values = _value_shared(critic, states[critic.name].critic,
+                                                       kept, batch, owner, placed)
+  batch = batch.replace(act_old_value=values)
+  with_ref = config.advantage.kl_reward_coef > 0
+  kl = kl_rewards(old_logp, ref_logp, batch.act_mask, config.advantage) if with_ref else None
+  groups = [envs.group(e.env_index) for e in kept]
+  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups,
+                             agent_sees=agent_sees, kl_reward=kl, active=active)
+  states, metrics = _update_parts(states, batch, parts, learners, split, config, iteration,
+                                  active, key, placed, policy_only=critic is not None)
+  merged = merge_metrics(metrics, split)
+  if critic is not None:
+    states[critic.name], critic_metrics = _train_critic(
+        critic, states[critic.name], critic_rows, critic_extras, batch,
+        config.advantage.level == "token", placed, jax.random.fold_in(key, len(learners)))
+    merged = {k: v for k, v in merged.items()  # the policy updates' critic metrics: zeros
+              if not k.endswith(("value_loss", "critic_grad_norm"))}
+    merged.update(critic_metrics)
+    merged["nonfinite"] += critic_metrics["critic_nonfinite"]
+  return states, merged, batch, kl
+
+
+def _score_parts(states, batch: TrainBatch, owner: np.ndarray, learners: Sequence[Learner],
+                 split: Split, config: TrainConfig, placed):
+  """Each backbone's rows of the team `batch` through its learner: ([(rows, its sub-batch,
+  its `Extras`)] per backbone, [B, T] the team's critic values at rollout time (per-agent
+  critics; zeros else), [B, T] π_old's log-probs, [B, T] the reference's or None)."""
   read = multihost.to_host
   parts, old_logp, ref_logp = [], np.zeros_like(batch.act_behaviour_logp), None
   values = np.zeros_like(batch.act_old_value)
@@ -312,14 +241,15 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
       ref = np.zeros_like(old_logp) if ref_logp is None else ref_logp
       ref_logp = scatter_rows(ref, rows, read(extras.ref_logp))
     parts.append((rows, sub, extras))
-  if critic is not None:
-    critic_rows, critic_extras, values = _value_shared(critic, states[critic.name].critic,
-                                                       kept, batch, owner, placed)
-  batch = batch.replace(act_old_value=values)
-  kl = kl_rewards(old_logp, ref_logp, batch.act_mask, config.advantage) if with_ref else None
-  groups = [envs.group(e.env_index) for e in kept]
-  batch = compute_advantages(batch, kept, config.advantage, num_roles, groups,
-                             agent_sees=agent_sees, kl_reward=kl, active=active)
+  return parts, values, old_logp, ref_logp
+
+
+def _update_parts(states, batch: TrainBatch, parts, learners: Sequence[Learner], split: Split,
+                  config: TrainConfig, iteration: int, active: np.ndarray, key, placed,
+                  policy_only: bool) -> tuple[dict, list[dict]]:
+  """Each backbone's jitted update over its rows, with the team's advantages filled in
+  (`policy_only`: its policy alone, the shared critic training apart). (the new states,
+  each backbone's metrics)"""
   warm = jnp.asarray(iteration >= config.critic.warmup_iterations)
   states, metrics = dict(states), []
   for b, (learner, (rows, sub, extras)) in enumerate(zip(learners, parts)):
@@ -328,25 +258,16 @@ def learn(states, kept, iteration, key, *, config: TrainConfig, split: Split,
                             for name in _ADVANTAGE_FIELDS})
     mine = np.asarray(active)[list(split.adapters(b))]
     state = states[learner.name]
-    if critic is not None:  # the shared critic trains below, on every backbone's turns
+    if policy_only:  # the shared critic trains apart, on every backbone's turns
       state = state.replace(critic=None, critic_opt=None)
     new, m = learner.update(state, learner.model.params, placed(filled), extras,
                             jnp.asarray(mine), warm, jax.random.fold_in(key, b))
-    if critic is not None:
+    if policy_only:
       new = new.replace(critic=states[learner.name].critic,
                         critic_opt=states[learner.name].critic_opt)
     states[learner.name] = new
     metrics.append({k: float(v) for k, v in m.items()})
-  merged = merge_metrics(metrics, split)
-  if critic is not None:
-    states[critic.name], critic_metrics = _train_critic(
-        critic, states[critic.name], critic_rows, critic_extras, batch,
-        config.advantage.level == "token", placed, jax.random.fold_in(key, len(learners)))
-    merged = {k: v for k, v in merged.items()  # the policy updates' critic metrics: zeros
-              if not k.endswith(("value_loss", "critic_grad_norm"))}
-    merged.update(critic_metrics)
-    merged["nonfinite"] += critic_metrics["critic_nonfinite"]
-  return states, merged, batch, kl
+  return states, metrics
 
 
 def _value_shared(critic: shared_critic.SharedCritic, params, kept, batch: TrainBatch,
@@ -404,17 +325,3 @@ def merge_metrics(per_backbone: Sequence[dict], split: Split) -> dict:
     out[key] = (sum(values) if key in _SUMMED else max(values) if "max" in key
                 else float(np.mean(values)))
   return out
-
-
-def export(checkpointer, step: int, states: Mapping[str, TrainState], config: TrainConfig,
-           split: Split) -> None:
-  """Every backbone's adapters as PEFT folders, one per role (named as on one backbone),
-  each on its own base (its `adapter_config.json`'s base_model_name_or_path)."""
-  names = teams.adapter_names(config.team, config.task.name)
-  groups = []
-  for b, name in enumerate(split.names):
-    adapters = multihost.to_host(states[name].policy)
-    groups.append((adapters, [names[a] for a in split.adapters(b)],
-                   config.model.backbone(name).source))
-  if multihost.is_primary():
-    checkpointer.export_peft_groups(step, groups)

@@ -47,6 +47,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from marft_jax.lora import Adapters, save_peft_adapters
+from marft_jax.train.saved_steps import saved_steps
 from marft_jax.train.write_failures import writing
 
 StrPath = Union[str, "os.PathLike[str]"]
@@ -100,16 +101,6 @@ def first_non_finite(tree: Any) -> Optional[str]:
     if not finite:
       return _path_name(path)
   return None
-
-
-def saved_steps(workdir: StrPath) -> list[int]:
-  """The finalised steps in `workdir/checkpoints`, oldest first ([] for a fresh workdir),
-  from the folder names alone (no Orbax manager is made): whether a run will resume, known
-  before anything loads."""
-  directory = os.path.join(os.fspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    return []
-  return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ majority answer over their n samples is right (`majority_correct`).
 `policy=None` evaluates the untuned team (every agent the base model, adapters off).
 `restore_policy(config, model, workdir)` gives a run's adapters from its latest checkpoint, to
 be scored on any task and data set: only the model, the adapters' shape and the team must be
-those the run trained (`assembly.EVAL_MUST_MATCH`).
+those the run trained (`config.saved.EVAL_MUST_MATCH`).
 """
 
 from __future__ import annotations
@@ -54,20 +54,25 @@ from marft_jax import envs as envs_lib
 from marft_jax.architecture import precision
 from marft_jax.configs import to_config_dict
 from marft_jax.envs.math_grading import FORMATTED, vote_key
-from marft_jax.rollout import rollout
-from marft_jax.train import assembly
-from marft_jax.train import backbones
+from tqdm import tqdm
+
 from marft_jax.train import eval_progress
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build.envs import rollout_settings
+from marft_jax.train.build.team import build_team
 from marft_jax.train.checkpoint import (CheckpointMismatchError, Checkpointer,
                                         config_differences, under)
-from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
-
-EVAL_SEED_OFFSET = 1_000_003  # held-out episodes never share a seed with training's
+from marft_jax.train.config import saved as saved_lib
+from marft_jax.train.config.schema import TrainConfig
+from marft_jax.train.config.sections import RoleSection, TaskSection, TeamSection
+from marft_jax.train.config.teams import role_bases
+from marft_jax.train.heldout import EVAL_SEED_OFFSET
 
 
 def greedy_team(config: TrainConfig):
   """The config's team and structure with every agent (the orchestrator too) greedy."""
-  team, structure = assembly.build_team(config)
+  team, structure = build_team(config)
   team = envs_lib.with_sampling(team, temperature=0.0)
   if isinstance(structure, envs_lib.Orchestrator):  # a DAG has no agent of its own
     profile = envs_lib.with_sampling((structure.profile,), temperature=0.0)[0]
@@ -98,60 +103,36 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   spread evenly over the fewest calls (`problems_per_call`), so that the last call plays few
   tasks beyond those asked for (each call's shape is the same: no compile for a last,
   smaller one).
-  `rollout_weights`: `assembly.rollout_model(model, config)` if the caller has it (else made).
+  `rollout_weights`: `run.rollout_weights(config, model)` if the caller has it (else made).
   `trained`: fingerprints of problems a checkpoint trained on (`trained_problems`), left out
   of the held-out problems.
   `calls_dir`: each finished call is kept there, and the calls found there are read back
   instead of played again (`eval_progress.CallLog`; `calls_settings`: what else they depend
   on, the policy and the config, beside this function's own arguments)."""
   total = config.task.eval_problems if num_problems is None else int(num_problems)
-  if total < 1:
-    raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
-  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-    raise ValueError(f"samples={samples!r}: must be an int >= 1")
-  if samples > 1 and not temperature > 0:
-    raise ValueError(f"samples={samples} at temperature {temperature}: greedy samples are all "
-                     "the same; sample at a temperature > 0")
+  _check_samples(num_problems, total, samples, temperature)
   team, structure = sampling_team(config, temperature)
-  play_all = _player(config, model, policy, team, structure, rollout_weights)
-  most = max(1, batch_size // samples)  # problems a call
-  # Groups of `samples` episodes per task (one greedy episode per task also for GRPO,
-  # whose config insists on groups of rollouts).
-  build = lambda problems: assembly.build_envs(
-      config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test", group_size=samples,
-      num_envs=samples * problems_per_call(problems, most), trained=trained)
-  envs = build(total)
-  if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
-    total = envs.num_tasks
-    if samples * problems_per_call(total, most) != len(envs):  # a file smaller than asked
-      envs.close()
-      envs = build(total)
+  play_all = run_lib.player(config, model, team, structure,
+                            rollout_weights or run_lib.rollout_weights(config, model))
+  envs, total = _heldout_envs(config, team, total, samples, max(1, batch_size // samples),
+                              trained)
   total *= samples
   # A problem's n samples encode their shared prompt once (the planner's whole prompt; the
   # task in a later agent's): the same samples to f32 rounding, for less prefill.
-  settings = dataclasses.replace(assembly.rollout_settings(config), share_group_prompts=True)
-  episodes = []
-  calls, played_calls = None, 0
-  bar = None
+  settings = dataclasses.replace(rollout_settings(config), share_group_prompts=True)
+  calls, episodes, played_calls, bar = None, [], 0, None
   try:
     if calls_dir is not None:
       calls = eval_progress.CallLog(calls_dir, {
           **(calls_settings or {}), "seed": config.seed, "episodes": total, "samples": samples,
           "temperature": float(temperature), "envs_per_call": len(envs)})
-      for played, cursor in calls.played():
-        episodes += played
-        envs.load_state_dict(cursor)
-        played_calls += 1
-      if played_calls:
-        logging.warning("%s: %d finished calls (%d episodes) read back; playing the rest",
-                        calls_dir, played_calls, len(episodes))
+      episodes, played_calls = _read_back(calls, envs, calls_dir)
     if progress:
-      from tqdm import tqdm
       bar = tqdm(total=total, initial=len(episodes), desc="evaluating", unit="ep")
     with precision.scope(config.model.matmul_precision, config.run_dtype):
       key = jax.random.key(config.seed)
       while len(episodes) < total:
-        result = play_all(envs, jax.random.fold_in(key, len(episodes)), settings)
+        result = play_all(envs, policy, jax.random.fold_in(key, len(episodes)), settings)
         new = result.episodes[:total - len(episodes)]
         episodes += new
         if calls is not None:
@@ -166,6 +147,48 @@ def play(config: TrainConfig, model, policy: Optional[Any] = None,
   return episodes
 
 
+def _check_samples(num_problems, total: int, samples, temperature: float) -> None:
+  """`play`'s arguments: at least one problem, `samples` an int >= 1, sampled above 0."""
+  if total < 1:
+    raise ValueError(f"num_problems={num_problems!r}: evaluate at least one problem")
+  if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    raise ValueError(f"samples={samples!r}: must be an int >= 1")
+  if samples > 1 and not temperature > 0:
+    raise ValueError(f"samples={samples} at temperature {temperature}: greedy samples are all "
+                     "the same; sample at a temperature > 0")
+
+
+def _heldout_envs(config: TrainConfig, team, total: int, samples: int, most: int,
+                  trained: Collection[str]) -> tuple[Any, int]:
+  """(the held-out `EnvBatch` of `total` tasks, `samples` episodes each (one group a task:
+  one greedy episode per task also for GRPO, whose config insists on groups), at most `most`
+  tasks a call; the tasks it plays: `total`, or a smaller file's every problem once)."""
+  build = lambda problems: envs_build.build_envs(
+      config, team, seed=config.seed + EVAL_SEED_OFFSET, split="test", group_size=samples,
+      num_envs=samples * problems_per_call(problems, most), trained=trained)
+  envs = build(total)
+  if envs.num_tasks is not None and envs.num_tasks < total:  # each held-out problem once
+    total = envs.num_tasks
+    if samples * problems_per_call(total, most) != len(envs):  # a file smaller than asked
+      envs.close()
+      envs = build(total)
+  return envs, total
+
+
+def _read_back(calls: eval_progress.CallLog, envs, calls_dir: str) -> tuple[list, int]:
+  """(the episodes of the calls `calls` kept, how many calls), with `envs`' data cursor
+  after the last."""
+  episodes, count = [], 0
+  for played, cursor in calls.played():
+    episodes += played
+    envs.load_state_dict(cursor)
+    count += 1
+  if count:
+    logging.warning("%s: %d finished calls (%d episodes) read back; playing the rest",
+                    calls_dir, count, len(episodes))
+  return episodes, count
+
+
 def problems_per_call(problems: int, most: int) -> int:
   """Problems in each of the fewest calls of at most `most` that play `problems`, spread
   evenly: ceil(problems / calls), calls = ceil(problems / most). The calls play fewer than
@@ -173,16 +196,6 @@ def problems_per_call(problems: int, most: int) -> int:
   33, one extra, where calls of 40 would play 36 extra; 2 a call: 82 calls, none extra)."""
   calls = -(-problems // most)
   return -(-problems // calls)
-
-
-def _player(config, model, policy, team, structure, rollout_weights):
-  """`fn(envs, rng, settings)`: one rollout of every environment by the team on its base, or
-  on its backbones (`model` {name: Model}, `policy` {name: adapters}: `train.backbones`)."""
-  if isinstance(model, dict):
-    return backbones.evaluation_player(config, model, policy, team, structure, rollout_weights)
-  params, model_config = rollout_weights or assembly.rollout_model(model, config)
-  return lambda envs, rng, settings: rollout(envs, team, structure, params, model_config,
-                                             model.tokenizer, rng, lora=policy, config=settings)
 
 
 def evaluate(config: TrainConfig, model, policy: Optional[Any] = None,
@@ -281,12 +294,12 @@ def restore_policy(config: TrainConfig, model, workdir: str):
   under `config`, on any task and data.
 
   Only what shapes the adapters and the team that runs them must match the run that wrote
-  the checkpoint: the keys of `assembly.EVAL_MUST_MATCH` and the team `build_team` makes
+  the checkpoint: the keys of `config.saved.EVAL_MUST_MATCH` and the team `build_team` makes
   (each role's name and adapter, the orchestrator's adapter); anything else (task, data
   files, seed, sampling budgets, algorithm, critic, ...) may differ. The checkpoint is read
-  into a state shaped by its own saved config (read by `assembly.read_saved_config`). A
+  into a state shaped by its own saved config (read by `config.saved.read_saved_config`). A
   difference is a `CheckpointMismatchError` naming the keys. The settings that shape the
-  episodes (`assembly.EVAL_SHOWS_IF_CHANGED`) and differ from the run's are logged as one
+  episodes (`config.saved.EVAL_SHOWS_IF_CHANGED`) and differ from the run's are logged as one
   warning (`changed_settings`): an evaluation plays under `config`, not the checkpoint's.
   """
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
@@ -305,24 +318,22 @@ def restore_policy(config: TrainConfig, model, workdir: str):
   if changed:
     logging.warning("%s: step %d is evaluated with settings other than it trained with: %s",
                     workdir, step, "; ".join(changed))
-  if isinstance(state, dict):  # {backbone: TrainState}
-    return {name: s.policy for name, s in state.items()}, step
-  return state.policy, step
+  return run_lib.policy(saved, state), step
 
 
 def changed_settings(trained: TrainConfig, config: TrainConfig) -> list[str]:
-  """"key: trained with X, now Y" for each key under `assembly.EVAL_SHOWS_IF_CHANGED` whose
+  """"key: trained with X, now Y" for each key under `config.saved.EVAL_SHOWS_IF_CHANGED` whose
   value in `config` differs from the training run's (`trained`: its saved config), both read
-  as a resume reads them (`assembly.resume_view`: a setting that cannot change this model's
+  as a resume reads them (`config.saved.resume_view`: a setting that cannot change this model's
   numbers is no difference). Left out: sampling settings (temperature, top_p), since the
   evaluation plays greedily, and `task.eval_problems`, the evaluation's own count, which
   training never read (its held-out evaluation plays `eval_episodes`)."""
-  as_dict = lambda c: assembly.resume_view(to_config_dict(
-      _without_what_eval_ignores(assembly.as_recorded(c))).to_dict(), c.run_dtype)
+  as_dict = lambda c: saved_lib.resume_view(to_config_dict(
+      _without_what_eval_ignores(saved_lib.as_recorded(c))).to_dict(), c.run_dtype)
   brief = lambda value: repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
   return [f"{key}: trained with {brief(was)}, now {brief(now)}"
           for key, was, now in config_differences(as_dict(trained), as_dict(config))
-          if under(key, assembly.EVAL_SHOWS_IF_CHANGED)]
+          if under(key, saved_lib.EVAL_SHOWS_IF_CHANGED)]
 
 
 def _without_what_eval_ignores(config: TrainConfig) -> TrainConfig:
@@ -341,18 +352,16 @@ def restore_state(checkpointer: Checkpointer, saved: TrainConfig, model, step: i
   into a fresh state of its own saved config `saved` on `model` (its base, or {backbone:
   base}); `init_from` is not read (the checkpoint holds the adapters)."""
   start = dataclasses.replace(saved, init_from="")
-  template = (backbones.new_states(start, model) if isinstance(model, dict)
-              else assembly.new_state(start, model))
-  return checkpointer.restore(template, step=step)[0]
+  return checkpointer.restore(run_lib.new_state(start, model), step=step)[0]
 
 
 def saved_config(meta: dict, where: str) -> TrainConfig:
-  """A checkpoint meta's saved config as this version reads it (`assembly.read_saved_config`);
+  """A checkpoint meta's saved config as this version reads it (`config.saved.read_saved_config`);
   `where` (e.g. "runs/x: step 8") prefixes a `CheckpointMismatchError`."""
   if "config" not in meta:
     raise CheckpointMismatchError(f"{where} has no saved config (the run that wrote it did "
                                   "not store meta['config'])")
-  return assembly.read_saved_config(meta["config"], where)
+  return saved_lib.read_saved_config(meta["config"], where)
 
 
 def _team_shape(config: TrainConfig) -> tuple:
@@ -367,8 +376,8 @@ def _check_same_adapters(saved: TrainConfig, config: TrainConfig, where: str) ->
   """CheckpointMismatchError naming every `EVAL_MUST_MATCH` key and team shape that differ."""
   get = lambda c, key: functools.reduce(getattr, key.split("."), c)
   differing = [f"{key}: saved {get(saved, key)!r}, now {get(config, key)!r}"
-               for key in assembly.EVAL_MUST_MATCH if get(saved, key) != get(config, key)]
-  was, now = backbones.role_bases(saved), backbones.role_bases(config)
+               for key in saved_lib.EVAL_MUST_MATCH if get(saved, key) != get(config, key)]
+  was, now = role_bases(saved), role_bases(config)
   differing += [f"team.roles.{role}.backbone: saved {was[role]!r}, now {now[role]!r}"
                 for role in was if role in now and was[role] != now[role]]
   if not differing:

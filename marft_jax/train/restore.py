@@ -9,12 +9,12 @@
 
 Everything comes from the workdir: the config is the run's own (its checkpoint's saved config,
 read as a resume reads it: `evaluate.saved_config`), the base model the one it names
-(`backbones.load_models`), and the adapters and critic are read into a state of that config
+(`run.load_models`), and the adapters and critic are read into a state of that config
 (`evaluate.restore_state`, the reading `launch.eval` uses). Nothing is written to the workdir,
 which a run may still be training in.
 
 The PEFT exports beside the checkpoints (`<workdir>/exports/step_<N>/<adapter name>/`, one
-folder per adapter: `teams.adapter_names`) load into Hugging Face PEFT on the base model's
+folder per adapter: `config.teams.adapter_names`) load into Hugging Face PEFT on the base model's
 transformers checkpoint (`PeftModel.from_pretrained(model, folder)`), or back into this
 library with `lora.load_peft_adapters([folder], model_config)`.
 """
@@ -29,16 +29,18 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from marft_jax import envs as envs_lib
 from marft_jax.architecture import precision
 from marft_jax.envs.base import Observation
 from marft_jax.models import sampler
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import context
-from marft_jax.train import assembly, backbones, trained_problems
+from marft_jax.train import run as run_lib
 from marft_jax.train import evaluate as evaluate_lib
+from marft_jax.train import trained_problems
+from marft_jax.train.build.learner import pad_id
+from marft_jax.train.build.team import build_team
 from marft_jax.train.checkpoint import Checkpointer
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.config.schema import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,12 +48,12 @@ class Restored:
   """One checkpoint of a run, ready to generate or evaluate (made by `restore`).
 
   config: the run's resolved `TrainConfig`, as it trained (its roles written out).
-  team: its `AgentProfile`s in order (`assembly.build_team`: prompts, adapters, sampling).
+  team: its `AgentProfile`s in order (`build.team.build_team`: prompts, adapters, sampling).
   structure: None (a chain), an `AgentGraph` (a DAG) or an `Orchestrator`.
-  model: the base (`assembly.Model`: params, config, tokenizer), or {backbone: Model} for a
+  model: the base (`build.model.Model`: params, config, tokenizer), or {backbone: Model} for a
     team on several backbones.
   policy: the stacked LoRA adapters (`lora.Adapters`), one per adapter id
-    (`teams.adapter_names(config.team, config.task.name)` names them), or {backbone: Adapters}.
+    (`config.teams.adapter_names(config.team, config.task.name)` names them), or {backbone: Adapters}.
   critic: the critic's parameters (None for an algorithm without one), or {backbone: ...}.
   step: the checkpoint's step (its iteration count).
   workdir: the run's folder.
@@ -76,12 +78,9 @@ class Restored:
 
   @functools.cached_property
   def rollout_weights(self):
-    """The sampler's copy of the base (`assembly.rollout_model`), made once: (params, model
+    """The sampler's copy of the base (`run.rollout_weights`), made once: (params, model
     config), or {backbone: (params, model config)}."""
-    if isinstance(self.model, dict):
-      return {name: assembly.rollout_model(m, self.config, name)
-              for name, m in self.model.items()}
-    return assembly.rollout_model(self.model, self.config)
+    return run_lib.rollout_weights(self.config, self.model)
 
   def play(self, num_problems: Optional[int] = None, batch_size: int = 40, **kwargs) -> list:
     """The `Episode`s of `num_problems` held-out problems (default the config's
@@ -129,7 +128,7 @@ class Restored:
     with precision.scope(self.config.model.matmul_precision, self.config.run_dtype):
       out = sampler.generate(params, np.asarray([ids]), fast, rng=jax.random.key(seed),
                              eos_ids=model.tokenizer.eos_token_id,
-                             pad_id=assembly.pad_id(model.tokenizer), on_step=on_step,
+                             pad_id=pad_id(model.tokenizer), on_step=on_step,
                              **routed, **sampling.generate_kwargs())
     tokens = np.asarray(out.tokens[0, :int(out.lengths[0])])
     return model.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -143,13 +142,8 @@ class Restored:
 
   def _role_policy(self, agent: int):
     """(base, adapters, adapter index among them or -1, sampler weights) of `agent`."""
-    adapter = envs_lib.adapter_index(self.team, agent)
-    if not isinstance(self.model, dict):
-      return self.model, self.policy, adapter, self.rollout_weights
-    split = backbones.split_team(self.config, self.team)
-    name = split.names[split.agent_backbone[agent]]
-    local = split.adapter_local[adapter] if adapter >= 0 else -1
-    return self.model[name], self.policy[name], local, self.rollout_weights[name]
+    return run_lib.role_policy(self.config, self.team, self.model, self.policy,
+                               self.rollout_weights, agent)
 
 
 def saved_config(workdir: str, step: Optional[int] = None) -> tuple[TrainConfig, int]:
@@ -165,7 +159,7 @@ def restore(workdir: Union[str, os.PathLike], step: Optional[int] = None,
   """The run in `workdir` at checkpoint `step` (default: the latest), ready to generate or
   evaluate: its config, team, base model, adapters and critic (see `Restored`).
 
-  model: its base if already loaded (an `assembly.Model`, or {backbone: Model}); default:
+  model: its base if already loaded (a `build.model.Model`, or {backbone: Model}); default:
     loaded from the saved config's model section (model.source: "smollm2", a .gguf file or
     a Hugging Face folder).
   Raises:
@@ -180,15 +174,13 @@ def restore(workdir: Union[str, os.PathLike], step: Optional[int] = None,
     meta = checkpointer.read_meta(step)
     config = evaluate_lib.saved_config(meta, f"{workdir}: step {step}")
     if model is None:
-      model = backbones.load_models(config)
+      model = run_lib.load_models(config)
     state = evaluate_lib.restore_state(checkpointer, config, model, step)
   trained = (trained_problems.fingerprints(meta[trained_problems.KEY])
              if trained_problems.KEY in meta else trained_problems.of_checkpoint(workdir))
-  team, structure = assembly.build_team(config)
-  pick = lambda field: ({name: getattr(s, field) for name, s in state.items()}
-                        if isinstance(state, dict) else getattr(state, field))
+  team, structure = build_team(config)
   return Restored(config=config, team=team, structure=structure, model=model,
-                  policy=pick("policy"), critic=pick("critic"), step=step, workdir=workdir,
+                  policy=run_lib.policy(config, state), critic=run_lib.critic(config, state), step=step, workdir=workdir,
                   trained_problems=trained)
 
 

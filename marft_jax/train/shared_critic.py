@@ -1,4 +1,4 @@
-"""The shared (centralised) critic of a team split over several backbones (issue 41).
+"""The shared (centralised) critic of a team split over several backbones.
 
 One critic (`critic.mode='shared'`: a value head and, with critic.lora_rank, a critic LoRA,
 as on one backbone) lives on the backbone `critic.backbone` names and values every role's
@@ -59,7 +59,7 @@ from flax import struct
 
 from marft_jax import sharding
 from marft_jax.rollout.context import chat_prompt
-from marft_jax.train import assembly
+from marft_jax.train.build import learner as learner_lib
 from marft_jax.train import critic as critic_lib
 from marft_jax.train.batching import TrainBatch, row_length
 from marft_jax.train.update import (LossConfig, all_finite, critic_step, minibatch_slots,
@@ -237,7 +237,7 @@ def critic_batch(episodes, batch: TrainBatch, owner: np.ndarray, critic_index: i
   rows, positions, unaligned = [], [], []
   for episode in episodes:
     for sequence in episode.sequences:
-      if len(sequence.spans) != 1:  # `backbones.check_backbones` refuses the shared stream
+      if len(sequence.spans) != 1:  # `config.resolve.check_backbones` refuses the shared stream
         raise ValueError("the shared critic of a split team reads one turn a row (the "
                          f"per-agent view); a row holds {len(sequence.spans)}")
       r, span = len(rows), sequence.spans[0]
@@ -304,7 +304,7 @@ class SharedCritic:
 
   name: str
   index: int
-  model: Any  # `assembly.Model` (training layout)
+  model: Any  # `build.model.Model` (training layout)
   tokenizers: tuple  # every backbone's, in the split's order
   hidden: Any  # `critic.value_fns`' hidden (frozen base), or None
   values: Any  # `critic.batch_values_fn`: [B, T] values at rollout time
@@ -388,14 +388,14 @@ def make_shared_critic(config, split, models, mesh, critic_optimizer, rows: int,
   """The `SharedCritic` of a split team whose critic is shared (None otherwise): on
   `config.critic_backbone`, over batches of `rows` turns (rounded up so every minibatch splits
   over the shards); its update keeps `state_sharding`'s critic and critic_opt shardings."""
-  critic_config = assembly.critic_config(config)
+  critic_config = learner_lib.critic_config(config)
   if critic_config is None or critic_config.mode != "shared" or len(split.names) == 1:
     return None
   name = config.critic_backbone
   model = models[name]
   o = config.optimizer
   values, hidden = critic_lib.value_fns(critic_config, model.config)
-  one_device, num_rows = assembly.update_rows(rows, o.minibatches, mesh)
+  one_device, num_rows = learner_lib.update_rows(rows, o.minibatches, mesh)
   update = make_critic_update(
       model.config, critic_config, config.loss, critic_optimizer, o.epochs, o.minibatches,
       out_shardings=(state_sharding.critic, state_sharding.critic_opt,
@@ -405,5 +405,5 @@ def make_shared_critic(config, split, models, mesh, critic_optimizer, rows: int,
       name=name, index=split.names.index(name), model=model,
       tokenizers=tuple(models[n].tokenizer for n in split.names), hidden=hidden,
       values=critic_lib.batch_values_fn(values, o.minibatches), update=update,
-      num_rows=num_rows, pad_id=assembly.pad_id(model.tokenizer),
+      num_rows=num_rows, pad_id=learner_lib.pad_id(model.tokenizer),
       row_length_step=o.row_length_step, minibatches=o.minibatches)

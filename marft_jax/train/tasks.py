@@ -1,7 +1,7 @@
 """The task table: every task a run can play, as one `Task` entry each, saying how its
 environments are built and what it needs (problem files, a sandbox, the task keys it reads,
 how its held-out split keeps training problems out, what a checkpoint records of its
-problems). `assembly.build_envs`, the config's checks and `trained_problems` read the entry
+problems). `build.envs.build_envs`, the config's checks and `trained_problems` read the entry
 (`lookup`), never the task's name.
 
 A task of your own is one more entry: `task.name="package.module:factory"` (or
@@ -44,15 +44,20 @@ import importlib
 import itertools
 from typing import Any, Callable, Collection, Optional
 
+from marft_jax.envs import arithmetic, code_env, sandbox, splits, team_tasks
+from marft_jax.envs import problems as problems_lib
 from marft_jax.envs.base import Environment
+from marft_jax.envs.math_env import MathEnv
+from marft_jax.envs.math_grading import Grader
+from marft_jax.envs.toy import EchoEnv
+from marft_jax.train import heldout
 
 # What a checkpoint records of the problems its run trained on (`trained_problems.record`).
 RECORDS = ("file", "stream", "ids", "none")
 # How the "test" split keeps training problems out: "file" (a file's held-out part, less the
-# problems a checkpoint trained on: `trained_problems.heldout_problems`), "disjoint" (generated
+# problems a checkpoint trained on: `heldout.heldout_problems`), "disjoint" (generated
 # in hash buckets of their own: none to leave out), "replaced" (disjoint from the generated
-# training stream, a file's trained problems replaced by the next draws: `trained_problems.
-# Unseen`), "ids" (a factory's `problem_id`: trained seeds skipped), "none" (no problems).
+# training stream, a file's trained problems replaced by the next draws: `heldout.Unseen`), "ids" (a factory's `problem_id`: trained seeds skipped), "none" (no problems).
 HELDOUT = ("file", "disjoint", "replaced", "ids", "none")
 
 
@@ -95,68 +100,70 @@ def _graded(team) -> list:
 
 
 def _echo(task, team, split, seed, trained) -> Built:
-  from marft_jax.envs import EchoEnv
   return Built(lambda i: EchoEnv(graded=_graded(team), high=task.echo_high))
 
 
 def _team_task(task, team, split, seed, trained) -> Built:
-  from marft_jax.envs import team_tasks  # generated; its test split holds no training problem
   source, roles = team_tasks.problems(task.name, split), [p.role for p in team]
   team_tasks.module(task.name).check_roles(roles)
   return Built(lambda i: team_tasks.make_env(task.name, source, roles, _graded(team)))
 
 
 def _code(task, team, split, seed, trained) -> Built:
-  from marft_jax.envs import code_env
-  from marft_jax.train import assembly
   problems = _file_problems(task, split, trained)
-  box = assembly.build_sandbox(task.sandbox)
+  box = build_sandbox(task.sandbox)
   wall_s = task.sandbox.wall_s
   return Built(lambda i: code_env.CodeEnv(
       problems, graded_roles=_graded(team), sandbox=box, test_timeout_s=wall_s,
-      budget_s=assembly.BUDGET_TESTS * wall_s, shuffle=False,
-      test_parallel=assembly.TEST_PARALLEL), num_tasks=len(problems), shared=(box,))
+      budget_s=BUDGET_TESTS * wall_s, shuffle=False,
+      test_parallel=TEST_PARALLEL), num_tasks=len(problems), shared=(box,))
+
+
+# A code env step's tests share a budget of this many tests' wall-clock limits (a step runs
+# up to 10 tests per graded role, `TEST_PARALLEL` at a time).
+BUDGET_TESTS = 12
+TEST_PARALLEL = 2
+
+
+def build_sandbox(settings) -> sandbox.Sandbox:
+  """The code task's `envs.sandbox.Sandbox` in `settings`' mode and limits (`task.sandbox`,
+  a `config.SandboxSection`); its environments share it."""
+  limits = sandbox.Limits(wall_s=settings.wall_s, memory_mb=settings.memory_mb,
+                          processes=settings.processes, file_mb=settings.file_mb)
+  return sandbox.Sandbox(limits, mode=settings.mode, max_parallel=settings.parallel)
 
 
 def _math(source, task, team, num_tasks=None) -> Built:
-  from marft_jax.envs.math_env import MathEnv
-  from marft_jax.envs.math_grading import Grader
   grader = Grader()
   return Built(lambda i: MathEnv(source, graded_roles=_graded(team), horizon=task.horizon,
                                  grader=grader), num_tasks=num_tasks, shared=(grader,))
 
 
 def _arithmetic(task, team, split, seed, trained) -> Built:
-  from marft_jax.train import trained_problems
   source = _arithmetic_stream(task.level, split)
   if split == "test" and trained:
-    source = trained_problems.Unseen(source, trained)
+    source = heldout.Unseen(source, trained)
   return _math(source, task, team)
 
 
 def _math_jsonl(task, team, split, seed, trained) -> Built:
-  from marft_jax.envs import problems as problems_lib
   source = problems_lib.ProblemSet(_file_problems(task, split, trained), name=split,
                                    shuffle=False)
   return _math(source, task, team, num_tasks=len(source))
 
 
 def _file_problems(task, split: str, trained: Collection[str]) -> tuple:
-  from marft_jax.envs import splits
-  from marft_jax.train import trained_problems
   if split == "test":
-    return trained_problems.heldout_problems(task.name, task.path, task.test_path, trained)[0]
+    return heldout.heldout_problems(task.name, task.path, task.test_path, trained)[0]
   return splits.task_problems(task.name, task.path, task.test_path)[0]
 
 
 def _arithmetic_stream(level: int, split: str):
-  from marft_jax.envs import arithmetic
   return arithmetic.ArithmeticProblems(levels=(level,), split=split)
 
 
 def _team_stream(name: str) -> Callable[[int, str], Any]:
   def stream(level: int, split: str):
-    from marft_jax.envs import team_tasks
     return team_tasks.problems(name, split)
   return stream
 

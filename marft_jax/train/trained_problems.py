@@ -30,23 +30,20 @@ problems a checkpoint trained on are replaced by the next ones of the same seede
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import os
 from typing import Any, Collection, Mapping, Sequence
 
 from absl import logging
 
-from marft_jax.envs import splits
+from marft_jax.envs import arithmetic, splits
+from marft_jax.envs.batch import EnvBatch
 from marft_jax.train import tasks
-from marft_jax.train.config import TrainConfig
+from marft_jax.train.checkpoint import Checkpointer
+from marft_jax.train.config.saved import read_saved_config
+from marft_jax.train.config.schema import TrainConfig
+from marft_jax.train.heldout import EVAL_SEED_OFFSET, Unseen, fingerprint, heldout_problems
 
 KEY = "training_problems"  # in a checkpoint's meta
-
-
-def fingerprint(problem: Any) -> str:
-  """The hash of a problem's statement (16 hex digits): equal for the same problem anywhere."""
-  return hashlib.sha256(splits.statement(problem).encode("utf-8")).hexdigest()[:16]
 
 
 def record(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> dict:
@@ -87,7 +84,6 @@ def _played_ids(config: TrainConfig, cursor: Mapping[str, Any], envs=None) -> li
 def _stream_seeds(seed: int, group_size: int, episodes: Sequence[int]) -> list[int]:
   """The episode seeds an `EnvBatch` of `len(episodes)` environments drew, environment i its
   first episodes[i]."""
-  from marft_jax.envs.batch import EnvBatch
   batch = EnvBatch(lambda i: None, len(episodes), seed=seed, group_size=group_size)
   return sorted({batch.episode_seed(i, k) for i, n in enumerate(episodes) for k in range(n)})
 
@@ -108,8 +104,6 @@ def of_checkpoint(workdir: str) -> dict[str, str]:
   there is none). A checkpoint written before the record was kept gives them from its saved
   config and data cursor (its problem files read now), with a warning; where those cannot
   be read, none, with a warning that says so."""
-  from marft_jax.train import assembly
-  from marft_jax.train.checkpoint import Checkpointer
   if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     return {}
   with Checkpointer(workdir, read_only=True) as checkpointer:
@@ -121,7 +115,7 @@ def of_checkpoint(workdir: str) -> dict[str, str]:
     return {}
   where = f"{workdir}: step {step}"
   try:
-    saved = assembly.read_saved_config(meta["config"], where)
+    saved = read_saved_config(meta["config"], where)
     cursor = meta.get("envs")
     if tasks.lookup(saved.task.name).record in ("stream", "ids") and cursor is None:
       raise ValueError("no data cursor saved")
@@ -133,41 +127,6 @@ def of_checkpoint(workdir: str) -> dict[str, str]:
   logging.warning("%s records no training problems (written before they were kept): taken "
                   "from its saved config's task and data cursor", where)
   return trained
-
-
-def heldout_problems(kind: str, path: str, test_path: str = "",
-                     trained: Collection[str] = ()) -> tuple[tuple, int]:
-  """(the held-out problems of a problem file task, `splits.task_problems`, less those whose
-  fingerprint is in `trained`; how many were dropped). A ValueError naming the file when
-  none is left."""
-  test = splits.task_problems(kind, path, test_path)[1]
-  kept = tuple(p for p in test if fingerprint(p) not in trained)
-  if not kept:
-    where = f"task.test_path={test_path!r}" if test_path else f"task.path={path!r}"
-    raise ValueError(f"{where}: each of its {len(test)} held-out problems is one the "
-                     "checkpoint trained on")
-  return kept, len(test) - len(kept)
-
-
-
-class Unseen:
-  """Generated arithmetic (`source`, an `arithmetic.ArithmeticProblems`) less the problems in
-  `trained`: seed s gives the first problem of seed s's stream (`generate_problems(k, level,
-  s, split)[-1]`, k = 1, 2, ...) that is not one of them, so `source`'s own problem unless a
-  checkpoint trained on it. A `problems.ProblemSource`."""
-
-  def __init__(self, source, trained: Collection[str]):
-    self.source, self.trained = source, trained
-
-  def problem_for_seed(self, seed: int):
-    from marft_jax.envs import arithmetic
-    level = self.source.levels[seed % len(self.source.levels)]
-    for k in itertools.count(1):
-      problem = arithmetic.generate_problems(k, level, seed, self.source.split)[-1]
-      if fingerprint(problem) not in self.trained:
-        return problem
-      if k == 1000:
-        raise ValueError(f"seed {seed}: its first 1000 held-out problems were all trained on")
 
 
 def heldout_dropped(config: TrainConfig, trained: Collection[str]) -> int:
@@ -189,7 +148,6 @@ def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
   seeds = {e.seed for e in episodes}
   heldout = tasks.lookup(config.task.name).heldout
   if heldout == "ids":
-    from marft_jax.train.evaluate import EVAL_SEED_OFFSET
     env = tasks.lookup(config.task.name).factory(config.task, "test",
                                                  config.seed + EVAL_SEED_OFFSET)
     try:
@@ -199,6 +157,5 @@ def replaced_draws(config: TrainConfig, episodes: Sequence[Any],
       env.close()
   if heldout != "replaced":
     return 0
-  from marft_jax.envs import arithmetic
   source = arithmetic.ArithmeticProblems(levels=(config.task.level,), split="test")
   return sum(fingerprint(source.problem_for_seed(seed)) in trained for seed in seeds)

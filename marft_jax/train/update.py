@@ -86,7 +86,7 @@ class LossConfig:
   """Loss weights and PPO settings (static under jit)."""
 
   # The policy ratio: "action" (one per turn) or "token" (one per token); "auto": the
-  # algorithm's (train/config/algorithms.py resolves it before the update is built)
+  # algorithm's (config/resolve.py resolves it before the update is built)
   policy_level: str = "auto"
   # At the action level, a turn's log-prob: "sum" (the sequence's) or "mean" (per token,
   # which makes the ratio GSPO's length-normalised sequence ratio, Zheng et al. 2025)
@@ -196,7 +196,7 @@ def resolve_old_logp(config: LossConfig, param_dtype: str, matmul_precision: str
   (the sampler's) are distinct by design: taking π_old from the rollout would make every
   weight π_prox/π_behav exactly 1, the correction a no-op; so "auto" recomputes there, and an
   explicit "rollout" beside it is refused. Else "recompute" (bfloat16, TF32, bf16 passes: the
-  two forwards round apart by up to 0.07 nats). Pure; `algorithms.resolve` calls it.
+  two forwards round apart by up to 0.07 nats). Pure; `config.resolve` calls it.
   """
   if config.behaviour_correction == "auto":
     raise ValueError("resolve behaviour_correction first (resolve_behaviour_correction)")
@@ -488,7 +488,7 @@ def _resolved_for_model(model_config: ModelConfig, config: LossConfig) -> LossCo
   config = resolve_behaviour_correction(config, "bfloat16" if bf16 else "float32")
   if config.policy_level not in POLICY_LEVELS:
     raise ValueError(f"loss.policy_level={config.policy_level!r}: resolve the config's "
-                     "algorithm first (marft_jax.train.algorithms.resolve)")
+                     "algorithm first (marft_jax.train.config.resolve)")
   return config
 
 

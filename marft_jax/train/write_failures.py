@@ -17,6 +17,8 @@ import re
 import shutil
 from typing import Optional
 
+from marft_jax.train.saved_steps import saved_steps
+
 # Tensorstore (Orbax's writer) reports an OS error as a ValueError ending in this.
 _TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)'?\]")
 
@@ -48,7 +50,6 @@ def _size(count: Optional[int]) -> str:
 
 
 def _resume_step(workdir: str) -> Optional[int]:
-  from marft_jax.train.checkpoint import saved_steps  # checkpoint.py uses this module
   try:
     steps = saved_steps(workdir)
   except OSError:

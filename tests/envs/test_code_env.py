@@ -15,6 +15,9 @@ import pytest
 from marft_jax.envs.code_env import (CodeEnv, CodeProblem, CodeTest, SandboxFailure, bundled_path,
                                      extract_code, load_problems, stdout_matches, values_match)
 from marft_jax.envs.sandbox import Limits, Sandbox
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.build import team as team_lib
 from tests.envs.test_sandbox import AUTO_MODE, MODES, assert_no_leftovers, sandbox_or_skip
 
 SOLUTIONS = {
@@ -276,13 +279,12 @@ def test_env_refuses_bad_arguments_by_name(kwargs, key):
 
 
 def test_the_fallback_metric_reaches_the_rollouts_metrics(tmp_path):
-  """Through `assembly.build_envs` (a user's problem file, one sandbox for the batch) and a
+  """Through `envs_build.build_envs` (a user's problem file, one sandbox for the batch) and a
   rollout of the tiny model: the trainer's metrics are the rollout's."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from marft_jax.models import tiny  # pylint: disable=import-outside-toplevel
   from marft_jax.rollout import RolloutConfig, rollout  # pylint: disable=import-outside-toplevel
-  from marft_jax.train import assembly  # pylint: disable=import-outside-toplevel
   from marft_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
   path = tmp_path / "problems.jsonl"
   path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Print {i}.",
@@ -293,11 +295,11 @@ def test_the_fallback_metric_reaches_the_rollouts_metrics(tmp_path):
   config = dataclasses.replace(base, team=dataclasses.replace(
       base.team, max_new_tokens=3, last_max_new_tokens=3))
   params, model_config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
-  model = assembly.Model(params, model_config, tokenizer)
-  team, structure = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0)
+  model = model_lib.Model(params, model_config, tokenizer)
+  team, structure = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0)
   try:
-    result = rollout(envs, team, structure, *assembly.rollout_model(model, config), tokenizer,
+    result = rollout(envs, team, structure, *model_lib.rollout_model(model, config), tokenizer,
                      jax.random.key(0), config=RolloutConfig())
     sandbox = envs.envs[0].sandbox
     assert all(env.sandbox is sandbox for env in envs.envs)  # one sandbox for the batch

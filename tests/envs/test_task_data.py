@@ -1,4 +1,4 @@
-"""Tasks built from the config (`assembly.build_envs`): problem files for math and code, their
+"""Tasks built from the config (`envs_build.build_envs`): problem files for math and code, their
 held-out part, and the order problems are drawn in.
 
 Held-out problems are never training problems: for a split file and for a train/test pair,
@@ -15,7 +15,10 @@ import pytest
 from marft_jax.envs import EnvBatch, EchoEnv, splits
 from marft_jax.envs.problems import bundled_path
 from marft_jax.train import config as config_lib
-from marft_jax.train import assembly
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.build import preflight
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import loop
 
 
@@ -43,8 +46,8 @@ def _math_file(path, numbers, stem="q"):
 
 def _ids(config, split, episodes=None):
   """The problem ids the split's envs draw in `episodes` rounds (default: two epochs)."""
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=config.seed, split=split)
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=config.seed, split=split)
   try:
     rounds = episodes or -(-2 * envs.num_tasks // len(envs))
     seen = []
@@ -137,14 +140,14 @@ def test_a_missing_or_malformed_problem_file_is_named_before_the_model_loads(
       (dict(path=str(tmp_path)), "a folder, not a file"),
       (dict(path=good, test_path=missing), f"task.test_path='{missing}': no such file")]:
     with pytest.raises(FileNotFoundError, match=error):
-      assembly.read_task_data(_config(name=name, **task))
+      preflight.read_task_data(_config(name=name, **task))
   malformed = tmp_path / "malformed.jsonl"
   malformed.write_text(open(good).readline() + '{"question": \n')
   with pytest.raises(ValueError, match=r"malformed\.jsonl:2: not (valid )?JSON"):
-    assembly.read_task_data(_config(name=name, path=str(malformed)))
-  assembly.read_task_data(_config(name=name, path=good))  # a good file passes
+    preflight.read_task_data(_config(name=name, path=str(malformed)))
+  preflight.read_task_data(_config(name=name, path=good))  # a good file passes
   # The trainer reads the files before it loads the model (which can take minutes).
-  monkeypatch.setattr(assembly, "load", lambda config: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(model_lib, "load", lambda config: pytest.fail("the model was loaded"))
   with pytest.raises(FileNotFoundError, match="task.path="):
     loop.train(_config(name=name, path=missing), str(tmp_path / "run"), progress=False)
   assert not (tmp_path / "run").exists()

@@ -11,7 +11,9 @@ import pytest
 from marft_jax import envs
 from marft_jax.envs import grid_path, split_facts, team_tasks, verify_correct
 from marft_jax.envs.problems import Problem
-from marft_jax.train import algorithms, assembly, teams, trained_problems
+from marft_jax.train import algorithms, teams, trained_problems
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import config as config_lib
 
 MODULES = {"split_facts": split_facts, "verify_correct": verify_correct,
@@ -156,9 +158,9 @@ def _config(task, **changes):
 @pytest.mark.parametrize("task", sorted(MODULES))
 def test_the_task_builds_with_its_shipped_team(task):
   config = _config(task)
-  team, structure = assembly.build_team(config)
+  team, structure = team_lib.build_team(config)
   assert structure is None and [p.graded for p in team] == [False, True]
-  batch = assembly.build_envs(config, team, seed=0, split="test", num_envs=2)
+  batch = envs_build.build_envs(config, team, seed=0, split="test", num_envs=2)
   _, obs = batch.reset(0)
   assert isinstance(obs, envs.Observation)
   batch.close()
@@ -167,15 +169,15 @@ def test_the_task_builds_with_its_shipped_team(task):
   record = trained_problems.record(config, {"seed": 4, "episodes": [2, 1]})
   assert record["task"] == task
   played = {trained_problems.fingerprint(team_tasks.problems(task, "train").problem_for_seed(
-      assembly.envs_lib.EnvBatch(lambda i: None, 2, seed=4).episode_seed(i, k)))
+      envs.EnvBatch(lambda i: None, 2, seed=4).episode_seed(i, k)))
             for i, n in enumerate([2, 1]) for k in range(n)}
   assert set(trained_problems.fingerprints(record)) == played
 
 
 def test_the_shared_stream_is_refused_where_roles_see_views_of_their_own():
   with pytest.raises(ValueError, match="shared_stream.*split_facts.*per_agent"):
-    assembly.build_team(_config("split_facts", algorithm="shared_stream_ppo"))
-  assembly.build_team(_config("verify_correct", algorithm="shared_stream_ppo"))  # no views
+    team_lib.build_team(_config("split_facts", algorithm="shared_stream_ppo"))
+  team_lib.build_team(_config("verify_correct", algorithm="shared_stream_ppo"))  # no views
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from marft_jax import envs, rollout as rollout_lib
 from marft_jax.models import layout, tiny
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import read_transcripts, rewards
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig, compute_advantages
 from marft_jax.train.batching import make_batch
@@ -158,7 +158,7 @@ def constant_reward(episode, team):
 def test_judge_and_reward_fn_through_the_trainer(tmp_path, monkeypatch):
   """One iteration with the judge on (the tiny base judging, a stand-in verdict of 1) and a
   user function that sees the judged episodes."""
-  model = assembly.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  model = model_lib.Model(*tiny.tiny_model(max_position_embeddings=1024))
   config = echo_config("marft_a", num_envs=4, iterations=1,
                        reward=RewardSection(judge=True, judge_max_new_tokens=4,
                                             judge_weight=0.5))
@@ -199,7 +199,7 @@ def test_the_judge_can_be_a_second_model_with_its_own_adapter(tmp_path):
   from marft_jax.train import algorithms
   from marft_jax.train.config import TrainConfig
   folder = tiny.save_tiny_model(tmp_path / "judge")
-  policy_model = assembly.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  policy_model = model_lib.Model(*tiny.tiny_model(max_position_embeddings=1024))
   _, judge_config, _ = tiny.tiny_model(max_position_embeddings=1024)
   adapter = lora_lib.init_adapters(lora_lib.LoraConfig(rank=2, alpha=4.0), judge_config,
                                    jax.random.key(3), 1)
@@ -207,8 +207,8 @@ def test_the_judge_can_be_a_second_model_with_its_own_adapter(tmp_path):
   config = algorithms.resolve(TrainConfig(reward=RewardSection(
       judge=True, judge_model=str(folder), judge_adapter=str(tmp_path / "adapter"),
       judge_weight=0.3)))
-  weights = assembly.rollout_model(policy_model, config)
-  judge = assembly.build_judge(config, policy_model, weights)
+  weights = model_lib.rollout_model(policy_model, config)
+  judge = model_lib.build_judge(config, policy_model, weights)
   assert judge.params is not weights[0] and judge.weight == 0.3
   assert judge.adapter is not None and judge.adapter.num_adapters == 1
   assert judge.tokenizer is not policy_model.tokenizer

@@ -1,5 +1,5 @@
 """`--config.algorithm=X` on every shipped config file gives exactly X, or is refused naming
-both keys (train/algorithms.py)."""
+both keys (train/config/algorithms.py)."""
 
 import dataclasses
 import glob
@@ -10,7 +10,11 @@ import pytest
 
 from launch.cli import _load_config_file
 from marft_jax.configs import from_config_dict, to_config_dict
-from marft_jax.train import algorithms, assembly, teams
+from marft_jax.train import algorithms, teams
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.build import preflight
+from marft_jax.train import run as run_lib
+from marft_jax.train.config import saved as saved_config
 from marft_jax.train.config import (CriticSection, ModelSection, RoleSection, RolloutSection,
                                      TeamSection, TrainConfig)
 from marft_jax.train.update import LossConfig
@@ -128,9 +132,9 @@ def test_the_launch_refuses_a_contradiction_before_loading_a_model(tmp_path):
 
 
 def test_the_checkpointed_config_is_the_resolved_one():
-  """What a run records (checkpoint meta, config.json: `assembly.as_recorded`) names every
+  """What a run records (checkpoint meta, config.json: `saved_config.as_recorded`) names every
   decided key, and the task's shipped team written out."""
-  resolved = to_config_dict(assembly.as_recorded(TrainConfig(algorithm="marft_t"))).to_dict()
+  resolved = to_config_dict(saved_config.as_recorded(TrainConfig(algorithm="marft_t"))).to_dict()
   assert resolved["advantage"]["level"] == "token"
   assert resolved["loss"]["policy_level"] == "token"
   assert resolved["critic"]["mode"] == "shared"
@@ -140,7 +144,7 @@ def test_the_checkpointed_config_is_the_resolved_one():
       resolved["team"]["roles"]["reasoner"]["system_prompt"].startswith("You are the Reasoner")
   # A config that spells the same team out records the same config.
   spelled = TrainConfig(algorithm="marft_t", team=TeamSection(**teams.shipped("arithmetic", 2)))
-  assert to_config_dict(assembly.as_recorded(spelled)).to_dict() == resolved
+  assert to_config_dict(saved_config.as_recorded(spelled)).to_dict() == resolved
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -213,12 +217,12 @@ def test_init_from_adapters_must_be_the_ones_config_lora_describes(tmp_path, fol
   assert (config.lora.rank, config.lora.alpha) == (8, 16.0)
   with pytest.raises(ValueError, match=r"init_from='.*planner': its adapter is not the one "
                      rf"config.lora describes: {message}\. Set {re.escape(fixes)} to train"):
-    assembly.check_training_files(config)
+    preflight.check_training_files(config)
   fixed = {key.split(".")[1]: value for key, value in
            (fix.split("=") for fix in fixes.split(" "))}
   fixed = {k: (int(v) if k == "rank" else float(v) if k == "alpha" else v.strip("'"))
            for k, v in fixed.items()}
-  assembly.check_training_files(dataclasses.replace(
+  preflight.check_training_files(dataclasses.replace(
       config, lora=dataclasses.replace(config.lora, **fixed)))
 
 
@@ -228,12 +232,12 @@ def test_init_from_adapters_of_some_layers_only_are_refused(tmp_path):
   import json
   from marft_jax.lora.config import LoraConfig
   config = algorithms.resolve(TrainConfig(init_from=_peft_folders(tmp_path, LoraConfig())))
-  assembly.check_training_files(config)
+  preflight.check_training_files(config)
   settings = tmp_path / "solver" / "adapter_config.json"
   settings.write_text(json.dumps(dict(json.loads(settings.read_text()), layers_to_transform=[0])))
   with pytest.raises(ValueError, match=r"init_from='.*solver': its adapter covers only layers "
                      r"\[0\] \(layers_to_transform\)"):
-    assembly.check_training_files(config)
+    preflight.check_training_files(config)
 
 
 def test_init_from_adapters_train_under_the_configs_scale_and_dropout(tmp_path):
@@ -245,8 +249,8 @@ def test_init_from_adapters_train_under_the_configs_scale_and_dropout(tmp_path):
   rslora = LoraConfig(rank=8, alpha=16.0, use_rslora=True)
   config = algorithms.resolve(TrainConfig(lora=rslora, init_from=_peft_folders(
       tmp_path, rslora, dropout=0.25)))
-  assembly.check_training_files(config)
+  preflight.check_training_files(config)
   params, model_config, tokenizer = tiny.tiny_model()
-  state = assembly.new_state(config, assembly.Model(params, model_config, tokenizer))
+  state = run_lib.new_state(config, model_lib.Model(params, model_config, tokenizer))
   assert state.policy.scale == rslora.scale == 16.0 / 8 ** 0.5
   assert state.policy.dropout_rate == 0.0  # the config's, not the folders' 0.25

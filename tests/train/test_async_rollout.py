@@ -26,7 +26,8 @@ import pytest
 
 from marft_jax import rollout as rollout_lib
 from marft_jax.train import algorithms
-from marft_jax.train import assembly
+from marft_jax.train.build import preflight
+from marft_jax.train import run as run_lib
 from marft_jax.train import async_rollout
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
@@ -180,7 +181,7 @@ def test_eta_turns_the_correction_on_and_refuses_what_contradicts_it():
         mesh=config_lib.MeshSection(sampler_devices=2)))
   with pytest.raises(ValueError, match=r"rollout\.max_staleness=1: asynchronous rollouts run "
                                        r"in a single process"):
-    config_lib.check_processes(resolved, (2, 1, 1), 2)
+    preflight.check_processes(resolved, (2, 1, 1), 2)
   with pytest.raises(ValueError, match=r"max_staleness=-1"):
     RolloutSection(max_staleness=-1)
 
@@ -236,7 +237,7 @@ def _timeless(rows):
 
 def _final_state(config, model, workdir):
   with checkpoint_lib.Checkpointer(workdir, read_only=True) as checkpointer:
-    return checkpointer.restore(assembly.new_state(config, model))[0]
+    return checkpointer.restore(run_lib.new_state(config, model))[0]
 
 
 def _assert_same_run(config, model, a, b):
@@ -260,12 +261,12 @@ def test_a_slow_sampler_or_a_slow_learner_trains_the_same_bits(model, straight, 
   """η = 2: with the sampler slow, version k − 1 is out before iteration k samples (a
   freshest-version sampler would take it); with the learner slow, the sampler waits. Either
   way every iteration samples version k − 2 with its own keys: the same run, bit for bit."""
-  real_play, real_learn = loop._play, loop._learn
+  real_play, real_learn = run_lib._play, run_lib._learn_one
   slow = lambda real: lambda *args, **kwargs: time.sleep(0.15) or real(*args, **kwargs)
-  monkeypatch.setattr(loop, "_play", slow(real_play))
+  monkeypatch.setattr(run_lib, "_play", slow(real_play))
   loop.train(_config(), str(tmp_path / "sampler"), model=model, progress=False)
-  monkeypatch.setattr(loop, "_play", real_play)
-  monkeypatch.setattr(loop, "_learn", slow(real_learn))
+  monkeypatch.setattr(run_lib, "_play", real_play)
+  monkeypatch.setattr(run_lib, "_learn_one", slow(real_learn))
   loop.train(_config(), str(tmp_path / "learner"), model=model, progress=False)
   for workdir in (tmp_path / "sampler", tmp_path / "learner"):
     _assert_same_run(_config(), model, straight, str(workdir))
@@ -316,7 +317,7 @@ def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninter
   from marft_jax.models import sampler
   in_flight, engine, late = threading.Event(), [], []
   real_generate, real_step_many = sampler.generate, EnvBatch.step_many
-  real_play, real_start = loop._play, loop._start_async
+  real_play, real_start = run_lib._play, loop._start_async
   version = {}
   sampler_thread = lambda: threading.current_thread().name == "marft-sampler"
 
@@ -345,7 +346,7 @@ def test_ctrl_c_checkpoints_cancels_the_rollout_in_flight_and_resumes_as_uninter
       assert in_flight.wait(60)
       os.kill(os.getpid(), signal.SIGINT)
 
-  monkeypatch.setattr(loop, "_play", play)
+  monkeypatch.setattr(run_lib, "_play", play)
   monkeypatch.setattr(loop, "_start_async",
                       lambda *a, **k: engine.append(real_start(*a, **k)) or engine[0])
   monkeypatch.setattr(sampler, "generate", generate)
@@ -374,7 +375,7 @@ def test_a_signal_while_the_learner_waits_for_its_batch_stops_at_once_and_resume
   from marft_jax.models import sampler
   waiting, engine, version = threading.Event(), [], {}
   real_take = async_rollout.AsyncRollouts.take
-  real_generate, real_play, real_start = sampler.generate, loop._play, loop._start_async
+  real_generate, real_play, real_start = sampler.generate, run_lib._play, loop._start_async
 
   def take(self, iteration, **kwargs):
     if iteration == 3:
@@ -398,7 +399,7 @@ def test_a_signal_while_the_learner_waits_for_its_batch_stops_at_once_and_resume
     return real_generate(*args, **kwargs)
 
   monkeypatch.setattr(async_rollout.AsyncRollouts, "take", take)
-  monkeypatch.setattr(loop, "_play", play)
+  monkeypatch.setattr(run_lib, "_play", play)
   monkeypatch.setattr(loop, "_start_async",
                       lambda *a, **k: engine.append(real_start(*a, **k)) or engine[0])
   monkeypatch.setattr(sampler, "generate", generate)
@@ -448,7 +449,7 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
   version max(k − 1, 0): the initial adapters, then version 1 as saved behind checkpoint 2.
   The sampler's copy of the base lies there too, and on none of the learner's devices."""
   sampled = []
-  real_rollout = loop.rollout
+  real_rollout = run_lib.rollout
 
   def rollout(*args, lora, **kwargs):
     sampled.append(({d for leaf in jax.tree.leaves(lora) for d in leaf.devices()},
@@ -456,7 +457,7 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
     return real_rollout(*args, lora=lora, **kwargs)
 
   trained, copies = [], []
-  real_learn = loop._learn
+  real_learn = run_lib._learn_one
   # The sampler's copy of the base (decoding layout on CPU: per-layer [out, in] kernels): an
   # [F, D] array is a gate or up kernel of it; the learner's are stacked, [L, D, F].
   copy_shape = (model.config.intermediate_size, model.config.hidden_size)
@@ -467,8 +468,8 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
     copies.append({d for a in jax.live_arrays() if a.shape == copy_shape for d in a.devices()})
     return state, metrics
 
-  monkeypatch.setattr(loop, "rollout", rollout)
-  monkeypatch.setattr(loop, "_learn", learn)
+  monkeypatch.setattr(run_lib, "rollout", rollout)
+  monkeypatch.setattr(run_lib, "_learn_one", learn)
   # A held-out evaluation each iteration, on the learner's mesh: its copy is its own call's.
   config = _config(eta=1, iterations=3, mesh=config_lib.MeshSection(data=-1, sampler_devices=2),
                    eval_every=1, eval_episodes=2)
@@ -476,7 +477,7 @@ def test_the_sampler_on_its_own_devices_samples_each_version_copied_there(model,
   loop.train(config, workdir, model=model, progress=False)
   assert all("heldout/accuracy" in row for row in _metrics(workdir))
   assert [devices for devices, _ in sampled] == [set(jax.devices()[6:])] * 3
-  initial = assembly.new_state(config, model).policy
+  initial = run_lib.new_state(config, model).policy
   with checkpoint_lib.Checkpointer(async_rollout.versions_dir(workdir),
                                    read_only=True) as saved:
     version_1, = saved.restore((initial,), step=2)[0]

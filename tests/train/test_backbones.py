@@ -27,7 +27,12 @@ from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.models.targets import linear_shapes
 from marft_jax.rollout import Backbone, RolloutConfig, context, rollout_backbones
-from marft_jax.train import algorithms, assembly, backbones, loop, teams, update
+from marft_jax.train import algorithms, backbones, loop, teams, update
+from marft_jax.train.build import learner as learner_lib
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.config import saved as saved_config
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
@@ -114,7 +119,7 @@ def test_a_backbone_named_main_is_refused():
 
 def test_the_split_maps_agents_and_adapters_to_their_backbones():
   config = split_config()
-  team, _ = assembly.build_team(config)
+  team, _ = team_lib.build_team(config)
   split = backbones.split_team(config, team)
   assert split.names == ("main", "smol")
   assert split.agent_backbone == (1, 0)  # planner on smol, solver on main
@@ -240,7 +245,7 @@ def _trainer_models(smol_tokenizer):
   main = echo_config.tiny_trainer_model(num_layers=1)
   config = tiny_config(vocab_size=len(smol_tokenizer), max_position_embeddings=1024,
                        num_layers=1)
-  smol = assembly.Model(transformer.init_params(config, jax.random.key(1), std=0.1), config,
+  smol = model_lib.Model(transformer.init_params(config, jax.random.key(1), std=0.1), config,
                         smol_tokenizer)
   return {"main": main, "smol": smol}
 
@@ -286,8 +291,8 @@ def test_a_team_on_one_declared_backbone_samples_in_that_backbones_layout():
   model = echo_config.tiny_trainer_model(num_layers=1)
   config = _on_one_backbone(echo_config.echo_config("marft_a"), source="tiny",
                             rollout_layout="training")
-  assert assembly.rollout_model(model, config)[1].layout == layout.TRAINING
-  assert assembly.rollout_model(model, echo_config.echo_config("marft_a"))[1].layout == \
+  assert model_lib.rollout_model(model, config)[1].layout == layout.TRAINING
+  assert model_lib.rollout_model(model, echo_config.echo_config("marft_a"))[1].layout == \
       layout.decoding()
 
 
@@ -325,10 +330,10 @@ def trained(smol_tokenizer, tmp_path_factory):
 def test_each_row_is_valued_by_the_critic_of_its_own_backbone(trained):
   config, models = trained["config"], trained["models"]
   batch, episodes, _ = trained["seen"][0]
-  states = backbones.new_states(config, models)  # the critics that valued iteration 0
-  split = backbones.split_team(config, assembly.build_team(config)[0])
+  states = run_lib.new_state(config, models)  # the critics that valued iteration 0
+  split = backbones.split_team(config, team_lib.build_team(config)[0])
   owner = backbones.row_backbones(episodes, split)
-  critic_config = assembly.critic_config(config)
+  critic_config = learner_lib.critic_config(config)
   for b, name in enumerate(split.names):
     rows = owner == b
     model, critic = models[name], states[name].critic
@@ -383,7 +388,7 @@ def assert_resumes_bit_for_bit(trained, tmp_path):
     f.writelines(lines[:1])
   metrics = loop.train(config, resumed, model=models, progress=False)
   assert _digest(resumed, metrics) == _digest(straight, trained["metrics"])
-  template = backbones.new_states(config, models)
+  template = run_lib.new_state(config, models)
   restored = []
   for workdir in (straight, resumed):
     with checkpoint_lib.Checkpointer(workdir) as checkpointer:
@@ -427,7 +432,7 @@ def test_agent_by_agent_trains_one_adapter_an_iteration_across_the_backbones(tra
   """Adapters 0 (planner: smol's only), 1, 2 (checker, solver: main's 0 and 1): iteration 0
   moves the planner's alone, iteration 1 the checker's alone."""
   config, models, workdir = trained["config"], trained["models"], trained["workdir"]
-  template = backbones.new_states(config, models)
+  template = run_lib.new_state(config, models)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
     after = [checkpointer.restore(template, step=step)[0] for step in (1, 2)]
 
@@ -512,10 +517,10 @@ def test_kl_in_reward_and_per_agent_lora_critics_on_their_own_backbones(trained,
     loop.train(config, workdir, model=models, progress=False)
   batch, episodes, kl = seen[1]
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
-    states = checkpointer.restore(backbones.new_states(config, models), step=1)[0]
-  split = backbones.split_team(config, assembly.build_team(config)[0])
+    states = checkpointer.restore(run_lib.new_state(config, models), step=1)[0]
+  split = backbones.split_team(config, team_lib.build_team(config)[0])
   owner = backbones.row_backbones(episodes, split)
-  critic_config = assembly.critic_config(config)
+  critic_config = learner_lib.critic_config(config)
   for b, name in enumerate(split.names):
     rows = np.flatnonzero(owner == b)
     model, state = models[name], states[name]
@@ -538,14 +543,14 @@ def test_kl_in_reward_and_per_agent_lora_critics_on_their_own_backbones(trained,
 
 
 def test_lora_update_f32_is_a_resume_difference_only_where_a_backbone_is_bf16():
-  """`assembly.resume_view`: model.lora_update_f32 changes bf16 models only, so a run whose
+  """`saved_config.resume_view`: model.lora_update_f32 changes bf16 models only, so a run whose
   every backbone is f32 resumes under either value, and one with a bf16 backbone (the main
   one f32) is refused naming the key, as a resumed run compares them."""
   for smol, differs in (("float32", False), ("bfloat16", True)):
     configs = [_with(split_config(), **{"model.backbones.smol.param_dtype": smol,
                                         "model.lora_update_f32": value})
                for value in (False, True)]
-    views = [assembly.resume_view(to_config_dict(c).to_dict(), c.run_dtype) for c in configs]
+    views = [saved_config.resume_view(to_config_dict(c).to_dict(), c.run_dtype) for c in configs]
     assert (views[0]["model"]["lora_update_f32"] != views[1]["model"]["lora_update_f32"]) \
         == differs, smol
     assert {k: v for k, v in views[0].items() if k != "model"} == \

@@ -11,7 +11,9 @@ import pytest
 from bench.update import turn_batch
 from marft_jax.models import transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train import assembly, batching, loop
+from marft_jax.train import batching, loop
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
 from marft_jax.train.config import OptimizerSection
 from marft_jax.train.batching import (ROW_LENGTH_STEPS, act_positions, bucket_length,
                                       per_row_adapters, positions_width, row_length)
@@ -97,10 +99,10 @@ def test_the_trainer_pads_rows_to_its_row_length_step(monkeypatch, tmp_path):
     seen.append((longest, batching.make_batch(episodes, *args, **kwargs).tokens.shape[1]))
     raise _Stop
 
-  monkeypatch.setattr(loop, "make_batch", recording)
+  monkeypatch.setattr(run_lib, "make_batch", recording)
   config = echo_config(num_envs=2, iterations=1, optimizer=OptimizerSection(row_length_step=128))
   with pytest.raises(_Stop):
-    loop.train(config, str(tmp_path), model=assembly.Model(*tiny.tiny_model()), progress=False)
+    loop.train(config, str(tmp_path), model=model_lib.Model(*tiny.tiny_model()), progress=False)
   [(longest, T)] = seen
   assert T == 128 and row_length(longest, 32) <= 64, seen
 

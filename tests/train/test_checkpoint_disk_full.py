@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from marft_jax.models import loading
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.config import saved as saved_config
 from marft_jax.train import loop
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.checkpoint import Checkpointer, saved_steps
@@ -92,8 +93,8 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_rerun_is_bit_identical(tm
     shutil.copytree(os.path.join(fixture, "workdir"), workdir)
     with Checkpointer(workdir, read_only=True) as checkpointer:
       saved = checkpointer.read_meta(1)["config"]
-    config = dataclasses.replace(assembly.read_saved_config(saved, workdir), iterations=2)
-    model = assembly.Model(*loading.load_model(make.MODEL))
+    config = dataclasses.replace(saved_config.read_saved_config(saved, workdir), iterations=2)
+    model = model_lib.Model(*loading.load_model(make.MODEL))
     straight = str(tmp_path / "straight")  # the uninterrupted resume, on a roomy disk
     shutil.copytree(os.path.join(fixture, "workdir"), straight)
     loop.train(config, straight, model=model, progress=False)

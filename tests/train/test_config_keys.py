@@ -43,6 +43,7 @@ from marft_jax.configs import from_config_dict, to_config_dict
 from marft_jax.train import algorithms, loop, teams
 from marft_jax.train import config as config_lib
 from marft_jax.lora.config import LoraConfig
+from marft_jax.train import run as run_lib
 from tests.train import echo_config
 
 ALGORITHMS = tuple(algorithms.ALGORITHMS)
@@ -234,7 +235,7 @@ _PROBE = [None]
 @pytest.fixture(scope="module")
 def probed():
   """loop.train's stages reported to the current `_Probe`."""
-  real_rollout, real_advantages, real_learn = loop.rollout, loop.compute_advantages, loop._learn
+  real_rollout, real_advantages, real_learn = run_lib.rollout, run_lib.compute_advantages, run_lib._learn_one
 
   def rollout(*args, **kwargs):
     result = real_rollout(*args, **kwargs)
@@ -252,9 +253,9 @@ def probed():
     return state, metrics
 
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(loop, "rollout", rollout)
-    patch.setattr(loop, "compute_advantages", compute_advantages)
-    patch.setattr(loop, "_learn", learn)
+    patch.setattr(run_lib, "rollout", rollout)
+    patch.setattr(run_lib, "compute_advantages", compute_advantages)
+    patch.setattr(run_lib, "_learn_one", learn)
     yield
 
 

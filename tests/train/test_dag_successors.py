@@ -24,7 +24,8 @@ from marft_jax.configs import from_config_dict
 from marft_jax.models import sampler, tiny
 from marft_jax.models.config import tiny_config
 from marft_jax.models.sampling import SamplingConfig
-from marft_jax.train import advantages as advantages_lib, algorithms, assembly
+from marft_jax.train import advantages as advantages_lib, algorithms
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.advantages import AdvantageConfig, compute_advantages
 from marft_jax.train.batching import make_batch
 from marft_jax.train.config import TrainConfig
@@ -85,7 +86,7 @@ def _shipped_dags():
         continue
     config = algorithms.resolve(from_config_dict(TrainConfig, _load_config_file(path)))
     if config.team.graph == "dag":
-      out.append((os.path.basename(path), *assembly.build_team(config)))
+      out.append((os.path.basename(path), *team_lib.build_team(config)))
   return out
 
 

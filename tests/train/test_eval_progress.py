@@ -14,13 +14,14 @@ import pytest
 from marft_jax.rollout.episode import Episode
 from marft_jax.train import eval_progress
 from marft_jax.train import evaluate as evaluate_lib
+from marft_jax.train import run as run_lib
 from tests.train.echo_config import tiny_trainer_model
 from tests.train.test_evaluate import _config
 
 # 5 problems, 2 samples each, at most 2 problems a call: 3 calls of 4 episodes.
 PLAY = dict(num_problems=5, batch_size=4, samples=2, temperature=1.0)
 SETTINGS = {"checkpoint_step": 7, "untuned": True}
-_ROLLOUT = evaluate_lib.rollout
+_ROLLOUT = run_lib.rollout
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _record(episodes):
 
 
 def _stopping_at(monkeypatch, call):
-  """`evaluate.rollout` that raises KeyboardInterrupt (a Ctrl-C) when call `call` starts;
+  """`run_lib.rollout` that raises KeyboardInterrupt (a Ctrl-C) when call `call` starts;
   returns the list of calls made (their first episode's count of earlier episodes)."""
   made, real = [], _ROLLOUT
 
@@ -45,7 +46,7 @@ def _stopping_at(monkeypatch, call):
     made.append(len(envs))
     return real(envs, *args, **kwargs)
 
-  monkeypatch.setattr(evaluate_lib, "rollout", rollout)
+  monkeypatch.setattr(run_lib, "rollout", rollout)
   return made
 
 

@@ -27,7 +27,10 @@ from marft_jax.configs import to_config_dict
 from marft_jax.models import tiny
 from marft_jax.train import config as config_lib
 from marft_jax.train import evaluate as evaluate_lib
-from marft_jax.train import assembly
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import trained_problems
 from marft_jax.train.checkpoint import CheckpointMismatchError, Checkpointer
 from tests.compile_flags import FAST_COMPILE
@@ -40,7 +43,7 @@ BOXED_1 = {None: "\\", "\\": "b", "b": "o", "o": "x", "x": "ed", "ed": "{", "{":
            "}": EOS}  # reply "\boxed{1}"
 
 
-def scripted_model(script) -> assembly.Model:
+def scripted_model(script) -> model_lib.Model:
   """The base model of the module docstring: after token t its greedy reply is script[t]
   (script[None] after any token the script does not name)."""
   params, config, tokenizer = tiny.tiny_model(tie_word_embeddings=False,
@@ -61,7 +64,7 @@ def scripted_model(script) -> assembly.Model:
   layers["gate_proj"]["kernel"][-1, 0, 0] = layers["up_proj"]["kernel"][-1, 0, 0] = 1.0
   params = {"embed": embed, "lm_head": lm_head, "final_norm": np.ones((D,), np.float32),
             "layers": layers}
-  return assembly.Model(jax.tree.map(jax.numpy.asarray, params), config, tokenizer)
+  return model_lib.Model(jax.tree.map(jax.numpy.asarray, params), config, tokenizer)
 
 
 def answer_zero_adapters(config, model, adapter):
@@ -124,7 +127,7 @@ def test_a_problems_samples_encode_their_shared_prompt_once_and_sample_as_before
   switched off), and the calls did encode group prefixes: the first agent's whole prompt,
   the second's task."""
   params, config, tokenizer = tiny.tiny_model(max_position_embeddings=1024)
-  model = assembly.Model(params, config, tokenizer)
+  model = model_lib.Model(params, config, tokenizer)
   run = dataclasses.replace(_config(), team=dataclasses.replace(
       _config().team, max_new_tokens=6, last_max_new_tokens=6))
   from marft_jax.models import sampler_plan  # noqa: PLC0415
@@ -172,7 +175,7 @@ def test_a_graph_team_is_evaluated_greedily_from_its_checkpoint(graph, tmp_path)
   if graph == "orchestrator":
     assert structure.profile.sampling.temperature == 0.0
     return
-  assert structure == assembly.build_team(config)[1]
+  assert structure == team_lib.build_team(config)[1]
   episodes = evaluate_lib.play(config, model, restored, num_problems=3, batch_size=3)
   assert [[t.role for t in e.turns] for e in episodes] == [["left", "right", "repeater"]] * 3
   assert _replies(episodes) == {("left", "1"), ("right", "1"), ("repeater", "0")}
@@ -241,7 +244,7 @@ def run(tmp_path_factory):
     json.dump(hf_config_dict(model.config), f)
   model.tokenizer.save_pretrained(folder)
   config = _config(source=folder)
-  model = assembly.load(config)
+  model = model_lib.load(config)
   policy = answer_zero_adapters(config, model, adapter=1)
   workdir = str(root / "run")
   _checkpoint(workdir, config, model, policy)
@@ -251,7 +254,7 @@ def run(tmp_path_factory):
 def _checkpoint(workdir, config, model, policy, record=True):
   """Writes `policy` as the trainer would: a checkpoint with its config, its data cursor
   (each environment 1 episode in) and (`record`) its training problems in the meta."""
-  state = assembly.new_state(config, model).replace(policy=policy)
+  state = run_lib.new_state(config, model).replace(policy=policy)
   cursor = {"seed": config.seed, "episodes": [1] * config.rollout.num_envs}
   meta = {"iteration": 3, "config": to_config_dict(config).to_dict(), "envs": cursor}
   if record:
@@ -321,11 +324,11 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
 _COUNTING_EVAL = """
 import runpy, sys
 from marft_jax.train import evaluate
-real = evaluate.rollout
+real = run_lib.rollout
 def counting(envs, *args, **kwargs):
   print(f"rollout_call={len(envs)}", flush=True)
   return real(envs, *args, **kwargs)
-evaluate.rollout = counting
+run_lib.rollout = counting
 sys.argv[0] = "launch/eval.py"
 runpy.run_module("launch.eval", run_name="__main__")
 """
@@ -362,8 +365,8 @@ def test_launch_eval_scores_an_arithmetic_run_on_a_math_file(arithmetic_run, tmp
   they are left out."""
   workdir, config, _, _ = arithmetic_run
   golds = [0, 0, 1, 2]
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=config.seed)  # the run's: 1 episode each
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=config.seed)  # the run's: 1 episode each
   seen = [envs.reset(i)[1].task for i in (3, 11)]
   envs.close()
   test_file = tmp_path / "test.jsonl"
@@ -460,10 +463,10 @@ def test_an_eval_given_only_a_test_file_leaves_out_what_the_checkpoint_trained_o
                                   problem("x2", " Print 2 plus one."), problem("new1", "Print 8.")])
   config = dataclasses.replace(trained_config, task=config_lib.TaskSection(
       name="code", test_path=test_file))  # no task.path: the bundled problems
-  team, _ = assembly.build_team(config)
+  team, _ = team_lib.build_team(config)
 
   def played(trained):
-    envs = assembly.build_envs(config, team, seed=0, split="test", num_envs=1, group_size=1,
+    envs = envs_build.build_envs(config, team, seed=0, split="test", num_envs=1, group_size=1,
                                trained=trained)
     envs.close()
     return [p.id for p in envs.envs[0].problems]

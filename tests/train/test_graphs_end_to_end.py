@@ -20,7 +20,10 @@ import pytest
 
 from marft_jax import envs
 from marft_jax.models import sampler, tiny
-from marft_jax.train import assembly
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import loop
 from marft_jax.train.advantages import AdvantageConfig
 from marft_jax.train.config import (OptimizerSection, RoleSection, RolloutSection, TaskSection,
@@ -124,7 +127,7 @@ def _mc_returns(turns):
 @pytest.mark.parametrize("horizon", [1, 2])
 @pytest.mark.parametrize("graph", ["chain", "dag", "orchestrator"])
 def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
-  model = assembly.Model(*tiny.tiny_model(max_position_embeddings=1024))
+  model = model_lib.Model(*tiny.tiny_model(max_position_embeddings=1024))
   config = echo_config("marft_a", num_envs=2, iterations=1, team=_team(graph),
                        rollout=RolloutSection(num_envs=2, max_context=1024),
                        # One minibatch step: what is checked is what the update is given.
@@ -134,20 +137,20 @@ def test_graph_end_to_end(graph, horizon, tmp_path, monkeypatch):
                        # A multi-step task (the echo task's episodes end after one step,
                        # and it refuses a horizon); its environments are replaced below.
                        task=TaskSection(name="arithmetic", horizon=horizon))
-  team, structure = assembly.build_team(config)
+  team, structure = team_lib.build_team(config)
   script = ScriptedSampler(model.tokenizer, team)
   monkeypatch.setattr(sampler, "generate", script)
-  monkeypatch.setattr(assembly, "build_envs", lambda config, team, seed, **kw: envs.EnvBatch(
+  monkeypatch.setattr(envs_build, "build_envs", lambda config, team, seed, **kw: envs.EnvBatch(
       lambda i: GoodWordEnv(horizon), config.rollout.num_envs, seed=seed))
   captured = {}
-  real = loop.compute_advantages
+  real = run_lib.compute_advantages
 
   def capture(batch, episodes, *args, **kwargs):
     captured["batch"] = real(batch, episodes, *args, **kwargs)
     captured["episodes"] = episodes
     return captured["batch"]
 
-  monkeypatch.setattr(loop, "compute_advantages", capture)
+  monkeypatch.setattr(run_lib, "compute_advantages", capture)
   metrics = loop.train(config, str(tmp_path), model=model, progress=False)
   assert np.isfinite(metrics["loss"])
   batch, episodes = captured["batch"], captured["episodes"]

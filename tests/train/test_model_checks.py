@@ -1,4 +1,4 @@
-"""`assembly.Model`, the base a user may put together by hand for `train(model=...)`, refuses
+"""`model_lib.Model`, the base a user may put together by hand for `train(model=...)`, refuses
 params of another model or layout and a tokenizer with ids the embedding has no row for, when
 it is made: the first rollout used to report these as adapters "of another model" or as
 out-of-range token ids."""
@@ -8,7 +8,8 @@ import pytest
 
 from marft_jax.models import layout, tiny, transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train.assembly import Model
+from marft_jax.train.build.model import Model
+from marft_jax.train.build import model as model_lib
 
 
 @pytest.fixture(scope="module")

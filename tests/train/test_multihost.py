@@ -31,7 +31,8 @@ from marft_jax.models.tiny import save_tiny_model
 from marft_jax.rollout import read_transcripts
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
 from tests.compile_flags import FAST_COMPILE
 from tests.train.echo_config import echo_config
 
@@ -81,7 +82,7 @@ def _env_records(workdir):
 
 def _initial(config, model):
   """The state training starts from (the run's seed)."""
-  return assembly.new_state(config, model)
+  return run_lib.new_state(config, model)
 
 
 def _restored(config, model, workdir, mesh):
@@ -115,7 +116,7 @@ def runs(tmp_path_factory):
   assert ["iterations=2" in output for output in outputs] == [True, False, True]  # process 0
   config = echo_config(model=config_lib.ModelSection(source=model_dir, rollout_layout="training"),
                        mesh=MESH)
-  return config, assembly.load(config), two, one
+  return config, model_lib.load(config), two, one
 
 
 def test_each_process_plays_only_its_own_environments(runs):

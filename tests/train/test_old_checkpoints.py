@@ -26,7 +26,8 @@ import pytest
 from marft_jax.configs import to_config_dict
 from marft_jax.models import loading
 from marft_jax.train import algorithms
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.config import saved as saved_config
 from marft_jax.train import config_history
 from marft_jax.train import loop
 from marft_jax.train import update as update_lib
@@ -85,7 +86,7 @@ def _todays_command(saved: dict, iterations: int) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def models():
-  return {dtype: assembly.Model(*loading.load_model(make.MODEL, param_dtype=dtype,
+  return {dtype: model_lib.Model(*loading.load_model(make.MODEL, param_dtype=dtype,
                                                     compute_dtype=dtype))
           for dtype in ("float32", "bfloat16")}
 
@@ -110,7 +111,7 @@ def test_an_old_checkpoint_resumes_as_its_own_code_trained_or_is_refused_by_key(
     assert named == REFUSED[name], str(refusal.value)
     # The user sets the saved values the refusal names.
     changes = {key: config_history.flatten(
-        to_config_dict(assembly.read_saved_config(saved, "", written_at)).to_dict())[key]
+        to_config_dict(saved_config.read_saved_config(saved, "", written_at)).to_dict())[key]
         for key in REFUSED[name]}
     config = _with(config, changes)
   loop.train(config, workdir, model=model, progress=False)
@@ -171,7 +172,7 @@ def test_the_cross_host_tolerance_is_far_below_a_semantic_change(change, models,
   saved, written_at = _saved_config(workdir)
   config = _todays_command(saved, iterations=2)
   read = config_history.flatten(to_config_dict(
-      assembly.read_saved_config(saved, "", written_at)).to_dict())
+      saved_config.read_saved_config(saved, "", written_at)).to_dict())
   config = _with(config, {key: read[key] for key in REFUSED["every_key_f32"]})
   if change == "minibatch_swap":
     monkeypatch.setattr(update_lib, "minibatch_slots",
@@ -226,7 +227,7 @@ def test_every_key_added_since_the_first_format_says_what_it_meant_before():
 
 def _era_config(era: set, config: TrainConfig) -> dict:
   """`config` as recorded today, with only the keys of `era` (a saved config of that era)."""
-  today = to_config_dict(assembly.as_recorded(algorithms.resolve(config))).to_dict()
+  today = to_config_dict(saved_config.as_recorded(algorithms.resolve(config))).to_dict()
   saved = {}
   for key, value in config_history.flatten(today).items():
     if key in era:
@@ -251,7 +252,7 @@ def test_a_config_of_every_earlier_format_reads_with_every_key_decided(commit):
     before = entries[key].before
     assert filled[key] == (before(config_history.flatten(saved), None) if callable(before) else
                            before), key
-  assert_loads = assembly.read_saved_config(saved, "era " + commit)
+  assert_loads = saved_config.read_saved_config(saved, "era " + commit)
   assert assert_loads.model.matmul_precision == ("default" if "model.matmul_precision" not in era
                                                  else "auto")
 
@@ -292,7 +293,7 @@ def test_an_old_config_whose_team_or_data_changed_since_is_refused_naming_the_ke
       assert refused == expected, (commit, team)
       if expected:
         with pytest.raises(CheckpointMismatchError, match=sorted(expected)[0].replace(".", r"\.")):
-          assembly.read_for_resume(saved, f"era {commit}")
+          saved_config.read_for_resume(saved, f"era {commit}")
       checked += 1
   assert checked > 100
 
@@ -408,7 +409,7 @@ def test_the_resume_reads_the_checkpoints_record_of_changes(models, tmp_path, re
   meta.pop("config_fingerprint")
   with open(path, "w") as f:
     json.dump(meta, f)
-  config = dataclasses.replace(assembly.read_saved_config(meta["config"], ""), iterations=2)
+  config = dataclasses.replace(saved_config.read_saved_config(meta["config"], ""), iterations=2)
   with pytest.raises(CheckpointMismatchError) as refused:
     loop.train(config, workdir, model=models["float32"], progress=False)
   assert ("team.edges: DAG credit" in str(refused.value)) != recorded, str(refused.value)
@@ -438,10 +439,10 @@ def test_a_checkpoint_of_the_jit_whitening_keys_era_is_dated_by_its_write_time(
   assert (written_at is None) == (when is None)
   if when is not None:
     assert written_at.strftime("%Y-%m-%d %H:%M") == when
-  assert assembly.read_saved_config(saved, "", written_at).advantage.jit_whitening == jitted
+  assert saved_config.read_saved_config(saved, "", written_at).advantage.jit_whitening == jitted
   # A config of the era before (no lora.dropout_rate) is op by op at any time.
   before = {**saved, "lora": {k: v for k, v in saved["lora"].items() if k != "dropout_rate"}}
-  assert not assembly.read_saved_config(before, "", written_at).advantage.jit_whitening
+  assert not saved_config.read_saved_config(before, "", written_at).advantage.jit_whitening
 
 
 @pytest.mark.parametrize("commit", sorted(_keys_history()))
@@ -459,5 +460,5 @@ def test_an_orchestrator_below_top_p_1_from_before_19d683f_is_refused(commit):
     refused = {key for key, _ in config_history.unreproducible(saved)} - {"team.roles"}
     assert refused == ({"team.top_p"} if early else set()), (commit, top_p)
   if "team.orchestrator_max_new_tokens" not in era["keys"]:
-    read = assembly.read_saved_config(saved, "")
+    read = saved_config.read_saved_config(saved, "")
     assert read.team.orchestrator_max_new_tokens == 64

@@ -13,6 +13,7 @@ import pytest
 
 from marft_jax.rollout.episode import Episode
 from marft_jax.train import evaluate as evaluate_lib
+from marft_jax.train import run as run_lib
 from tests.train.test_evaluate import ANSWER_1, _config, scripted_model
 
 
@@ -67,13 +68,13 @@ def test_summarize_samples_reports_pass_at_k_per_graded_role():
 def test_the_samples_of_a_problem_are_one_group_of_one_rollout(monkeypatch):
   model, config = scripted_model(ANSWER_1), _config()
   calls = []
-  real = evaluate_lib.rollout
+  real = run_lib.rollout
 
   def counting(envs, team, *args, **kwargs):
     calls.append((len(envs), envs.group_size, [p.sampling.temperature for p in team]))
     return real(envs, team, *args, **kwargs)
 
-  monkeypatch.setattr(evaluate_lib, "rollout", counting)
+  monkeypatch.setattr(run_lib, "rollout", counting)
   episodes = evaluate_lib.play(config, model, num_problems=3, batch_size=32, samples=4,
                                temperature=0.05)
   assert calls == [(12, 4, [0.05, 0.05])]  # 3 problems x 4 samples, one call
@@ -185,7 +186,7 @@ def starting_rollout(monkeypatch):
         Episode(env_index=i, seed=seed, task=observation.task, policy_version=0, rewards=[],
                 infos=[]) for i, seed, observation in started])
 
-  monkeypatch.setattr(evaluate_lib, "rollout", starting)
+  monkeypatch.setattr(run_lib, "rollout", starting)
   return calls
 
 

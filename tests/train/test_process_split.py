@@ -19,6 +19,7 @@ from marft_jax.train import config as config_lib
 from marft_jax.train import batching, local_batch
 from marft_jax.train.advantages import AdvantageConfig, Blocks, compute_advantages
 from marft_jax.train.batching import TrainBatch, make_batch
+from marft_jax.train.build import preflight
 from tests.rollout.test_rollout import _team, model  # noqa: F401 (a fixture)
 from tests.train.echo_config import echo_config
 
@@ -34,21 +35,21 @@ from tests.train.echo_config import echo_config
 def test_a_layout_the_processes_cannot_split_is_refused_by_name(changes, mesh, processes, key):
   config = echo_config(rollout=config_lib.RolloutSection(**changes))
   with pytest.raises(ValueError, match="^" + key.replace(".", r"\.")):
-    config_lib.check_processes(config, mesh, processes)
+    preflight.check_processes(config, mesh, processes)
 
 
 def test_heldout_evaluation_during_training_is_refused_across_processes():
   config = echo_config(eval_every=4)
-  config_lib.check_processes(config, (2, 1, 1), 1)
+  preflight.check_processes(config, (2, 1, 1), 1)
   with pytest.raises(ValueError, match="^eval_every=4: .*launch/eval.py"):
-    config_lib.check_processes(config, (2, 1, 1), 2)
+    preflight.check_processes(config, (2, 1, 1), 2)
 
 
 def test_one_process_or_a_divisible_layout_is_accepted():
   config = echo_config(rollout=config_lib.RolloutSection(num_envs=6, group_size=3))
-  config_lib.check_processes(config, (4, 1, 2), 1)  # one process: anything goes
+  preflight.check_processes(config, (4, 1, 2), 1)  # one process: anything goes
   config = echo_config(rollout=config_lib.RolloutSection(num_envs=16, group_size=4))
-  config_lib.check_processes(config, (2, 2, 2), 2)
+  preflight.check_processes(config, (2, 2, 2), 2)
 
 
 # --- environments --------------------------------------------------------------------------------

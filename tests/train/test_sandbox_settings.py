@@ -3,7 +3,7 @@ just over a limit fails under it and passes under a larger one, verdicts derived
 the program), `mode='bwrap'` where bubblewrap is missing is refused before the model loads,
 and every key is refused on the tasks that run no program.
 
-Mutants these tests kill (each applied and seen failing): `assembly.build_envs` building
+Mutants these tests kill (each applied and seen failing): `envs_build.build_envs` building
 `Sandbox(Limits(wall_s=5.0))` as before (wall_s, memory_mb, processes, file_mb fail), without
 `mode=` (mode fails), `read_task_data` without `check_sandbox` (the bwrap refusal fails), and
 `TaskSection` without its refusal (the other-task refusals fail).
@@ -16,7 +16,10 @@ import time
 import pytest
 
 from marft_jax.configs import from_config_dict, to_config_dict
-from marft_jax.train import assembly, loop
+from marft_jax.train import loop
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import preflight
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train.config import SandboxSection, TaskSection
 from tests.envs.test_sandbox import bwrap_works
@@ -58,8 +61,8 @@ def _config(problems, **sandbox):
 
 def _verdict(config, program: str) -> str:
   """The verdict on `program` (the coder's reply) in the config's code environments."""
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0, num_envs=1)
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0, num_envs=1)
   try:
     envs.reset(0)
     step = envs.step(0, {p.role: f"```python\n{program}\n```" for p in team})
@@ -90,7 +93,7 @@ def test_bwrap_mode_without_bubblewrap_is_refused_before_the_model_loads(problem
   with pytest.raises(ValueError, match=r"^task\.sandbox\.mode='bwrap': bubblewrap is not "
                                        r"installed here"):
     loop.train(config, str(tmp_path / "run"), progress=False)  # the model would fail to load
-  assembly.read_task_data(_config(problems, mode="auto"))  # "auto" takes what works
+  preflight.read_task_data(_config(problems, mode="auto"))  # "auto" takes what works
 
 
 @pytest.mark.parametrize("parallel, together", [(2, 1), (3, 1), (4, 2), (6, 3)])
@@ -100,8 +103,8 @@ def test_parallel_is_how_many_programs_run_at_once(problems, parallel, together)
   ceil(4 / together) rounds of it (and their start-up), one by one 6 s or more; every test
   still passes."""
   config = _config(problems, parallel=parallel)
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0, num_envs=4)
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0, num_envs=4)
   try:
     assert envs.envs[0].sandbox.max_parallel == parallel
     assert envs.step_concurrency == together

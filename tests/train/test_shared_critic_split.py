@@ -19,7 +19,10 @@ import pytest
 from marft_jax import envs
 from marft_jax.models import tiny
 from marft_jax.rollout import context
-from marft_jax.train import assembly, backbones, loop, shared_critic
+from marft_jax.train import backbones, loop, shared_critic
+from marft_jax.train.build import learner as learner_lib
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import critic as critic_lib
@@ -192,7 +195,7 @@ def trained(smol_tokenizer, tmp_path_factory):
 
 
 def _team(config):
-  return assembly.build_team(config)[0]
+  return team_lib.build_team(config)[0]
 
 
 def _reference_states(trained, episode):
@@ -251,7 +254,7 @@ def _reference_values(trained, batch, episodes):
   """[B, T] the values the advantages should read: the initial critic's forward over each
   reference state, at each decision's reference position."""
   config, models = trained["config"], trained["models"]
-  critic = backbones.new_states(config, models)["smol"].critic
+  critic = run_lib.new_state(config, models)["smol"].critic
   smol = models["smol"]
   want = np.zeros_like(np.asarray(batch.act_old_value))
   r = 0
@@ -262,7 +265,7 @@ def _reference_values(trained, batch, episodes):
       padded = np.zeros((1, -(-len(tokens) // 64) * 64), np.int32)  # few shapes to compile
       padded[0, :len(tokens)] = tokens
       v = np.asarray(critic_lib.values(critic, smol.params, jnp.asarray(padded), smol.config,
-                                       assembly.critic_config(config),
+                                       learner_lib.critic_config(config),
                                        mask=jnp.asarray(np.arange(padded.shape[1])[None]
                                                         < len(tokens))))[0]
       decisions = np.arange(span.start - 1, span.end - 1)
@@ -341,7 +344,7 @@ def test_held_out_evaluation_scores_the_split_teams_policy_of_each_iteration(tra
   (those of checkpoint 1) and at the end (checkpoint 2), each backbone's adapters; the final
   scores are the run's heldout/ metrics."""
   config, models, workdir = trained["config"], trained["models"], trained["workdir"]
-  template = backbones.new_states(config, models)
+  template = run_lib.new_state(config, models)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
     states = [template] + [checkpointer.restore(template, step=s)[0] for s in (1, 2)]
   assert len(trained["evaluated"]) == 3
@@ -421,7 +424,7 @@ def test_at_the_action_level_the_default_critic_values_each_turn_at_its_prompt(
     patch.setattr(backbones, "compute_advantages", record)
     metrics = loop.train(config, str(tmp_path), model=models, progress=False)
   batch, episodes = seen[0]
-  critic = backbones.new_states(config, models)["main"].critic
+  critic = run_lib.new_state(config, models)["main"].critic
   main, team = models["main"], _team(config)
   r = 0
   for episode in episodes:
@@ -434,13 +437,13 @@ def test_at_the_action_level_the_default_critic_values_each_turn_at_its_prompt(
       padded = np.zeros((1, 128), np.int32)
       padded[0, :len(prompt)] = prompt
       v = critic_lib.values(critic, main.params, jnp.asarray(padded), main.config,
-                            assembly.critic_config(config),
+                            learner_lib.critic_config(config),
                             mask=jnp.asarray(np.arange(128)[None] < len(prompt)))
       assert batch.act_old_value[r, batch.turn_value_pos[r, 0]] == pytest.approx(
           float(v[0, len(prompt) - 1]), abs=1e-5)
       r += 1
   assert metrics["value_loss"] > 0
   with checkpoint_lib.Checkpointer(str(tmp_path)) as checkpointer:
-    after = checkpointer.restore(backbones.new_states(config, models), step=1)[0]
+    after = checkpointer.restore(run_lib.new_state(config, models), step=1)[0]
   assert after["smol"].critic is None
   assert np.abs(np.asarray(jax.tree.leaves(after["main"].critic["lora"].layers)[1])).max() > 0

@@ -17,7 +17,7 @@ import pytest
 from marft_jax import compile_stats
 from marft_jax.models import tiny, transformer
 from marft_jax.models.config import tiny_config
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
 from marft_jax.train import loop
 from tests.train.echo_config import echo_config
 
@@ -35,7 +35,7 @@ def model():
   mean = embed.mean(axis=0)
   embed[tokenizer.eos_token_id] = 6.0 * mean / np.linalg.norm(mean)
   params = dict(params, embed=jax.numpy.asarray(embed))
-  return assembly.Model(params, config, tokenizer)
+  return model_lib.Model(params, config, tokenizer)
 
 
 def test_iterations_after_the_first_compile_nothing(model, tmp_path):

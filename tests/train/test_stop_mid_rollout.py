@@ -15,6 +15,7 @@ from marft_jax.envs.batch import EnvBatch
 from marft_jax.models import sampler
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import loop
+from marft_jax.train import run as run_lib
 from tests.train.test_async_rollout import _assert_same_run, _config, _metrics, _model
 
 pytestmark = pytest.mark.exactness  # tests/exactness.py: CI runs these under two ISAs
@@ -41,7 +42,7 @@ def test_a_signal_inside_a_rollout_checkpoints_the_iteration_before_and_resumes_
   nothing was trained; at 3, beside the periodic one at 2, before the one at 4 that the
   uninterrupted run writes); the resume trains the rest once."""
   playing, late = {}, []
-  real_play, real_generate, real_step_many = loop._play, sampler.generate, EnvBatch.step_many
+  real_play, real_generate, real_step_many = run_lib._play, sampler.generate, EnvBatch.step_many
 
   def play(policy, rng, version, **kwargs):
     playing["iteration"] = version  # synchronous: version k is iteration k
@@ -61,7 +62,7 @@ def test_a_signal_inside_a_rollout_checkpoints_the_iteration_before_and_resumes_
       late.append("env step")
     return real_step_many(self, *args, **kwargs)
 
-  monkeypatch.setattr(loop, "_play", play)
+  monkeypatch.setattr(run_lib, "_play", play)
   monkeypatch.setattr(sampler, "generate", generate)
   monkeypatch.setattr(EnvBatch, "step_many", step_many)
   workdir = str(tmp_path / "stopped")

@@ -12,7 +12,10 @@ import pytest
 
 from marft_jax import envs
 from marft_jax.configs import from_config_dict, to_config_dict
-from marft_jax.train import algorithms, assembly, loop, tasks, trained_problems
+from marft_jax.train import algorithms, loop, tasks, trained_problems
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import preflight
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import config as config_lib
 from examples import parity
 
@@ -58,8 +61,8 @@ def test_every_shipped_task_is_an_entry_declaring_what_it_needs():
 @pytest.mark.parametrize("name", ["echo", "arithmetic", "math_jsonl", "split_facts"])
 def test_shipped_entries_build_the_environments_of_their_task(name):
   config = algorithms.resolve(config_lib.TrainConfig(task=config_lib.TaskSection(name=name)))
-  team, _ = assembly.build_team(config)
-  batch = assembly.build_envs(config, team, seed=0, split="test", num_envs=2, group_size=1)
+  team, _ = team_lib.build_team(config)
+  batch = envs_build.build_envs(config, team, seed=0, split="test", num_envs=2, group_size=1)
   try:
     assert isinstance(batch.envs[0], envs.Environment)
     assert isinstance(batch.reset(0)[1], envs.Observation)
@@ -74,8 +77,8 @@ def test_a_factory_receives_the_task_section_and_its_options():
   tree.task.options.high = 9  # as --config.task.options.high=9
   config = from_config_dict(config_lib.TrainConfig, tree)
   assert config.task.options == {"high": 9, "x": [1, 2]}
-  assembly.read_task_data(config)  # the edge check: both splits, seed 0
-  batch = assembly.build_envs(config, assembly.build_team(config)[0], seed=5, num_envs=2,
+  preflight.read_task_data(config)  # the edge check: both splits, seed 0
+  batch = envs_build.build_envs(config, team_lib.build_team(config)[0], seed=5, num_envs=2,
                               group_size=1)
   assert SEEN == [({"high": 9, "x": [1, 2]}, "train", 0), ({"high": 9, "x": [1, 2]}, "test", 0),
                   ({"high": 9, "x": [1, 2]}, "train", 5), ({"high": 9, "x": [1, 2]}, "train", 5)]
@@ -92,7 +95,7 @@ def test_a_factory_receives_the_task_section_and_its_options():
 def test_a_bad_factory_is_one_line_naming_the_key_and_the_module(name, says, tmp_path):
   config = algorithms.resolve(own(name))
   with pytest.raises(ValueError) as e:
-    assembly.check_training_files(config)
+    preflight.check_training_files(config)
   assert str(e.value).startswith(f"task.name={name!r}: ") and says in str(e.value)
   assert "\n" not in str(e.value) and name.split(":")[0] in str(e.value)
   with pytest.raises(ValueError, match="task.name="):  # the same from Python
@@ -129,8 +132,8 @@ def test_config_checks_of_a_task_of_your_own():
 
 def test_problem_ids_are_recorded_and_left_out_of_an_evaluation():
   config = algorithms.resolve(own("examples.parity:make_env", options={"high": 6}))
-  team = assembly.build_team(config)[0]
-  batch = assembly.build_envs(config, team, seed=0, num_envs=4, group_size=1)
+  team = team_lib.build_team(config)[0]
+  batch = envs_build.build_envs(config, team, seed=0, num_envs=4, group_size=1)
   cursor = {"seed": 0, "episodes": [3, 3, 3, 3]}
   record = trained_problems.record(config, cursor, batch)
   played = {batch.envs[0].problem_id(batch.episode_seed(i, k)) for i in range(4)
@@ -138,7 +141,7 @@ def test_problem_ids_are_recorded_and_left_out_of_an_evaluation():
   assert [i for i, _ in record["problems"]] == sorted(played)
   trained = trained_problems.fingerprints(record)
   assert set(trained.values()) == played and len(played) < 6
-  test = assembly.build_envs(config, team, seed=1, split="test", num_envs=4, group_size=1,
+  test = envs_build.build_envs(config, team, seed=1, split="test", num_envs=4, group_size=1,
                              trained=trained)
   for i in range(4):
     for _ in range(5):

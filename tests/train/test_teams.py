@@ -1,4 +1,4 @@
-"""Teams in the config (train/teams.py): shipped teams as data, overrides by role name, DAG
+"""Teams in the config (train/config/teams.py): shipped teams as data, overrides by role name, DAG
 and orchestrator graphs, adapters, the anonymous ablation, refusals naming the key, and the
 concepts page's 3-role DAG file launched on the tiny model."""
 
@@ -15,7 +15,11 @@ import pytest
 from launch.cli import CONFIG_DIR, _load_config_file
 from marft_jax import envs
 from marft_jax.rollout import read_transcripts
+from marft_jax.train import run as run_lib
 from marft_jax.train import teams
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import model as model_lib
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.config import RoleSection, TeamSection, TrainConfig
 from tests.compile_flags import FAST_COMPILE
 from tests.train.echo_config import resolved
@@ -128,10 +132,9 @@ def test_the_critic_has_a_value_per_agent_that_acts(file, overrides, heads):
   """A per-agent critic has one head per role, and one for an orchestrator's routing turns;
   a DAG adds no agent (it once added a head no turn reads)."""
   from marft_jax.models import tiny
-  from marft_jax.train import assembly
   config = _file(file, **{"critic.mode": "per_agent_head", **overrides})
-  assert assembly.num_agents(*assembly.build_team(config)) == heads
-  state = assembly.new_state(config, assembly.Model(*tiny.tiny_model()))
+  assert team_lib.num_agents(*team_lib.build_team(config)) == heads
+  state = run_lib.new_state(config, model_lib.Model(*tiny.tiny_model()))
   assert [kernel.shape[0] for kernel in state.critic["head"]] == [heads] * len(
       config.critic.hidden + (1,))
 
@@ -231,15 +234,14 @@ def test_the_dag_file_trains_on_the_tiny_model(tmp_path):
 def test_the_transition_wording_reaches_the_shared_stream(tmp_path):
   """team.transition words the shared stream's hand-over; a bad format string is refused."""
   from marft_jax.rollout import context
-  from marft_jax.train import assembly
   config = _file("train.py", **{"algorithm": "shared_stream_ppo",
                                 "team.transition": "Over to you, {role}."})
-  settings = assembly.rollout_settings(config)
+  settings = envs_build.rollout_settings(config)
   assert settings.transition == "Over to you, {role}."
   profiles = teams.build_team(config.team, "arithmetic")[0]
   text = context.transition_text(profiles[1], wording=settings.transition)
   assert text.startswith("Over to you, Actor. You are the Actor")
-  assert assembly.rollout_settings(_file("train.py")).transition == context.TRANSITION
+  assert envs_build.rollout_settings(_file("train.py")).transition == context.TRANSITION
   with pytest.raises(ValueError, match=r"team: transition="):
     _file("train.py", **{"team.transition": "Now {speaker}."})
 
@@ -271,14 +273,13 @@ def test_launch_refuses_a_shipped_teams_unknown_edge_before_loading_the_model(tm
     ({"team.graph": "orchestrator", "team.orchestrator_max_new_tokens": 64}, "orchestrator"),
 ])
 def test_a_reply_budget_that_fills_max_context_is_refused_with_the_team(overrides, agent):
-  """`assembly.build_team` (which launch.train runs before the model loads) checks each
+  """`team_lib.build_team` (which launch.train runs before the model loads) checks each
   agent's budget against rollout.max_context: one that fills it would overflow every turn."""
-  from marft_jax.train import assembly  # noqa: PLC0415
   config = _file("train.py", **{"rollout.max_context": 64, **overrides})
   with pytest.raises(ValueError, match=rf"agent '{agent}': max_new_tokens=\d+ leaves no "
                                        r"position for its prompt within max_context=64"):
-    assembly.build_team(config)
-  assembly.build_team(_file("train.py", **{"rollout.max_context": 65, **overrides}))
+    team_lib.build_team(config)
+  team_lib.build_team(_file("train.py", **{"rollout.max_context": 65, **overrides}))
 
 
 def test_train_checks_the_team_before_the_model_loads(tmp_path):

@@ -1,5 +1,5 @@
 """What a checkpoint records of the problems its run trained on (`train/trained_problems.py`),
-checked against the problems the trainer's own environments deal (`assembly.build_envs`,
+checked against the problems the trainer's own environments deal (`envs_build.build_envs`,
 reset round by round as the rollout does), not against the record's replay of them."""
 
 import dataclasses
@@ -9,7 +9,8 @@ import json
 import pytest
 
 from marft_jax.envs import splits
-from marft_jax.train import assembly
+from marft_jax.train.build import envs as envs_build
+from marft_jax.train.build import team as team_lib
 from marft_jax.train import config as config_lib
 from marft_jax.train import trained_problems
 
@@ -21,8 +22,8 @@ def _digest(text: str) -> str:
 def _dealt(config, rounds):
   """{statement hash: problem id} of what the run's environments deal in `rounds` rollouts
   (every environment one episode a round), and their data cursor after them."""
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=config.seed)
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=config.seed)
   dealt = {}
   for _ in range(rounds):
     for i in range(len(envs)):
@@ -59,8 +60,8 @@ def test_a_split_file_records_its_training_part_whole(tmp_path):
   assert len(train) == 18
   trained = trained_problems.fingerprints(recorded)
   assert trained_problems.heldout_problems("math_jsonl", str(path), "", trained) == (test, 0)
-  team, _ = assembly.build_team(config)
-  envs = assembly.build_envs(config, team, seed=0)  # as the trainer's: the file read once
+  team, _ = team_lib.build_team(config)
+  envs = envs_build.build_envs(config, team, seed=0)  # as the trainer's: the file read once
   path.unlink()  # a checkpoint after the file is gone records the part it was read as
   assert trained_problems.record(config, cursor, envs) == recorded
   envs.close()
@@ -73,10 +74,10 @@ def test_generated_held_out_problems_a_checkpoint_trained_on_are_replaced():
   from types import SimpleNamespace
   from marft_jax.envs import arithmetic
   config = config_lib.preset("marft_a", task=config_lib.TaskSection(level=2))
-  team, _ = assembly.build_team(config)
+  team, _ = team_lib.build_team(config)
 
   def dealt(trained):
-    envs = assembly.build_envs(config, team, seed=7, split="test", num_envs=6, group_size=1,
+    envs = envs_build.build_envs(config, team, seed=7, split="test", num_envs=6, group_size=1,
                                trained=trained)
     tasks = [envs.reset(i) for i in range(6)]
     envs.close()

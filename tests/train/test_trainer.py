@@ -18,7 +18,8 @@ import pytest
 
 from marft_jax.train import checkpoint as checkpoint_lib
 from marft_jax.train import config as config_lib
-from marft_jax.train import assembly
+from marft_jax.train.build import model as model_lib
+from marft_jax.train import run as run_lib
 from marft_jax.train import loop
 from marft_jax.train import algorithms
 from marft_jax.train import teams
@@ -49,7 +50,7 @@ def _metrics(workdir):
 def _final_state(config, model, workdir, step=None):
   """The state in `workdir`'s checkpoint `step` (default the latest), restored into the run's
   structure."""
-  template = assembly.new_state(config, model)
+  template = run_lib.new_state(config, model)
   with checkpoint_lib.Checkpointer(workdir) as checkpointer:
     return checkpointer.restore(template, step=step)[0], template
 
@@ -204,13 +205,13 @@ def _trained(train_config, model, tmp_path):
 def test_nonfinite_loss_skips_the_update_and_is_counted(model, tmp_path, monkeypatch):
   """NaN advantages make every minibatch's loss NaN: nothing moves, each skip is counted,
   and the checkpoint written at the end holds the (finite) untouched state."""
-  compute = loop.compute_advantages
+  compute = run_lib.compute_advantages
 
   def nan_advantages(batch, *args, **kwargs):
     batch = compute(batch, *args, **kwargs)
     return batch.replace(turn_advantage=np.full_like(batch.turn_advantage, np.nan))
 
-  monkeypatch.setattr(loop, "compute_advantages", nan_advantages)
+  monkeypatch.setattr(run_lib, "compute_advantages", nan_advantages)
   train_config = _echo_config("marft_a", num_envs=16, iterations=2)
   state, template = _final_state(train_config, model, _trained(train_config, model, tmp_path))
   _assert_trees_equal(state.policy, template.policy)
@@ -265,7 +266,7 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
   exports = os.path.join(first, "exports", "step_1")
   folders = ",".join(os.path.join(exports, role) for role in ("helper0", "repeater"))
   restarted = dataclasses.replace(train_config, init_from=folders)
-  start = assembly.new_state(restarted, model)
+  start = run_lib.new_state(restarted, model)
   for x, y in zip(jax.tree.leaves(start.policy), jax.tree.leaves(state.policy)):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
@@ -287,7 +288,7 @@ def test_init_from_starts_from_exported_peft_adapters(model, tmp_path):
 def _bf16(model):
   """The trainer tests' tiny base with its weights and compute in bfloat16."""
   bf16_config = model.config.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-  return assembly.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
+  return model_lib.Model(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), model.params),
                         bf16_config, model.tokenizer)
 
 

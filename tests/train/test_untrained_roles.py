@@ -3,7 +3,7 @@ agent-by-agent schedule, the turns of adapters not trained this iteration are le
 advantage whitening, the policy losses and the policy metrics; the critic still learns them.
 
 References: the whitening as a NumPy formula over the turns that train, picked from the team
-(`teams.adapter_ids`, `loop.active_adapters`) and the episodes' own spans, not from the batch's
+(`teams.adapter_ids`, `run_lib.active_adapters`) and the episodes' own spans, not from the batch's
 masks; the loss and its metrics of the same batch with those turns removed by hand; the value
 loss as ½R² over every turn. Teams are sampled (fixed seeds) from what a config can say:
 roles "own" / "shared" / "base", `team.shared_adapter`, `optimizer.agent_iteration_interval`,
@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from marft_jax.rollout.episode import Episode, TokenSequence
-from marft_jax.train import assembly, loop, teams
+from marft_jax.train import loop, teams
+from marft_jax.train import run as run_lib
+from marft_jax.train.build import learner as learner_lib
 from marft_jax.train.advantages import NORMALIZE_EPS, AdvantageConfig, compute_advantages
 from marft_jax.train.batching import act_positions, make_batch, trained_masks
 from marft_jax.train.config import OptimizerSection, RoleSection, TeamSection, TrainConfig
@@ -45,7 +47,7 @@ def _sampled_team(rng):
       agent_iteration_interval=int(rng.choice([0, 1, 2]))))
   iteration = int(rng.integers(0, 4))
   ids = teams.adapter_ids(team, teams.declared(team, config.task.name)[0])[0]
-  return config, ids, loop.active_adapters(config, iteration), iteration
+  return config, ids, run_lib.active_adapters(config, iteration), iteration
 
 
 def _episode(index, num_roles, ids, horizon, shared_stream, rng):
@@ -239,9 +241,9 @@ def test_one_iteration_trains_only_the_trained_roles(tiny_model, tmp_path, monke
       optimizer=dataclasses.replace(base.optimizer, agent_iteration_interval=interval,
                                     epochs=1))
   ids = teams.adapter_ids(config.team, roles)[0]
-  active = loop.active_adapters(config, 0)
+  active = run_lib.active_adapters(config, 0)
   seen = {}
-  real_make_update = assembly.make_update
+  real_make_update = learner_lib.make_update
 
   def recording_make_update(*args, **kwargs):
     update = real_make_update(*args, **kwargs)
@@ -261,8 +263,8 @@ def test_one_iteration_trains_only_the_trained_roles(tiny_model, tmp_path, monke
     seen["raw"] = jax.device_get(raw)
     return compute_advantages(batch, episodes, advantage, *args, **kwargs)
 
-  monkeypatch.setattr(assembly, "make_update", recording_make_update)
-  monkeypatch.setattr(loop, "compute_advantages", recording_advantages)
+  monkeypatch.setattr(learner_lib, "make_update", recording_make_update)
+  monkeypatch.setattr(run_lib, "compute_advantages", recording_advantages)
   metrics = loop.train(config, str(tmp_path), model=tiny_model, progress=False)
   batch = seen["batch"]
   np.testing.assert_array_equal(seen["active"], active)

@@ -20,6 +20,7 @@ from marft_jax.models import sampler, transformer
 from marft_jax.models.config import tiny_config
 from marft_jax.train.batching import TrainBatch, act_positions, padding_fields
 from marft_jax.train.update import LossConfig, TrainState, losses, make_update, prepare
+from marft_jax.train.build import model as model_lib
 from tests.train.nonzero_adapters import nonzero_adapters
 
 ROWS, PROMPT, REPLY, TEMPERATURE = 8, 6, 12, 0.7
@@ -42,7 +43,7 @@ def sampled(dtype: str, lora_update_f32: bool = True):
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, config.vocab_size, (ROWS, PROMPT)).astype(np.int32)
   agents = (np.arange(ROWS) % 2).astype(np.int32)
-  # As the trainer samples (`assembly.rollout_model`): the decoding layout's copy of the weights.
+  # As the trainer samples (`model_lib.rollout_model`): the decoding layout's copy of the weights.
   fast = config.replace(layout=layout_lib.decoding())
   out = sampler.generate(layout_lib.convert_params(params, config.layout, fast.layout),
                          prompts, fast, rng=jax.random.key(2), max_new_tokens=REPLY,

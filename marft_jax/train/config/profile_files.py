@@ -28,7 +28,7 @@ naming the file, the entry and the field: an unknown field is most likely a miss
 ("with_answers"), and a misspelt `with_answer` read as absent would silently leave a role
 ungraded.
 
-`expand(config)` reads the file once, when the config is resolved (`algorithms.resolve`, which
+`expand(config)` reads the file once, when the config is resolved (`config.resolve`, which
 every launch and `loop.train` call first), and returns the config with the roles written out
 and `team.profiles` cleared: the checkpoint records the roles, not the path, so the run
 resumes, evaluates and restores without the file, and records the same config as a config
@@ -44,7 +44,7 @@ from typing import Any
 
 from absl import logging
 
-from marft_jax.train.config import RoleSection, TrainConfig
+from marft_jax.train.config.sections import RoleSection
 
 FIELDS = {"role": str, "prompt": str, "with_answer": bool}  # each required, of this type
 IGNORED = ("device",)  # read by the original (the agent's GPU); warned of, not used
@@ -112,8 +112,8 @@ def _kind(value: Any) -> str:
   return "an object" if isinstance(value, dict) else json.dumps(value)
 
 
-def expand(config: TrainConfig) -> TrainConfig:
-  """`config` with `team.profiles`' roles as `team.roles` and `team.order` and the key
+def expand(config):
+  """`config` (a `TrainConfig`) with `team.profiles`' roles as `team.roles` and `team.order` and the key
   cleared ("": `config` itself). A relative path is read from the working directory."""
   path = config.team.profiles
   if not path:

@@ -1,20 +1,14 @@
-"""`TrainConfig`: everything a training run needs, as frozen dataclasses (the launch configs in
-`launch/configs/` are these defaults plus their changes, overridable on the command line).
-
-Algorithms (`algorithm`) are declared once, in `train/algorithms.py`: marft_a, marft_t, ppo,
-grpo, shared_stream_ppo. The keys an algorithm decides default to "auto" (or 0 / None) here
-and are filled in by `algorithms.resolve`, which refuses a value that contradicts the
-algorithm, naming both keys.
-
-Every field is checked when the dataclass is built, so a wrong key or value fails before any
-model loads, naming it.
+"""The config's sections: one frozen dataclass per `TrainConfig` section (model, task, team and
+its roles, rollout, critic, optimizer, reward, mesh), each checking its own fields when built,
+so a wrong key or value fails before any model loads, naming it. The sections the RL maths own
+(`lora.LoraConfig`, `advantages.AdvantageConfig`, `update.LossConfig`) live beside that maths.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 from marft_jax.architecture import precision
 from marft_jax.envs.graph import AgentGraph
@@ -23,13 +17,10 @@ from marft_jax.lora.config import LoraConfig
 from marft_jax.rollout.rewards import DEFAULT_PROMPT as DEFAULT_JUDGE_PROMPT
 from marft_jax.rollout.runner import CONTEXT_MODES
 from marft_jax.sharding import check_mesh_sizes
-from marft_jax.train.advantages import AdvantageConfig
-from marft_jax.train.algorithms import ALGORITHMS, resolve
+from marft_jax.train import tasks as tasks_lib
 from marft_jax.train.batching import ROW_LENGTH_STEPS
 from marft_jax.train.critic import MODES as CRITIC_MODES
 from marft_jax.train.critic import CriticConfig
-from marft_jax.train import tasks as tasks_lib
-from marft_jax.train.update import LossConfig
 from marft_jax.validation import check_bool, check_int, check_positive, check_range
 
 # The shipped tasks, entries of the task table (train/tasks.py); the team tasks
@@ -38,19 +29,19 @@ TASKS = tasks_lib.NAMES
 SANDBOX_TASKS = tasks_lib.SANDBOX  # their programs run in `task.sandbox`
 
 
-def _one_of(key, value, allowed):
+def one_of(key, value, allowed):
   if value not in allowed:
     raise ValueError(f"{key}={value!r}: use one of {allowed}")
 
 
-def _default(section, key):
+def default(section, key):
   return next(f.default for f in dataclasses.fields(section) if f.name == key)
 
 
 # The backbone the model section's own keys (source, param_dtype, rollout_layout) declare: the
 # first backbone, every role's unless it names another (`team.roles.<name>.backbone`).
 MAIN_BACKBONE = "main"
-_BACKBONE_KEYS = ("source", "param_dtype", "rollout_layout")
+BACKBONE_KEYS = ("source", "param_dtype", "rollout_layout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +59,8 @@ class BackboneSection:
   def __post_init__(self):
     if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
       raise ValueError(f"{self.name!r}: a backbone name uses letters, digits, '-' or '_'")
-    _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
-    _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+    one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +91,17 @@ class ModelSection:
   lora_update_f32: bool = True
 
   def __post_init__(self):
-    _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+    one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
     precision.resolve(self.matmul_precision, self.param_dtype)  # refuses an unknown name
     check_bool("lora_update_f32", self.lora_update_f32)
-    _one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
+    one_of("rollout_layout", self.rollout_layout, ("auto", "decoding", "training"))
     check_bool("remat", self.remat)
     object.__setattr__(self, "backbones", tuple(sorted(self.backbones, key=lambda b: b.name)))
 
   def backbone(self, name: str) -> BackboneSection:
     """The backbone `name` (MAIN_BACKBONE: the section's own keys)."""
     if name == MAIN_BACKBONE:
-      return BackboneSection(name, **{k: getattr(self, k) for k in _BACKBONE_KEYS})
+      return BackboneSection(name, **{k: getattr(self, k) for k in BACKBONE_KEYS})
     return next(b for b in self.backbones if b.name == name)
 
 
@@ -136,7 +127,7 @@ class SandboxSection:
   parallel: int = 2
 
   def __post_init__(self):
-    _one_of("mode", self.mode, SANDBOX_MODES)
+    one_of("mode", self.mode, SANDBOX_MODES)
     check_positive("wall_s", self.wall_s)
     for key in ("memory_mb", "processes", "file_mb", "parallel"):
       check_int(key, getattr(self, key), 1)
@@ -230,7 +221,7 @@ class RoleSection:
     if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
       raise ValueError(f"{self.name!r}: a role name uses letters, digits, '-' or '_'")
     check_bool("graded", self.graded)
-    _one_of("adapter", self.adapter, ROLE_ADAPTERS)
+    one_of("adapter", self.adapter, ROLE_ADAPTERS)
     check_int("max_new_tokens", self.max_new_tokens, 0)
     if self.temperature >= 0:
       check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
@@ -241,7 +232,7 @@ class RoleSection:
 class TeamSection:
   """The team: its roles (each role's prompt, adapter and sampling), the graph they act in and
   the team-wide sampling defaults. With no `roles`, the task's shipped team of `num_roles`
-  (train/teams.py); config files spell their team out, so `--config.team.roles.<name>.<key>`
+  (`config/teams.py`); config files spell their team out, so `--config.team.roles.<name>.<key>`
   reaches every role."""
 
   # Every role by name (`team.roles.<name>.<key>`); {}: the task's shipped team
@@ -252,7 +243,7 @@ class TeamSection:
   # A profile file of the original MARFT, a JSON list of {"role", "prompt", "with_answer"}
   # ("device" is ignored, with a warning): its roles, in its order, replace `roles` and
   # `order`, each with that system prompt, graded where with_answer is true
-  # (train/profile_files.py). Read once, when the config is resolved; the run records the
+  # (`config/profile_files.py`). Read once, when the config is resolved; the run records the
   # roles it gave, not the path. "": none
   profiles: str = ""
   # The shipped team's size without `roles` (math 1-4, 1: a single solver; code 2-3); 0: the
@@ -295,7 +286,7 @@ class TeamSection:
     check_int("last_max_new_tokens", self.last_max_new_tokens, 1)
     check_range("temperature", self.temperature, 0.0, float("inf"), high_open=True)
     check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
-    _one_of("graph", self.graph, GRAPHS)
+    one_of("graph", self.graph, GRAPHS)
     check_int("orchestrator_max_calls", self.orchestrator_max_calls, 1)
     check_int("orchestrator_max_new_tokens", self.orchestrator_max_new_tokens, 1)
     check_bool("anonymous", self.anonymous)
@@ -348,14 +339,14 @@ class TeamSection:
       raise ValueError(f"edges={self.edges!r} are read with graph='dag' only, not "
                        f"graph={self.graph!r}")
     for key in ("menu", "orchestrator_max_calls", "orchestrator_max_new_tokens"):
-      if getattr(self, key) != _default(self, key) and self.graph != "orchestrator":
+      if getattr(self, key) != default(self, key) and self.graph != "orchestrator":
         raise ValueError(f"{key}={getattr(self, key)!r} is read with graph='orchestrator' "
                          f"only, not graph={self.graph!r}")
     shared = [r.name for r in self.roles if r.adapter == "shared"]
     if len(shared) == 1 and not self.shared_adapter:  # it would be an adapter of its own
       raise ValueError(f"roles.{shared[0]}.adapter='shared': no other role shares it (set "
                        "'shared' on two roles or more, or 'own')")
-    if self.roles:  # a shipped team's are checked when it is built (`teams.build_team`)
+    if self.roles:  # a shipped team's are checked when it is built (`build.team.build_team`)
       self.check_graph(order)
 
   def check_graph(self, roles: Sequence[str]) -> None:
@@ -396,7 +387,7 @@ class RolloutSection:
     check_int("num_envs", self.num_envs, 1)
     check_int("max_staleness", self.max_staleness, 0)
     check_int("group_size", self.group_size, 0)
-    _one_of("context_mode", self.context_mode, ("auto", *CONTEXT_MODES))
+    one_of("context_mode", self.context_mode, ("auto", *CONTEXT_MODES))
     check_int("max_context", self.max_context, 0)
     if 0 < self.max_context < 16:
       raise ValueError(f"max_context={self.max_context}: use 0 (the model's positions) or "
@@ -424,7 +415,7 @@ class CriticSection:
   backbone: str = ""
 
   def __post_init__(self):
-    _one_of("mode", self.mode, ("auto", *CRITIC_MODES, "none"))
+    one_of("mode", self.mode, ("auto", *CRITIC_MODES, "none"))
     check_int("lora_rank", self.lora_rank, 0)
     check_positive("lr", self.lr)
     check_int("warmup_iterations", self.warmup_iterations, 0)
@@ -468,13 +459,13 @@ class OptimizerSection:
   def __post_init__(self):
     check_positive("lr", self.lr)
     check_int("warmup_iterations", self.warmup_iterations, 0)
-    _one_of("decay", self.decay, ("constant", "linear", "cosine"))
+    one_of("decay", self.decay, ("constant", "linear", "cosine"))
     check_range("weight_decay", self.weight_decay, 0.0)
     check_int("epochs", self.epochs, 1)
     check_int("minibatches", self.minibatches, 1)
     check_int("agent_iteration_interval", self.agent_iteration_interval, 0)
     check_int("row_length_step", self.row_length_step)
-    _one_of("row_length_step", self.row_length_step, ROW_LENGTH_STEPS)
+    one_of("row_length_step", self.row_length_step, ROW_LENGTH_STEPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,7 +495,7 @@ class RewardSection:
     if not self.judge:  # the judge's keys, set without a judge: refused, not recorded
       for key in ("judge_model", "judge_adapter", "judge_prompt", "judge_max_new_tokens",
                   "judge_weight"):
-        if getattr(self, key) != _default(self, key):
+        if getattr(self, key) != default(self, key):
           raise ValueError(f"{key}={getattr(self, key)!r} is read with judge=True only")
     if self.fn and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
       raise ValueError(f"fn={self.fn!r}: use 'package.module:function'")
@@ -528,205 +519,3 @@ class MeshSection:
   def __post_init__(self):
     check_mesh_sizes(self.data, self.fsdp, self.tensor)  # against the devices: in `train`
     check_int("sampler_devices", self.sampler_devices, 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """One training run: its algorithm, length, seed, checkpoints and held-out evaluations at
-  the top level, the rest in the sections (the module docstring says more of the algorithms)."""
-
-  # What it trains: "marft_a" (action-level PPO, MARFT §4.1), "marft_t" (token level, §4.2),
-  # "ppo" (a team of one), "grpo" (no critic: returns normalised per task) or
-  # "shared_stream_ppo" (AReaL's form: one token stream per episode); it fills the keys
-  # left at "auto" (train/algorithms.py)
-  algorithm: str = "marft_a"
-  # Rounds of a rollout (rollout.num_envs episodes) and an update, >= 1. The defaults are the
-  # first half of the recipe that beat the untuned team in docs/results.md: 16 iterations
-  # of 16 episodes, about 25-95 s an iteration on 2 CPU cores.
-  iterations: int = 16
-  seed: int = 0  # seeds the sampling and the environments' problems, >= 0
-  model: ModelSection = ModelSection()
-  task: TaskSection = TaskSection()
-  team: TeamSection = TeamSection()
-  rollout: RolloutSection = RolloutSection()
-  lora: LoraConfig = LoraConfig()  # the policy adapters (`lora.LoraConfig`: rank, alpha, ...)
-  critic: CriticSection = CriticSection()
-  optimizer: OptimizerSection = OptimizerSection()
-  advantage: AdvantageConfig = AdvantageConfig()
-  loss: LossConfig = LossConfig()
-  mesh: MeshSection = MeshSection()
-  reward: RewardSection = RewardSection()
-  # Iterations between checkpoints, >= 1; one is also written at the end and on SIGTERM
-  checkpoint_every: int = 10
-  max_to_keep: int = 3  # the latest checkpoints kept in the workdir, >= 1
-  # Held-out accuracy during training (greedy, eval_episodes problems of the test split, the
-  # "heldout/" metrics): before the first iteration, every eval_every iterations and at the
-  # end; 0: none (evaluate checkpoints with launch/eval.py). Single-process runs only.
-  eval_every: int = 0
-  eval_episodes: int = 64  # held-out problems of each evaluation during training, >= 1
-  # The adapters' start: comma-separated PEFT folders, one per adapter, of lora's rank,
-  # scale and targets; "": freshly initialised adapters
-  init_from: str = ""
-
-  def __post_init__(self):
-    _one_of("algorithm", self.algorithm, tuple(ALGORITHMS))
-    for key in ("iterations", "checkpoint_every", "max_to_keep", "eval_episodes"):
-      check_int(key, getattr(self, key), 1)
-    check_int("eval_every", self.eval_every, 0)
-    check_int("seed", self.seed, 0)  # NumPy seeds the environments' task order: no negatives
-    _check_task_keys(self.task)
-    _check_own_task_team(self)
-    _check_backbone_names(self)
-
-  @property
-  def role_backbones(self) -> dict[str, str]:
-    """{role name: the backbone it runs on} of the declared roles (a shipped team's roles, and
-    an orchestrator, run on the main backbone)."""
-    return {r.name: r.backbone or MAIN_BACKBONE for r in self.team.roles}
-
-  @property
-  def run_dtype(self) -> str:
-    """"bfloat16" if a backbone the run loads is, else "float32": what the dtype-dependent
-    "auto" keys (loss.behaviour_correction, loss.old_logp, model.matmul_precision) follow."""
-    dtypes = {self.model.backbone(n).param_dtype for n in self.used_backbones}
-    return "bfloat16" if "bfloat16" in dtypes else "float32"
-
-  @property
-  def used_backbones(self) -> tuple[str, ...]:
-    """The backbones some role runs on, the main one first if used, then by name: the models
-    a run loads."""
-    used = set(self.role_backbones.values()) or {MAIN_BACKBONE}
-    if self.team.graph == "orchestrator":
-      used.add(MAIN_BACKBONE)
-    return tuple(sorted(used, key=lambda n: (n != MAIN_BACKBONE, n)))
-
-  @property
-  def critic_backbone(self) -> str:
-    """The backbone the shared critic lives on (`critic.backbone`, or the roles' first)."""
-    return self.critic.backbone or self.used_backbones[0]
-
-  @property
-  def init_from_folders(self) -> list[str]:
-    """`init_from`'s PEFT folders, in adapter order."""
-    return [p.strip() for p in self.init_from.split(",") if p.strip()]
-
-  @property
-  def uses_critic(self) -> bool:
-    return ALGORITHMS[self.algorithm].critic
-
-  @property
-  def num_adapters(self) -> int:
-    """Policy adapters (of a resolved config: `algorithms.resolve` sets team.num_roles)."""
-    if not self.team.roles and not self.team.num_roles:
-      raise ValueError("team.num_roles=0 ('auto'): resolve the config first "
-                       "(marft_jax.train.algorithms.resolve)")
-    from marft_jax.train import teams  # teams imports this module
-    return teams.num_adapters(self.team, self.task.name)
-
-
-# The task keys only some tasks read (each task's entry says which: train/tasks.py).
-_TASK_KEYS = ("level", "echo_high", "horizon")  # echo, code: one env step
-
-
-def _check_task_keys(task: TaskSection) -> None:
-  """Refuses a task key set for a task that does not read it, rather than recording it."""
-  for key in _TASK_KEYS:
-    if getattr(task, key) != _default(task, key) and not tasks_lib.reads(task.name, key):
-      readers = tuple(t for t in TASKS if tasks_lib.reads(t, key))
-      if tasks_lib.reads(tasks_lib.FACTORY_FORM, key):
-        readers += (tasks_lib.FACTORY_FORM,)
-      raise ValueError(f"task.{key}={getattr(task, key)!r} is read by the task(s) {readers} "
-                       f"only, not task.name={task.name!r}")
-
-
-def _check_own_task_team(config: TrainConfig) -> None:
-  """A task of your own has no shipped team: its roles are declared."""
-  if tasks_lib.is_factory(config.task.name) and not (config.team.roles or
-                                                     config.team.profiles):
-    raise ValueError(f"team.roles: task.name={config.task.name!r} (a task of your own) has no "
-                     "shipped team; declare team.roles and team.order (or team.profiles)")
-
-
-def _check_backbone_names(config: TrainConfig) -> None:
-  """Refuses a role naming a backbone that is not declared, and a declared backbone (or the
-  main one's keys, set) that no role runs on: a model loaded for nothing."""
-  model, team = config.model, config.team
-  declared = (MAIN_BACKBONE,) + tuple(b.name for b in model.backbones)
-  if MAIN_BACKBONE in declared[1:]:
-    raise ValueError(f"model.backbones.{MAIN_BACKBONE}: the name of the backbone model.source, "
-                     "model.param_dtype and model.rollout_layout declare; give a further "
-                     "backbone another name")
-  for role in team.roles:
-    if role.backbone and role.backbone not in declared:
-      raise ValueError(f"team.roles.{role.name}.backbone={role.backbone!r}: no such backbone; "
-                       f"declared: {list(declared)} (model.backbones.<name>, or "
-                       f"{MAIN_BACKBONE!r}: model.source's)")
-  used = config.used_backbones
-  if config.critic.backbone and config.critic.backbone not in used:
-    raise ValueError(f"critic.backbone={config.critic.backbone!r}: no role runs on it; the "
-                     f"roles' backbones: {list(used)}")
-  for b in model.backbones:
-    if b.name not in used:
-      raise ValueError(f"model.backbones.{b.name}: no role runs on it (set "
-                       f"team.roles.<role>.backbone={b.name!r}, or remove it)")
-  if MAIN_BACKBONE not in used:
-    for key in _BACKBONE_KEYS:
-      if getattr(model, key) != _default(model, key):
-        raise ValueError(f"model.{key}={getattr(model, key)!r}: every role runs on a backbone "
-                         "of model.backbones, none on the main one this key sets")
-
-
-def preset(algorithm: str, **changes) -> TrainConfig:
-  """The resolved `TrainConfig` of `algorithm` with `changes` (library use and tests; config
-  files build an unresolved `TrainConfig(algorithm=...)`, so that `--config.algorithm`
-  still chooses)."""
-  return resolve(TrainConfig(algorithm=algorithm, **changes))
-
-
-def check_processes(config: TrainConfig, mesh_shape: tuple[int, int, int],
-                    num_processes: int) -> None:
-  """Refuses, naming the key, a multi-process layout the rollout cannot split.
-
-  Each of P processes plays its own block of rollout.num_envs / P environments, whose sampler
-  rows are the rows its own devices hold: so the batch shards (data x fsdp) must split over
-  the processes, the environments over the batch shards, and a GRPO group (group_size
-  environments playing one task) must lie within one process. One process: no constraint.
-
-  Args:
-    mesh_shape: the resolved (data, fsdp, tensor) sizes (`sharding.mesh_shape`).
-    num_processes: `jax.process_count()`.
-  """
-  if num_processes == 1:
-    return
-  if config.rollout.max_staleness:  # two threads' collectives would interleave
-    raise ValueError(f"rollout.max_staleness={config.rollout.max_staleness}: asynchronous "
-                     "rollouts run in a single process; use 0 with several processes")
-  if len(config.used_backbones) > 1:
-    raise ValueError(f"team.roles on the backbones {config.used_backbones}: a team on several "
-                     "backbones trains in a single process")
-  if config.reward.judge:
-    raise ValueError("reward.judge=True: the LLM judge runs in a single process")
-  if config.eval_every:
-    raise ValueError(f"eval_every={config.eval_every}: held-out evaluation during training "
-                     "runs in a single process; set eval_every=0 and evaluate the checkpoints "
-                     "with launch/eval.py")
-  data, fsdp, _ = mesh_shape
-  shards, envs = data * fsdp, config.rollout.num_envs
-  if shards % num_processes:
-    raise ValueError(f"mesh.data={data} x mesh.fsdp={fsdp} = {shards} batch shards do not "
-                     f"split over {num_processes} processes: each process plays its own "
-                     "environments on its own devices' rows (make data x fsdp a multiple of "
-                     "the processes, and keep mesh.tensor within a host)")
-  if envs % shards:
-    raise ValueError(f"rollout.num_envs={envs} is not a multiple of mesh.data x mesh.fsdp = "
-                     f"{shards}: each of the {num_processes} processes plays num_envs / "
-                     f"{num_processes} environments, whose rows split over its batch shards")
-  per_process = envs // num_processes
-  if per_process % config.rollout.group_size:
-    raise ValueError(f"rollout.group_size={config.rollout.group_size} does not divide the "
-                     f"{per_process} environments of each of {num_processes} processes "
-                     f"(rollout.num_envs={envs}): a GRPO group is played within one process")
-
-
-def critic_lora_rank(config: TrainConfig) -> Optional[int]:
-  return config.critic.lora_rank or None
