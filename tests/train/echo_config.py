@@ -54,11 +54,11 @@ def tiny_trainer_model(max_position_embeddings: int = 1024, **shape):
   tokenizer, with weights at std 0.1 from key 0."""
   from marft_jax.models import tiny, transformer
   from marft_jax.models.config import tiny_config
-  from marft_jax.train import assembly
+  from marft_jax.train.build import model as model_lib
   tokenizer = tiny.tiny_tokenizer()
   config = tiny_config(vocab_size=len(tokenizer), max_position_embeddings=max_position_embeddings,
                        **shape)
-  return assembly.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
+  return model_lib.Model(transformer.init_params(config, jax.random.key(0), std=0.1), config,
                         tokenizer)
 
 

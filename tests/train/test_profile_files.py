@@ -1,4 +1,4 @@
-"""`team.profiles`: the original MARFT's profile files (train/profile_files.py).
+"""`team.profiles`: the original MARFT's profile files (train/config/profile_files.py).
 
 The fixtures (tests/fixtures/profiles/math_{dual,trio,quartet,octet}.json) have the shapes of
 the original's four math profiles, with prompts written here. Each builds the team a config
@@ -14,7 +14,9 @@ import sys
 import pytest
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import assembly, profile_files
+from marft_jax.train.config import profile_files
+from marft_jax.train.config import saved as saved_config
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.checkpoint import config_fingerprint
 from tests.train.echo_config import from_default_file
 
@@ -69,11 +71,11 @@ def test_a_profile_file_builds_the_team_of_the_equivalent_config_file(name, tmp_
   explicit = _explicit_config(tmp_path, entries, overrides)
   assert from_file == explicit
   assert from_file.team.profiles == ""  # read once: the roles are the record
-  recorded = [to_config_dict(assembly.as_recorded(c)).to_dict() for c in (from_file, explicit)]
+  recorded = [to_config_dict(saved_config.as_recorded(c)).to_dict() for c in (from_file, explicit)]
   assert recorded[0] == recorded[1]
   assert config_fingerprint(recorded[0]) == config_fingerprint(recorded[1])
-  team, structure = assembly.build_team(from_file)
-  assert (team, structure) == assembly.build_team(explicit)
+  team, structure = team_lib.build_team(from_file)
+  assert (team, structure) == team_lib.build_team(explicit)
   order, answering = SHAPES[name]
   assert tuple(p.role for p in team) == order and from_file.team.num_roles == len(order)
   assert tuple(p.role for p in team if p.graded) == answering
