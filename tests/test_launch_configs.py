@@ -18,7 +18,10 @@ TYPED = {"generate.py": ("launch.configs.generate", "GenerateConfig")}
 TYPED.update({name: ("marft_jax.train.config", "TrainConfig") for name in (
     "train.py", "marft_t.py", "grpo.py", "ppo.py", "math_2agents.py", "math_3agents.py",
     "math_4agents.py", "code_2agents.py", "dag_3agents.py", "hetero_2agents.py",
-    "split_facts.py", "verify_correct.py", "grid_path.py")})
+    "split_facts.py", "verify_correct.py", "grid_path.py",
+    # the team sweep's single-agent arms (bench/learning.py)
+    "split_facts_single.py", "split_facts_twice.py", "verify_correct_single.py",
+    "verify_correct_twice.py", "grid_path_single.py", "grid_path_twice.py")})
 
 
 def _load(path):

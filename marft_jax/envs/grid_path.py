@@ -9,11 +9,13 @@ U (up), D (down), L (left), R (right) in `\\boxed{}`, e.g. `\\boxed{RRD}`.
 Knobs (calibrated for the untuned SmolLM2-135M team, docs/team_tasks.md): `ROWS` × `COLS`
 cells, `WALLS` walls.
 
-Grading is exact and accepts any way, not only the shortest: the last `\\boxed{}` of the
-graded reply must hold only move letters (either case; spaces, commas, hyphens or arrows
-between them are ignored), and the moves from S must stay on the grid, never enter a wall
-and end on G. Anything else scores 0: no box ("none"), a box with other text ("malformed"),
-a way off the grid or into a wall, or one that stops elsewhere ("boxed", wrong).
+Grading is exact and accepts any way, not only the shortest. The graded reply's moves are
+its last `\\boxed{}`'s, else the rest of the line after its last `Path:` (the form a small
+model writes: `Path: R D`); they must be move letters only (either case; spaces, commas,
+hyphens or arrows between them are ignored), and the moves from S must stay on the grid,
+never enter a wall and end on G. Anything else scores 0: neither form ("none"), a box or
+path with other text ("malformed"), a way off the grid or into a wall, or one that stops
+elsewhere ("boxed" or "path", wrong).
 Splits: a problem's signature is its grid; see `team_tasks`.
 """
 
@@ -31,9 +33,15 @@ from marft_jax.envs.team_tasks import randint, rng_for
 NAME = "grid_path"
 ROWS, COLS = 2, 3
 WALLS = 1
-FORMATTED = ("boxed",)
+CORNERS = False  # True: S always in the top left corner, G in the bottom right one
+ASK = "Find a way from S to G. Moves: U up, D down, L left, R right."  # the task's last line
+# > 0: the task lists this many candidate paths of the shortest way's length, one of them that
+# way (in a random place), the others failing (into a wall, off the grid or not ending on G)
+CANDIDATES = 0
+FORMATTED = ("boxed", "path")
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 _SEPARATORS = re.compile(r"[\s,;\-–>→]+")
+_PATH = re.compile(r"path\s*:(.*)", re.IGNORECASE)
 
 
 def shortest(rows: Sequence[str]) -> Optional[str]:
@@ -57,7 +65,9 @@ def shortest(rows: Sequence[str]) -> Optional[str]:
 def _draw(rng):
   free = [(r, c) for r in range(ROWS) for c in range(COLS)]
   picks = []
-  for _ in range(WALLS + 2):  # S, G, then the walls: distinct cells
+  if CORNERS:  # S top left, G bottom right
+    picks = [free.pop(0), free.pop()]
+  for _ in range(WALLS + 2 - len(picks)):  # S, G, then the walls: distinct cells
     picks.append(free.pop(randint(rng, 0, len(free) - 1)))
   grid = [["."] * COLS for _ in range(ROWS)]
   (sr, sc), (gr, gc) = picks[:2]
@@ -69,6 +79,18 @@ def _draw(rng):
   if path is None or len(path) < 2:
     return None
   return rows, path
+
+
+def candidates(rng, rows: Sequence[str], path: str) -> list[str]:
+  """`CANDIDATES` distinct paths as long as `path`: `path` and failing ones, in a random
+  order (random letters, redrawn until they fail)."""
+  out = [path]
+  while len(out) < CANDIDATES:
+    moves = "".join("UDLR"[randint(rng, 0, 3)] for _ in path)
+    if moves not in out and not follow(rows, moves):
+      out.append(moves)
+  out.insert(randint(rng, 0, len(out) - 1), out.pop(0))
+  return out
 
 
 def render(rows: Sequence[str]) -> str:
@@ -87,7 +109,10 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
       continue
     rows, path = drawn
     question = (f"Grid ({ROWS} rows, {COLS} columns; S start, G goal, # wall, . free):\n"
-                f"{render(rows)}\nFind a way from S to G. Moves: U up, D down, L left, R right.")
+                f"{render(rows)}\n{ASK}")
+    if CANDIDATES:
+      listed = ", ".join(" ".join(c) for c in candidates(rng, rows, path))
+      question += f"\nCandidate paths: {listed}."
     problems.append(Problem(question=question, answer=path,
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
                             meta={"rows": list(rows), "split": split}))
@@ -95,15 +120,19 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
 
 
 def read_path(reply: str) -> tuple[Optional[str], str]:
-  """(the moves of the reply's last `\\boxed{}`, upper case, or None; "boxed", "malformed"
-  (a box with other text) or "none" (no box))."""
-  boxed = last_boxed(reply)
-  if boxed is None:
-    return None, "none"
-  moves = _SEPARATORS.sub("", boxed).upper()
+  """(the reply's moves, upper case, or None; how they were given: "boxed" (the last
+  `\\boxed{}`), "path" (no box: the rest of the line after the last `Path:`), "malformed"
+  (a box or path with other text than move letters) or "none" (neither))."""
+  text, how = last_boxed(reply), "boxed"
+  if text is None:
+    paths = _PATH.findall(reply)
+    if not paths:
+      return None, "none"
+    text, how = paths[-1], "path"
+  moves = _SEPARATORS.sub("", text.strip().rstrip(".")).upper()
   if not moves or set(moves) - set(MOVES):
     return None, "malformed"
-  return moves, "boxed"
+  return moves, how
 
 
 def follow(rows: Sequence[str], moves: str) -> bool:

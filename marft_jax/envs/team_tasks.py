@@ -20,6 +20,11 @@ replies are graded, and the score (the mean over them, 0 or 1 with one graded ro
 every role's reward. `Step.info` holds `problem_id`, `gold`, and per graded role
 `prediction`, `answer_format` and `correct`; `info["metrics"]`: `score` and
 `formatted_answer` (the fraction of graded replies in the graded form).
+
+The baselines' form of each task is `full_information`, a task of your own
+(`task.name="marft_jax.envs.team_tasks:full_information"`): the same problems and grader,
+every role shown the whole problem (split_facts' facts and question together), so that one
+agent can solve it alone.
 """
 
 from __future__ import annotations
@@ -158,6 +163,25 @@ def make_env(task: str, source, roles: Sequence[str], graded_roles: Sequence[str
   m = module(task)
   m.check_roles(roles)
   return TeamTaskEnv(source, roles, graded_roles, m.observation, m.grade, m.FORMATTED)
+
+
+def full_information(task, split: str, seed: int) -> TeamTaskEnv:
+  """The team task `task.options["task"]` with every role shown the whole problem
+  (`Problem.question`; no role views), its `task.options["graded"]` role graded: the
+  single-agent baselines' environment (a factory, `train/tasks.py`'s contract). Episode seeds
+  give the same problems as the named task's (`Problems`), so a baseline and a team evaluated
+  with one seed score the same held-out problems. `seed` is unused (each `reset` brings it)."""
+  options = dict(task.options)
+  name, graded = options.get("task"), options.get("graded")
+  if name not in _MODULES or not isinstance(graded, str) or set(options) - {"task", "graded"}:
+    raise ValueError(f"task.options={options!r}: give 'task' (one of {names()}) and "
+                     "'graded' (the graded role's name), nothing else")
+  m = module(name)
+  return TeamTaskEnv(problems(name, split), (), (graded,), _whole_problem, m.grade, m.FORMATTED)
+
+
+def _whole_problem(problem: Problem, roles: Sequence[str]) -> Observation:
+  return Observation(task=problem.question)
 
 
 _MODULES = {"split_facts": "split_facts", "verify_correct": "verify_correct",
