@@ -118,8 +118,8 @@ TASKS = ("split_facts", "verify_correct", "grid_path")
 TEAM_SWEEP = dict(
     episodes=16,  # per iteration, every trained arm (GRPO: 4 problems x group_size)
     # (first, last) turn caps of a team of two; the single agent's one turn gets the sum
-    # (split_facts' answerer has 32 of its own: the calibration's, docs/team_tasks.md)
-    tokens={"split_facts": (48, 32), "verify_correct": (48, 16), "grid_path": (48, 16)},
+    # (split_facts' answerer and grid_path's executor have 32 of their own: docs/team_tasks.md)
+    tokens={"split_facts": (48, 32), "verify_correct": (48, 16), "grid_path": (48, 32)},
     group_size=4,  # GRPO's rollouts of each problem, and the majority vote's samples
     temperature=0.3,  # sampling in training and the majority vote's samples
     lora_rank=8,

@@ -218,10 +218,9 @@ def test_team_arms_train_what_they_say(key):
   assert f"--workdir=/runs/{task}/{arm}/seed1" in others
   assert ("--untuned" in others) == (not spec.trained)
   single = arm in ("ppo_single", "twice_single", "majority_single")
-  if single:  # the whole problem for every role, the arm's graded role named in the options
-    assert config.task.name == "marft_jax.envs.team_tasks:full_information"
-    graded = [r.name for r in config.team.roles if r.graded]
-    assert dict(config.task.options) == {"task": task, "graded": graded[0]}
+  if single:  # the whole problem for every role, the last one graded
+    assert config.task.name == f"marft_jax.envs.team_tasks:full_information_{task}"
+    assert [r.name for r in config.team.roles if r.graded] == [config.team.role_order[-1]]
   else:
     assert config.task.name == task
     assert config.team.role_order == learning.TEAM_ROLES[task]

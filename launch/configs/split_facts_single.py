@@ -1,6 +1,6 @@
 """Single-agent PPO on split_facts with full information (the team sweep's baseline,
 bench/learning.py): one solver sees the facts and the question together
-(`envs/team_tasks.py`'s `full_information`), so it needs no teammate."""
+(`envs/team_tasks.py`'s `full_information_<task>`), so it needs no teammate."""
 
 from marft_jax.configs import to_config_dict
 from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
@@ -12,7 +12,6 @@ SOLVER = RoleSection(
 
 
 def get_config():
-  task = TaskSection(name="marft_jax.envs.team_tasks:full_information",
-                     options={"task": "split_facts", "graded": "solver"})
+  task = TaskSection(name="marft_jax.envs.team_tasks:full_information_split_facts")
   return to_config_dict(TrainConfig(algorithm="ppo", task=task,
                                     team=TeamSection(roles=(SOLVER,), order="solver")))

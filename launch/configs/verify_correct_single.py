@@ -1,6 +1,6 @@
 """Single-agent PPO on verify_correct (the team sweep's baseline, bench/learning.py): one
 solver computes the two operations and gives the final result (every role sees the whole
-problem; `envs/team_tasks.py`'s `full_information`, as the other single-agent arms)."""
+problem; `envs/team_tasks.py`'s `full_information_<task>`, as the other single-agent arms)."""
 
 from marft_jax.configs import to_config_dict
 from marft_jax.train.config import RoleSection, TaskSection, TeamSection, TrainConfig
@@ -12,7 +12,6 @@ SOLVER = RoleSection(
 
 
 def get_config():
-  task = TaskSection(name="marft_jax.envs.team_tasks:full_information",
-                     options={"task": "verify_correct", "graded": "solver"})
+  task = TaskSection(name="marft_jax.envs.team_tasks:full_information_verify_correct")
   return to_config_dict(TrainConfig(algorithm="ppo", task=task,
                                     team=TeamSection(roles=(SOLVER,), order="solver")))

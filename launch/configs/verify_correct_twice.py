@@ -15,8 +15,7 @@ FINAL = RoleSection(
 
 
 def get_config():
-  task = TaskSection(name="marft_jax.envs.team_tasks:full_information",
-                     options={"task": "verify_correct", "graded": "final"})
+  task = TaskSection(name="marft_jax.envs.team_tasks:full_information_verify_correct")
   return to_config_dict(TrainConfig(
       algorithm="marft_a", task=task,
       team=TeamSection(roles=(DRAFT, FINAL), order="draft,final", shared_adapter=True)))

@@ -3,19 +3,26 @@
 A problem is a grid of at most 5 × 5 cells drawn row by row, `S` the start, `G` the goal,
 `#` a wall, `.` a free cell, with a way from S to G (checked by breadth-first search; the
 shortest takes at least two moves). Every role sees the grid. The team's first role writes
-the moves; the last (graded) role writes the final path in the graded form: move letters
-U (up), D (down), L (left), R (right) in `\\boxed{}`, e.g. `\\boxed{RRD}`.
+the moves; the last (graded) role writes the final path in a graded form: move letters
+U (up), D (down), L (left), R (right) in `\\boxed{}` (`\\boxed{RRD}`) or after "Path:"
+(`The path from S to G is R R D.`).
 
 Knobs (calibrated for the untuned SmolLM2-135M team, docs/team_tasks.md): `ROWS` × `COLS`
-cells, `WALLS` walls.
+cells, `WALLS` walls, S and G anywhere or in opposite corners (`CORNERS`), the task's last
+line `ASK`, and `CANDIDATES` candidate paths listed after it (one of them the shortest way,
+the others failing): the untuned model never wrote a way of its own on any grid tried, but
+it does copy a candidate.
 
 Grading is exact and accepts any way, not only the shortest. The graded reply's moves are
-its last `\\boxed{}`'s, else the rest of the line after its last `Path:` (the form a small
-model writes: `Path: R D`); they must be move letters only (either case; spaces, commas,
-hyphens or arrows between them are ignored), and the moves from S must stay on the grid,
-never enter a wall and end on G. Anything else scores 0: neither form ("none"), a box or
-path with other text ("malformed"), a way off the grid or into a wall, or one that stops
-elsewhere ("boxed" or "path", wrong).
+its last `\\boxed{}`'s (move letters only, either case; spaces, commas, hyphens or arrows
+between them are ignored), else the run of move letters right after its last "Path:" or
+"path (from S to G) is" (the forms a small model writes: `Path: R D`, `The path from S to G
+is R D.`; letters each a word of their own, separated by spaces, hyphens or arrows: a comma
+ends the run). The moves from S must stay on the grid, never enter a wall and end on G.
+Anything else scores 0: neither form ("none"), a box with other text or a path's words
+without letters ("malformed"), a way off the grid or into a wall, or one that stops elsewhere
+("boxed" or "path", wrong).
+
 Splits: a problem's signature is its grid; see `team_tasks`.
 """
 
@@ -31,17 +38,19 @@ from marft_jax.envs.problems import Problem, last_boxed
 from marft_jax.envs.team_tasks import randint, rng_for
 
 NAME = "grid_path"
-ROWS, COLS = 2, 3
-WALLS = 1
+ROWS, COLS = 3, 3
+WALLS = 2
 CORNERS = False  # True: S always in the top left corner, G in the bottom right one
 ASK = "Find a way from S to G. Moves: U up, D down, L left, R right."  # the task's last line
 # > 0: the task lists this many candidate paths of the shortest way's length, one of them that
 # way (in a random place), the others failing (into a wall, off the grid or not ending on G)
-CANDIDATES = 0
+CANDIDATES = 3
 FORMATTED = ("boxed", "path")
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 _SEPARATORS = re.compile(r"[\s,;\-–>→]+")
-_PATH = re.compile(r"path\s*:(.*)", re.IGNORECASE)
+# "Path:" or "path (from S to G) is", then a run of move letters, each a word of its own
+_PATH = re.compile(r"\bpath(?:\s+from\s+S\s+to\s+G)?\s*(?::|\bis\b)", re.IGNORECASE)
+_MOVE_RUN = re.compile(r"\s*[UDLR](?![A-Za-z])(?:[ \t\-–>→]*[UDLR](?![A-Za-z]))*", re.IGNORECASE)
 
 
 def shortest(rows: Sequence[str]) -> Optional[str]:
@@ -121,18 +130,22 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
 
 def read_path(reply: str) -> tuple[Optional[str], str]:
   """(the reply's moves, upper case, or None; how they were given: "boxed" (the last
-  `\\boxed{}`), "path" (no box: the rest of the line after the last `Path:`), "malformed"
-  (a box or path with other text than move letters) or "none" (neither))."""
-  text, how = last_boxed(reply), "boxed"
-  if text is None:
-    paths = _PATH.findall(reply)
-    if not paths:
-      return None, "none"
-    text, how = paths[-1], "path"
-  moves = _SEPARATORS.sub("", text.strip().rstrip(".")).upper()
-  if not moves or set(moves) - set(MOVES):
+  `\\boxed{}`), "path" (no box: the run of move letters right after the last "Path:" or
+  "path (from S to G) is"), "malformed" (a box with other text than move letters, or no
+  letters after the path's words) or "none" (neither))."""
+  boxed = last_boxed(reply)
+  if boxed is not None:
+    moves = _SEPARATORS.sub("", boxed).upper()
+    if not moves or set(moves) - set(MOVES):
+      return None, "malformed"
+    return moves, "boxed"
+  starts = list(_PATH.finditer(reply))
+  if not starts:
+    return None, "none"
+  run = _MOVE_RUN.match(reply, starts[-1].end())
+  if run is None:
     return None, "malformed"
-  return moves, how
+  return _SEPARATORS.sub("", run.group()).upper(), "path"
 
 
 def follow(rows: Sequence[str], moves: str) -> bool:

@@ -21,10 +21,10 @@ every role's reward. `Step.info` holds `problem_id`, `gold`, and per graded role
 `prediction`, `answer_format` and `correct`; `info["metrics"]`: `score` and
 `formatted_answer` (the fraction of graded replies in the graded form).
 
-The baselines' form of each task is `full_information`, a task of your own
-(`task.name="marft_jax.envs.team_tasks:full_information"`): the same problems and grader,
-every role shown the whole problem (split_facts' facts and question together), so that one
-agent can solve it alone.
+The baselines' form of each task is `full_information_<task>`, a task of your own
+(`task.name="marft_jax.envs.team_tasks:full_information_grid_path"`, ...): the same problems
+and grader, every role shown the whole problem (split_facts' facts and question together),
+the team's last role graded, so that one agent can solve it alone (`WholeProblemEnv`).
 """
 
 from __future__ import annotations
@@ -165,23 +165,42 @@ def make_env(task: str, source, roles: Sequence[str], graded_roles: Sequence[str
   return TeamTaskEnv(source, roles, graded_roles, m.observation, m.grade, m.FORMATTED)
 
 
-def full_information(task, split: str, seed: int) -> TeamTaskEnv:
-  """The team task `task.options["task"]` with every role shown the whole problem
-  (`Problem.question`; no role views), its `task.options["graded"]` role graded: the
-  single-agent baselines' environment (a factory, `train/tasks.py`'s contract). Episode seeds
-  give the same problems as the named task's (`Problems`), so a baseline and a team evaluated
-  with one seed score the same held-out problems. `seed` is unused (each `reset` brings it)."""
-  options = dict(task.options)
-  name, graded = options.get("task"), options.get("graded")
-  if name not in _MODULES or not isinstance(graded, str) or set(options) - {"task", "graded"}:
-    raise ValueError(f"task.options={options!r}: give 'task' (one of {names()}) and "
-                     "'graded' (the graded role's name), nothing else")
-  m = module(name)
-  return TeamTaskEnv(problems(name, split), (), (graded,), _whole_problem, m.grade, m.FORMATTED)
+class WholeProblemEnv(TeamTaskEnv):
+  """A team task with every role shown the whole problem (`Problem.question`; no role views)
+  and the team's last role graded: the last key of `actions`, which the rollout fills in the
+  team's order (`rollout.runner`)."""
+
+  def __init__(self, task: str, split: str):
+    m = module(task)
+    super().__init__(problems(task, split), (), ("?",), _whole_problem, m.grade, m.FORMATTED)
+
+  def step(self, actions: Mapping[str, str]) -> Step:
+    if actions:
+      self.graded_roles = (list(actions)[-1],)
+    return super().step(actions)
 
 
 def _whole_problem(problem: Problem, roles: Sequence[str]) -> Observation:
   return Observation(task=problem.question)
+
+
+# The single-agent baselines' environments, tasks of your own (`train/tasks.py`'s factory
+# contract: task.name="marft_jax.envs.team_tasks:full_information_<task>"). Episode seeds
+# give the same problems as the named task's (`Problems`), so a baseline and a team evaluated
+# with one seed score the same held-out problems; `seed` is unused (each `reset` brings it).
+def full_information_split_facts(task, split: str, seed: int) -> WholeProblemEnv:
+  """split_facts with the facts and the question shown together."""
+  return WholeProblemEnv("split_facts", split)
+
+
+def full_information_verify_correct(task, split: str, seed: int) -> WholeProblemEnv:
+  """verify_correct, graded on the team's last role."""
+  return WholeProblemEnv("verify_correct", split)
+
+
+def full_information_grid_path(task, split: str, seed: int) -> WholeProblemEnv:
+  """grid_path, graded on the team's last role."""
+  return WholeProblemEnv("grid_path", split)
 
 
 _MODULES = {"split_facts": "split_facts", "verify_correct": "verify_correct",
