@@ -12,6 +12,8 @@ and replace the PNG atomically, so a viewer never sees half an image.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
@@ -276,12 +278,42 @@ def _save_figure(fig, png_path: StrPath) -> None:
 
 
 def _release(fig) -> None:
-  """Frees a saved figure's artists and its canvas's pixel buffer now. A figure and its
-  canvas refer to each other, so only a full garbage collection frees them, and in the
-  trainer (JAX holds many long-lived objects) those are rare: each checkpoint's plot kept
-  ~8 MB of resident memory until one ran (bench/soak.py), ~1 MB once released here."""
+  """Frees a saved figure's artists and its canvas's pixel buffer now, and returns the freed
+  memory to the OS (`return_freed_memory`). A figure and its canvas refer to each other, so
+  only a full garbage collection frees them, and in the trainer (JAX holds many long-lived
+  objects) those are rare: each checkpoint's plot kept ~8 MB of resident memory until one
+  ran (bench/soak.py), ~1 MB once released here."""
   fig.clear()
   fig.canvas.renderer = None
+  return_freed_memory()
+
+
+def return_freed_memory() -> None:
+  """Hands the pages that glibc's malloc holds free back to the OS (`malloc_trim(0)`); a
+  no-op without glibc.
+
+  malloc returns freed memory to the OS only from the top of a heap, so the holes that a
+  checkpoint, an evaluation or a plot leaves between live blocks stay resident. The trainer
+  plots at every checkpoint, so this runs there: in bench/soak.py's tiny-model run,
+  iterations 300-1,000 in one process, resident memory grew ~14 MB per 1,000 iterations
+  without it (malloc's heaps grew ~30 MB, the blocks in use ~315 MB throughout, no
+  recompile) and stayed flat with it; the 3,000-iteration soak still grows ~4.6 MB per
+  1,000 (see bench/soak.py). A trim costs milliseconds (18 ms returning 100 MB).
+  """
+  trim = _malloc_trim()
+  if trim is not None:
+    trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+  """glibc's `malloc_trim`, or None (another libc, another OS)."""
+  try:
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+  except (OSError, AttributeError):
+    return None
+  trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+  return trim
 
 
 def write_atomically(path: str, write, mode: str) -> None:
