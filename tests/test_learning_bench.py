@@ -10,11 +10,12 @@ import os
 
 import shlex
 
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from bench import learning, learning_results
+from bench import learning, learning_ablations, learning_results
 from marft_jax.configs import from_config_dict
 from marft_jax.envs import team_tasks
 from marft_jax.train import algorithms
@@ -333,3 +334,16 @@ def test_the_aggregator_does_not_import_the_driver():
               for n in ast.walk(ast.parse(open(path).read()))
               if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
   assert not {m for m in imported if m and m.startswith("bench")}
+
+
+def test_ablation_adapters_swap_and_pick_along_the_adapter_axis():
+  """Every target's factors are [L, A, ...]: `swapped` reverses A (two roles), `only` keeps
+  one adapter as a stack of one; the layer axis never moves."""
+  a = np.arange(2 * 2 * 3).reshape(2, 2, 3)  # L = 2 layers, A = 2 adapters
+  layers = {"q_proj": {"a": a, "b": a + 100}}
+  flipped = learning_ablations.swapped(layers)
+  np.testing.assert_array_equal(flipped["q_proj"]["a"][:, 0], a[:, 1])
+  np.testing.assert_array_equal(flipped["q_proj"]["b"][:, 1], a[:, 0] + 100)
+  alone = learning_ablations.only(layers, 1)
+  assert alone["q_proj"]["a"].shape == (2, 1, 3)
+  np.testing.assert_array_equal(alone["q_proj"]["a"][:, 0], a[:, 1])
