@@ -28,7 +28,8 @@ workdir 12,430 B an iteration (transcripts 8,148 until their pair is full, tenso
 2,689, metrics 1,592); 0.295 s an iteration. What the rest is, is not known: no
 recompiles; malloc's blocks in use grew ~3 MB over 1,400 iterations; the Python objects
 allocated over iterations 300-440 and still alive were 470 KB, most of them the latest
-iteration's episodes and batch (tracemalloc): most likely native (XLA, tensorstore) or outside malloc.
+iteration's episodes and batch (tracemalloc): most likely native (XLA, tensorstore) or
+outside malloc.
 """
 
 from __future__ import annotations
