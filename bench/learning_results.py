@@ -360,7 +360,8 @@ def write_team(results: str, docs: str, tasks: Sequence[str], arms: Sequence[str
             os.path.join(docs, TEAM_CURVES_PNG))
   parts = [TEAM_BEGIN]
   for task in tasks:
-    parts += [f"### {task}", team_table(summary[task]),
+    parts += [f"### {task}", f"The untuned team's calibration: {{doc}}`team_tasks`. Arms:",
+              team_table(summary[task]),
               f"Ablations of marft_a_team ({task}):",
               team_table(extra[task], ABLATION_REFERENCES),
               analysis_table(summary[task])]
