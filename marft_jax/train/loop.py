@@ -63,7 +63,8 @@ from marft_jax.train.config import history as config_history
 from marft_jax.train.config import saved as saved_config
 from marft_jax.train.config.resolve import resolve
 from marft_jax.train.config.schema import TrainConfig
-from marft_jax.train.metrics import MetricWriter, iter_metrics, plot_learning_curves
+from marft_jax.train.metrics import (MetricWriter, iter_metrics, plot_learning_curves,
+                                     return_freed_memory)
 from marft_jax.train.run import Run
 from marft_jax.train.write_failures import writing
 
@@ -416,6 +417,7 @@ def _checkpoint(checkpointer, step, state, run: Run, writer, workdir, rollouts=N
   meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   run.export(checkpointer, step, state)  # collective: every process takes part
+  return_freed_memory()  # every process: what malloc freed since the last checkpoint
   if not multihost.is_primary():
     return
   writer.flush()

@@ -237,8 +237,9 @@ def _build_one(config: TrainConfig, mesh, model: Model, state_shardings) -> Run:
   # closes once it holds them (nothing after this may fail and leave them running).
   # Several processes: each plays the environments whose sampler rows its devices hold.
   rows = multihost.ProcessRows(mesh) if jax.process_count() > 1 else None
-  envs = envs_build.build_envs(config, team, seed=config.seed,
-                    owned=None if rows is None else rows.block(config.rollout.num_envs))
+  envs = envs_build.build_envs(
+      config, team, seed=config.seed,
+      owned=None if rows is None else rows.block(config.rollout.num_envs))
   learn = functools.partial(
       _learn_one, model=model, config=config, update=learner.update,
       critic_hidden=learner.critic_hidden, old_values_fn=learner.old_values,
@@ -246,12 +247,10 @@ def _build_one(config: TrainConfig, mesh, model: Model, state_shardings) -> Run:
       agent_sees=envs_lib.agent_sees(structure, team),
       reply_budgets=reply_budgets(team, structure), pad_id=learner.pad_id,
       num_rows=learner.num_rows)
+  play = functools.partial(_play, config=config, model=model, team=team, structure=structure,
+                           envs=envs, settings=rollout_settings(config), rows=rows)
   return Run(config=config, model=model, config_dict=recorded, team=team, envs=envs,
-             judge=judge, play=functools.partial(_play, config=config, model=model, team=team,
-                                    structure=structure, envs=envs,
-                                    settings=rollout_settings(config), rows=rows),
-             weights=weights,
-             make_weights=make_weights, learn=learn,
+             judge=judge, play=play, weights=weights, make_weights=make_weights, learn=learn,
              export=functools.partial(export, config=config))
 
 
@@ -270,11 +269,10 @@ def _build_several(config: TrainConfig, mesh, models: dict, state_shardings: dic
       reply_budgets=reply_budgets(team, structure))
   weights = rollout_weights(config, models)
   recorded = to_config_dict(as_recorded(config)).to_dict()
+  play = functools.partial(_play, config=config, model=models, team=team, structure=structure,
+                           envs=envs, settings=rollout_settings(config))
   return Run(config=config, model=models, config_dict=recorded, team=team, envs=envs,
-             judge=None, play=functools.partial(_play, config=config, model=models, team=team,
-                                    structure=structure, envs=envs,
-                                    settings=rollout_settings(config)),
-             weights=weights, make_weights=lambda: weights, learn=learn,
+             judge=None, play=play, weights=weights, make_weights=lambda: weights, learn=learn,
              export=functools.partial(export, config=config))
 
 

@@ -323,7 +323,7 @@ def test_restore_policy_gives_the_checkpoint_adapters_or_names_the_differing_key
 # first as "rollout_call=<n>": what --eval_batch must reach.
 _COUNTING_EVAL = """
 import runpy, sys
-from marft_jax.train import evaluate
+from marft_jax.train import run as run_lib
 real = run_lib.rollout
 def counting(envs, *args, **kwargs):
   print(f"rollout_call={len(envs)}", flush=True)
