@@ -9,8 +9,8 @@
   profile_files.py  teams from the original MARFT's profile files (`team.profiles`)
   resolve.py        `resolve(config)`: every "auto" decided in one place, and the checks that
                     need only the config; `preset(algorithm, ...)`
-  saved.py          the config as a run records it, and a recorded config read back
   history.py        the compatibility history: keys added since a checkpoint was written
+  saved.py          the config as a run records it, and a recorded config read back
 
 Each module imports only those listed above it (and the maths, tasks and leaves below the
 package: `tests/test_layers.py`). This package re-exports the names a config file and user
