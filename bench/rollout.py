@@ -57,6 +57,7 @@ from marft_jax.models import layout, sampler, sampler_plan, tiny
 from marft_jax.models.loading import load_model
 from marft_jax.models.sampling import SamplingConfig
 from marft_jax.rollout import RolloutConfig, rollout
+from marft_jax.train.build import team as team_lib
 from marft_jax.train.config import teams
 from marft_jax.train.config import TeamSection
 
@@ -78,8 +79,8 @@ def load(tiny_run: bool):
 
 
 def make_team(reasoner_tokens: int, actor_tokens: int):
-  reasoner, actor = teams.build_team(TeamSection(**teams.shipped("arithmetic", 2)),
-                                     "arithmetic")[0]
+  reasoner, actor = team_lib.agents(TeamSection(**teams.shipped("arithmetic", 2)),
+                                  "arithmetic")[0]
   limit = lambda p, n: dataclasses.replace(p, sampling=SamplingConfig(max_new_tokens=n,
                                                                       temperature=1.0))
   return limit(reasoner, reasoner_tokens), limit(actor, actor_tokens)
