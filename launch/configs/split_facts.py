@@ -3,7 +3,7 @@ facts, the answerer the question asked of them, so the graded answer needs both.
 The untuned SmolLM2-135M team's held-out accuracy: docs/team_tasks.md."""
 
 from marft_jax.configs import to_config_dict
-from marft_jax.train import teams
+from marft_jax.train.config import teams
 from marft_jax.train.config import TaskSection, TeamSection, TrainConfig
 
 
