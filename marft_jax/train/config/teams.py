@@ -128,13 +128,16 @@ _TEAM_TASK_ROLES = {
                     "Solver's calculation and correct any mistake. Reply with only the final "
                     "result in \\boxed{}, e.g. \\boxed{22}.",
                     "Checks the calculation and gives the final answer.")),
+    # The planner picks among the task's candidate paths (SmolLM2-135M never wrote a path of
+    # its own in eight tries: docs/team_tasks.md); the executor's 32 tokens fit a path of up
+    # to 8 moves after "The path from S to G is".
     "grid_path": (
-        RoleSection("planner", "You are the Planner of a two-person team. Find a way from S to G "
-                    "that never enters a # wall. Write only the moves as letters, e.g. R D.",
-                    "Writes the moves from S to G."),
-        RoleSection("executor", "You are the Executor of a two-person team. Reply with only the "
-                    "Planner's moves as letters U, D, L, R in \\boxed{}, e.g. \\boxed{RD}.",
-                    "Writes the final path.")),
+        RoleSection("planner", "You are the Planner of a two-person team. Check which candidate "
+                    "path goes from S to G without entering a # wall. Answer in one line, e.g. "
+                    "The path from S to G is R D R.", "Writes the moves from S to G."),
+        RoleSection("executor", "You are the Executor of a two-person team. Repeat the Planner's "
+                    "path in one line, e.g. The path from S to G is R D R.",
+                    "Writes the final path.", max_new_tokens=32)),
 }
 _MATH_TEAMS = {1: ("solver",), 2: ("reasoner", "actor"), 3: ("reasoner", "actor", "verifier"),
                4: ("analyst", "planner", "solver", "verifier")}
