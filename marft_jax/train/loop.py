@@ -417,8 +417,8 @@ def _checkpoint(checkpointer, step, state, run: Run, writer, workdir, rollouts=N
   meta[trained_problems.KEY] = trained_problems.record(config, meta["envs"], run.envs)
   checkpointer.save(step, state, meta, force=True)  # every process: its own shards
   run.export(checkpointer, step, state)  # collective: every process takes part
-  return_freed_memory()  # every process: what malloc freed since the last checkpoint
   if not multihost.is_primary():
+    return_freed_memory()  # process 0's plot below returns its own
     return
   writer.flush()
   with writing(workdir, "learning_curve.png"):
