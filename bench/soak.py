@@ -55,7 +55,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "the run's workdir, kept (default:
                                "one, removed); must not hold a run")
 _POLL_S = flags.DEFINE_float("poll_s", 0.25, "seconds between memory samples")
 _SAMPLES = flags.DEFINE_string("samples", "", "a CSV file for the memory samples (step, RSS "
-                               "KB, seconds), to plot the curve behind the slope")
+                               "KB, its anonymous and file-backed parts, seconds), to plot the curve behind the slope")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("transcripts", "tensorboard", "metrics.jsonl", "texts.jsonl", "checkpoints", "exports")
@@ -85,16 +85,23 @@ def fit_slope(xs, ys) -> float:
   return float(np.polyfit(xs, ys, 1)[0])
 
 
-def rss_kb(pid: int) -> int:
-  """A process's resident memory in KB (Linux's /proc/<pid>/status VmRSS); 0 once it is gone."""
+MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile")
+
+
+def memory_kb(pid: int) -> tuple[int, ...]:
+  """A process's resident memory in KB, by `MEMORY_FIELDS` (Linux's /proc/<pid>/status): the
+  whole, the anonymous part (heaps, arenas, mmapped buffers) and the file-backed part (shared
+  libraries, mapped files). Zeros once it is gone."""
+  found = {}
   try:
     with open(f"/proc/{pid}/status") as f:
       for line in f:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1])
+        name, _, value = line.partition(":")
+        if name in MEMORY_FIELDS:
+          found[name] = int(value.split()[0])
   except OSError:
     pass
-  return 0
+  return tuple(found.get(name, 0) for name in MEMORY_FIELDS)
 
 
 def last_step(metrics_path: str) -> int:
@@ -127,14 +134,14 @@ def part_sizes(workdir: str) -> dict[str, int]:
 
 
 def watch(process, workdir: str, iterations: int, size_every: int, poll_s: float):
-  """Samples until the run's last step reaches `iterations` - 1: ([(step, rss KB, time)],
-  [(step, part sizes)])."""
+  """Samples until the run's last step reaches `iterations` - 1: ([(step, rss KB, anon KB,
+  file KB, time)], [(step, part sizes)])."""
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   memory, sizes, next_size = [], [], 0
   while process.poll() is None:
     step = last_step(metrics_path)
     if step >= 0:
-      memory.append((step, rss_kb(process.pid), time.perf_counter()))
+      memory.append((step, *memory_kb(process.pid), time.perf_counter()))
     if step >= next_size:
       sizes.append((step, part_sizes(workdir)))
       next_size = step + size_every
@@ -158,8 +165,10 @@ def stop(process, timeout_s: float = 300) -> None:
 def report(memory, sizes, warmup: int) -> None:
   """The figures of the module docstring."""
   after = [m for m in memory if m[0] >= warmup] or memory
-  steps, rss, times = zip(*after)
+  steps, rss, anon, file, times = zip(*after)
   emit("rss_slope_kb_per_1000_iters", 1000 * fit_slope(steps, rss))
+  emit("rss_anon_slope_kb_per_1000_iters", 1000 * fit_slope(steps, anon))
+  emit("rss_file_slope_kb_per_1000_iters", 1000 * fit_slope(steps, file))
   emit("rss_mb_at_warmup", rss[0] / 1024)
   emit("rss_mb_end", rss[-1] / 1024)
   emit("s_per_iter", (times[-1] - times[0]) / max(steps[-1] - steps[0], 1))
@@ -196,7 +205,7 @@ def main(argv):
     report(memory, sizes, _WARMUP.value)
     if _SAMPLES.value:
       np.savetxt(_SAMPLES.value, np.asarray(memory), fmt="%.6g", delimiter=",",
-                 header="step,rss_kb,seconds")
+                 header="step,rss_kb,rss_anon_kb,rss_file_kb,seconds")
     end = sizes[-1][1]
     emit("workdir_mb_end", sum(v for k, v in end.items() if k != "files") / 2**20)
     emit("workdir_files_end", end["files"])

@@ -12,7 +12,8 @@ from bench import soak
 from tests.compile_flags import FAST_COMPILE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIGURES = ["rss_slope_kb_per_1000_iters", "rss_mb_at_warmup", "rss_mb_end", "s_per_iter",
+FIGURES = ["rss_slope_kb_per_1000_iters", "rss_anon_slope_kb_per_1000_iters",
+           "rss_file_slope_kb_per_1000_iters", "rss_mb_at_warmup", "rss_mb_end", "s_per_iter",
            "workdir_bytes_per_iter", *(f"workdir_bytes_per_iter_{part}" for part in (
                "transcripts", "tensorboard", "metrics_jsonl", "texts_jsonl", "checkpoints",
                "exports", "other")), "workdir_mb_end", "workdir_files_end", "iterations_run"]
@@ -37,6 +38,13 @@ def test_fit_slope_is_the_least_squares_line():
   assert soak.fit_slope([0, 1, 2, 3], [1.0, 3.0, 5.0, 7.0]) == pytest.approx(2.0)
   assert soak.fit_slope([0, 1, 2], [0.0, 2.0, 1.0]) == pytest.approx(0.5)
   assert soak.fit_slope([5, 5], [1.0, 2.0]) == 0.0  # one step: no slope
+
+
+def test_memory_kb_reads_the_whole_and_its_parts():
+  rss, anon, file = soak.memory_kb(os.getpid())
+  assert rss > 0 and anon > 0 and file > 0
+  assert anon + file <= rss + 1024  # RssShmem is the rest; the three are read at one moment
+  assert soak.memory_kb(2**22 + 12345) == (0, 0, 0)  # no such process
 
 
 def test_last_step_skips_a_torn_last_line(tmp_path):
