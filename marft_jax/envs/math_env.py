@@ -16,7 +16,8 @@ With `judge_feedback=None` the team gets no feedback line and simply tries again
 
 Each `Step.info` holds, for transcripts: `problem_id`, `gold`, `turn` (1-based), and per graded
 role `prediction` (the extracted answer or None), `answer_format` ("boxed", "hash",
-"answer_is", "last_number" or "none"; see `math_grading.extract_answer`), `correct` and
+"answer_is", "last_number" or "none"; see `math_grading.extract_answer`), `formatted`
+(whether that form is an explicit final answer: boxed, `####` or "answer is"), `correct` and
 `grade_status` ("ok", "no_answer", "timeout", "error"). `info["metrics"]` (averaged over env
 steps by the trainer): `score`, `formatted_answer` (fraction of graded replies with an explicit
 final answer: boxed, `####` or "answer is"), `grade_timeout` and `grade_error` (how many graded
@@ -98,6 +99,7 @@ class MathEnv(Environment):
         "turn": self._turn,
         "prediction": {r: pred for r, (pred, _) in extracted.items()},
         "answer_format": {r: how for r, (_, how) in extracted.items()},
+        "formatted": {r: how in FORMATTED for r, (_, how) in extracted.items()},
         "correct": {r: g.correct for r, g in grades.items()},
         "grade_status": {r: g.status for r, g in grades.items()},
         "grade_detail": {r: g.detail for r, g in grades.items() if g.detail},

@@ -18,7 +18,8 @@ what they share: the problem source, the one-step environment and the integer an
 One episode is one env step: every role speaks once in the team's graph, the graded roles'
 replies are graded, and the score (the mean over them, 0 or 1 with one graded role) is
 every role's reward. `Step.info` holds `problem_id`, `gold`, and per graded role
-`prediction`, `answer_format` and `correct`; `info["metrics"]`: `score` and
+`prediction`, `answer_format`, `formatted` (whether that form is the task's graded form:
+grid_path's "path" is, a bare last number is not) and `correct`; `info["metrics"]`: `score` and
 `formatted_answer` (the fraction of graded replies in the graded form).
 
 The baselines' form of each task is `full_information_<task>`, a task of your own
@@ -127,6 +128,7 @@ class TeamTaskEnv(Environment):
     info = {"problem_id": self.problem.id, "gold": self.problem.answer,
             "prediction": {r: g[1] for r, g in grades.items()},
             "answer_format": {r: g[2] for r, g in grades.items()},
+            "formatted": {r: g[2] in self.formatted for r, g in grades.items()},
             "correct": {r: g[0] for r, g in grades.items()},
             "metrics": {"score": score, "formatted_answer": formatted}}
     self.problem = None

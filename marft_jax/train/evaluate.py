@@ -9,8 +9,9 @@ once, each problem one episode, when it holds fewer problems than asked for. It 
 
   accuracy                    the mean final score of an episode (the environment's reward)
   accuracy/<role>             the fraction of episodes whose graded <role> answered right
-  answer_format_rate/<role>   the fraction whose answer had a final-answer form (boxed, ####,
-                              "the answer is"; math tasks)
+  answer_format_rate/<role>   the fraction whose answer had its task's final-answer form (the
+                              env's `info["formatted"]`; else a math form, boxed, ####, "the
+                              answer is", named in `info["answer_format"]`)
   reply_tokens/<role>         the mean length of <role>'s replies (stop token included)
   episodes, dropped           how many were played, and how many could not be scored
 
@@ -216,13 +217,21 @@ def summarize(episodes, team) -> dict:
   final = [e.infos[-1] for e in scored]
   for role in graded:
     out[f"accuracy/{role}"] = sum(float(bool(i.get("correct", {}).get(role))) for i in final) / n
-    if any("answer_format" in i for i in final):
-      out[f"answer_format_rate/{role}"] = sum(
-          float(i.get("answer_format", {}).get(role) in FORMATTED) for i in final) / n
+    if any("formatted" in i or "answer_format" in i for i in final):
+      out[f"answer_format_rate/{role}"] = sum(float(_formatted(i, role)) for i in final) / n
   for profile in team:
     lengths = [t.num_tokens for e in scored for t in e.turns if t.role == profile.role]
     out[f"reply_tokens/{profile.role}"] = float(np.mean(lengths)) if lengths else 0.0
   return out
+
+
+def _formatted(info: dict, role: str) -> bool:
+  """Whether `role`'s graded answer was in its task's final-answer form: the env's own verdict
+  (`info["formatted"]`, as each task's form differs: grid_path's is a path), else a math form
+  named in `info["answer_format"]` (an env of a user's that reports only that)."""
+  if "formatted" in info:
+    return bool(info["formatted"].get(role))
+  return info.get("answer_format", {}).get(role) in FORMATTED
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

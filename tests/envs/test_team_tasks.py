@@ -148,6 +148,40 @@ def test_one_episode_grades_the_graded_role(task):
     env.step({"second": right})
 
 
+# Per task: a right answer in its graded form without a box, and one given another way (a
+# grid path's moves are written one word each, as its prompt shows: "R D R").
+_UNBOXED = {"split_facts": ("The answer is {}.", "so it is {}"),
+            "verify_correct": ("#### {}", "so it is {}"),
+            "grid_path": ("Path: {}", "{}")}
+
+
+@pytest.mark.parametrize("task", sorted(MODULES))
+def test_the_held_out_format_rate_counts_each_tasks_own_form(task):
+  """evaluate's answer_format_rate reads the env's per-role `formatted`: grid_path's "Path:"
+  form is its graded form (it read 0 % when only the math forms counted)."""
+  from types import SimpleNamespace
+  from marft_jax.train import evaluate
+  env = team_tasks.make_env(task, team_tasks.problems(task, "test"), ("first", "second"),
+                            ("second",))
+  formatted_reply, other_reply = _UNBOXED[task]
+  infos = []
+  for seed, reply in enumerate([formatted_reply] * 3 + [other_reply]):
+    env.reset(seed)
+    answer = " ".join(env.problem.answer) if task == "grid_path" else env.problem.answer
+    infos.append(env.step({"first": "", "second": reply.format(answer)}).info)
+  assert [i["formatted"] for i in infos] == [{"second": True}] * 3 + [{"second": False}]
+  episodes = [SimpleNamespace(dropped=None, infos=[i], rewards=[[1.0]], turns=[])
+              for i in infos]
+  team = [SimpleNamespace(role="first", graded=False), SimpleNamespace(role="second",
+                                                                        graded=True)]
+  assert evaluate.summarize(episodes, team)["answer_format_rate/second"] == 0.75
+  # A user's env that names only its answer's form still counts the math forms.
+  for i in infos:
+    del i["formatted"]
+  assert evaluate.summarize(episodes, team)["answer_format_rate/second"] == (
+      0.0 if task == "grid_path" else 0.75)
+
+
 def _config(task, **changes):
   base = config_lib.TrainConfig(algorithm="marft_a")
   return algorithms.resolve(dataclasses.replace(
