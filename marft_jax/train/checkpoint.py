@@ -46,6 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+try:  # a private module of Orbax's, patched by `skip_orbax_byte_counts`
+  from orbax.checkpoint._src.serialization import tensorstore_utils as _orbax_tensorstore
+except ImportError:
+  _orbax_tensorstore = None
+_ORBAX_RAW_BYTES = getattr(_orbax_tensorstore, "get_tensorstore_raw_bytes", None)  # unpatched
+
 from marft_jax.lora import Adapters, save_peft_adapters
 from marft_jax.train.saved_steps import saved_steps
 from marft_jax.train.write_failures import writing
@@ -117,6 +123,29 @@ def _without_log_line(prefix: str):
     logger.removeFilter(drop)
 
 
+def skip_orbax_byte_counts() -> bool:
+  """Stops Orbax asking TensorStore for its bytes read and written around every save and
+  restore; returns whether it did (False where Orbax has no such call to replace).
+
+  Orbax (0.12) calls `tensorstore.experimental_collect_matching_metrics` twice per save or
+  restore only to log a throughput line and feed `jax.monitoring`, which nothing here reads;
+  in tensorstore 0.1.86 every call leaks the Python objects it returns (about one per
+  metric: measured with `gc.get_objects()`). Over a long run that is resident memory that
+  grows with each checkpoint (tests/train/test_checkpoint_memory.py). Process-wide and
+  idempotent: the first `Checkpointer` calls it.
+  """
+  if _ORBAX_RAW_BYTES is None:
+    return False
+  # None is Orbax's own "not measured": its raw-byte metrics are then skipped.
+  _orbax_tensorstore.get_tensorstore_raw_bytes = _no_byte_count
+  return True
+
+
+def _no_byte_count(direction=None) -> None:
+  del direction
+  return None
+
+
 class Checkpointer:
   """Saves and restores `(state, meta)` pairs by step in `workdir/checkpoints`.
 
@@ -150,6 +179,7 @@ class Checkpointer:
     self.exports_dir = os.path.join(self.workdir, "exports")
     self.async_save = async_save
     self.read_only = read_only
+    skip_orbax_byte_counts()
     self._closed = False
     policies = [ocp.checkpoint_managers.LatestN(n=max_to_keep)]
     if keep_every is not None:
