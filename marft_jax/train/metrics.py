@@ -12,6 +12,7 @@ and replace the PNG atomically, so a viewer never sees half an image.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import json
@@ -222,22 +223,20 @@ def _plottable(record: Mapping[str, Any], key: str) -> bool:
   return isinstance(value, (int, float)) and math.isfinite(value) and "step" in record
 
 
-def _as_arrays(pairs) -> tuple[np.ndarray, np.ndarray]:
-  steps, values = zip(*pairs) if pairs else ((), ())
-  return np.asarray(steps, float), np.asarray(values, float)
-
-
 def _read_series(jsonl_path: StrPath, keys: Sequence[str]) -> dict:
   """{key: (steps, values)} of a metrics JSONL file, read a record at a time. The trainer
   plots at every checkpoint: reading every record of a long run at once (`read_metrics`, ~6
   KB an iteration as dicts) raised its resident memory by ~5 KB an iteration, for good (the
   allocator kept the freed peak; bench/soak.py)."""
-  pairs = {key: [] for key in keys}
+  steps = {key: array.array("d") for key in keys}  # 8 bytes a point, not a tuple's ~100
+  values = {key: array.array("d") for key in keys}
   for record in iter_metrics(jsonl_path):
     for key in keys:
       if _plottable(record, key):
-        pairs[key].append((record["step"], record[key]))
-  return {key: _as_arrays(p) for key, p in pairs.items()}
+        steps[key].append(record["step"])
+        values[key].append(record[key])
+  return {key: (np.asarray(steps[key], float), np.asarray(values[key], float))
+          for key in keys}
 
 
 def _figure(panels: int, titled: bool):
@@ -257,6 +256,20 @@ def _figure(panels: int, titled: bool):
   return fig, list(axes)
 
 
+MAX_DRAWN_POINTS = 2000
+
+
+def drawn_points(n: int, most: int = MAX_DRAWN_POINTS) -> np.ndarray:
+  """The indices of a series of n points that a plot draws: all of them up to `most`, else
+  `most` evenly spaced ones, the first and the last among them. The trainer plots at every
+  checkpoint, so a 100,000-iteration run would otherwise draw (and hold, while it draws)
+  every iteration's point each time; at 7 inches wide, 2,000 points are denser than the
+  pixels. The smoothed line is computed over every point before it is thinned."""
+  if n <= most:
+    return np.arange(n)
+  return np.unique(np.linspace(0, n - 1, most).round().astype(np.int64))
+
+
 def _plot_series(ax, steps: np.ndarray, values: np.ndarray, smoothing: float,
                  label: Optional[str]) -> None:
   if not len(steps):
@@ -264,8 +277,9 @@ def _plot_series(ax, steps: np.ndarray, values: np.ndarray, smoothing: float,
     return
   order = np.argsort(steps, kind="stable")
   steps, values = steps[order], values[order]
-  line, = ax.plot(steps, smooth(values, smoothing), label=label)
-  ax.scatter(steps, values, s=6, alpha=0.35, color=line.get_color())
+  shown = drawn_points(len(steps))
+  line, = ax.plot(steps[shown], smooth(values, smoothing)[shown], label=label)
+  ax.scatter(steps[shown], values[shown], s=6, alpha=0.35, color=line.get_color())
   ax.grid(alpha=0.3)
 
 

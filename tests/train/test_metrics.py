@@ -11,6 +11,8 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensorboardX.proto import event_pb2
 
 from marft_jax.train import metrics
@@ -139,6 +141,40 @@ def test_unsmoothed_keys_draw_their_raw_values(tmp_path, monkeypatch):
                        keys=("reward", "heldout"), unsmoothed=("heldout",))
   np.testing.assert_allclose(lines[1], [0.1, 0.2, 0.3])
   assert metrics.smooth([0.1, 0.2, 0.3], 0.6)[-1] < 0.26  # what the smoothed line would have shown
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 20000), most=st.integers(2, 3000))
+def test_a_plot_draws_at_most_its_points_and_both_ends(n, most):
+  shown = metrics.drawn_points(n, most)
+  assert len(shown) == min(n, most) or (n > most and most - 1 <= len(shown) <= most)
+  assert list(shown) == sorted(set(shown.tolist())) and all(0 <= i < n for i in shown)
+  if n:
+    assert shown[0] == 0 and shown[-1] == n - 1
+  if n > most:  # evenly spread: no gap wider than two strides
+    assert np.diff(shown).max() <= 2 * (n - 1) / (most - 1) + 1
+
+
+def test_a_long_run_is_plotted_thinned_with_its_smoothed_end(tmp_path, monkeypatch):
+  """5,000 iterations draw 2,000 points, the last iteration's among them, and the line's end
+  is the smoothing over all 5,000 (not over the drawn ones)."""
+  from matplotlib.axes import Axes
+  drawn = []
+  real = Axes.plot
+  def plot(ax, x, y, *args, **kwargs):
+    drawn.append((np.asarray(x), np.asarray(y)))
+    return real(ax, x, y, *args, **kwargs)
+  monkeypatch.setattr(Axes, "plot", plot)
+  rng = np.random.default_rng(0)
+  rewards = rng.random(5000)
+  with MetricWriter(tmp_path) as writer:
+    for step, r in enumerate(rewards):
+      writer.write(step, {"reward": float(r)})
+  plot_learning_curves(tmp_path / "metrics.jsonl", tmp_path / "c.png")
+  (x, y), = drawn
+  assert len(x) == metrics.MAX_DRAWN_POINTS and x[0] == 0 and x[-1] == 4999
+  np.testing.assert_allclose(y[-1], metrics.smooth(rewards, 0.6)[-1], rtol=1e-12)
+  np.testing.assert_allclose(y, metrics.smooth(rewards, 0.6)[x.astype(int)], rtol=1e-12)
 
 
 def test_plot_runs_compares_several_files(tmp_path):
