@@ -311,8 +311,8 @@ def return_freed_memory() -> None:
   plots at every checkpoint, so this runs there: in bench/soak.py's tiny-model run,
   iterations 300-1,000 in one process, resident memory grew ~14 MB per 1,000 iterations
   without it (malloc's heaps grew ~30 MB, the blocks in use ~315 MB throughout, no
-  recompile) and stayed flat with it; the 3,000-iteration soak still grows ~4.6 MB per
-  1,000 (see bench/soak.py). A trim costs milliseconds (18 ms returning 100 MB).
+  recompile) and stayed flat with it; the 15,000-iteration soak levels off (see
+  bench/soak.py). A trim costs milliseconds (18 ms returning 100 MB).
   """
   trim = _malloc_trim()
   if trim is not None:
