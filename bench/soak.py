@@ -29,8 +29,9 @@ growth is the metric record itself, tensorboard 2,689 and metrics.jsonl 1,596 by
 iteration, one line and one event per metric per iteration (transcripts stop growing once
 their rolling pair is full). What removed the growth: malloc's free pages returned at each
 checkpoint (`metrics.return_freed_memory`); Orbax's TensorStore byte counts skipped
-(`checkpoint.skip_orbax_byte_counts`: each save leaked ~24 Python objects); the plot drawing
-at most 2,000 points a series. Over 3,000 iterations, the parts one at a time (RssAnon
+(`checkpoint.skip_orbax_byte_counts`: each save leaked ~24 Python objects). The plot's
+cap of 2,000 drawn points a series (`metrics.drawn_points`) came after this soak and is not
+in its figures. Over 3,000 iterations, the parts one at a time (RssAnon
 medians, iterations 250 to 3,000): no held-out evaluation and no checkpoint +1.9 MB;
 evaluations only +5.5 MB, one step near iteration 1,000 and flat after; checkpoints only
 +10.7 MB before the Orbax fix, +9.4 MB after, flattening.
