@@ -75,18 +75,15 @@ def _free_compiled_programs():
   gc.collect()
 
 
-def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "exactness: compares results bit for bit or to a measured rounding spread; "
-      "CI runs these a second time under another instruction set (MARFT_TEST_MAX_ISA)")
-
-
 def pytest_unconfigure(config):
   if _SESSION_CACHE is not None and not hasattr(config, "workerinput"):  # the controller's
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "exactness: compares results bit for bit or to a measured rounding spread; "
+      "CI runs these a second time under another instruction set (MARFT_TEST_MAX_ISA)")
   config.addinivalue_line(
       "markers", "slow: a reference check on the real SmolLM2-135M model (seconds to load); "
       "few, and still run in CI")
