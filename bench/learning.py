@@ -504,7 +504,8 @@ def main(argv: Sequence[str]) -> None:
           a: [shell(c) for c in cell_commands(a, 0, args.runs)] for a in ARMS})
     else:
       learning_results.write_team(args.results, os.path.join(ROOT, "docs"), TASKS,
-                                  TEAM_ARM_NAMES, {t: list(_ablations(t)) for t in TASKS})
+                                  TEAM_ARM_NAMES, {t: list(_ablations(t)) for t in TASKS},
+                                  readme=os.path.join(ROOT, "README.md"))
     return
   if args.budget:
     print("\n".join(budget_lines(keys)))

@@ -327,6 +327,52 @@ def test_team_aggregate_marks_pending_cells(tmp_path):
       "ppo_single"]["seeds"] == 0
 
 
+def _team_cell(results, task, arm, seed, problems):
+  folder = os.path.join(results, task, arm, f"seed{seed}")
+  os.makedirs(folder)
+  json.dump({"accuracy": float(np.mean(list(problems.values()))), "episodes": len(problems),
+             "token_budget": 64}, open(os.path.join(folder, "eval.json"), "w"))
+  json.dump(problems, open(os.path.join(folder, "problems.json"), "w"))
+
+
+def test_the_readme_row_is_the_best_multi_agent_arm_against_ppo(tmp_path):
+  """Per task: the trained two-agent arm of highest mean (never ppo_single, the majority
+  vote or the untuned team, even where they score higher), paired against ppo_single on each
+  seed's common problems; a task without a finished team arm is pending."""
+  results, docs = str(tmp_path / "results"), str(tmp_path / "docs")
+  os.makedirs(docs)
+  readme = str(tmp_path / "README.md")
+  open(readme, "w").write("# t\n\n" + learning_results.README_BEGIN + "\n"
+                          + learning_results.README_END + "\n\nafter\n")
+  scores = {"ppo_single": [[1, 1, 0, 0], [1, 0, 0, 0]], "marft_a_team": [[1, 0, 0, 0], [0, 0, 0, 0]],
+            "grpo_team": [[1, 1, 1, 0], [1, 1, 0, 0]], "majority_single": [[1, 1, 1, 1]] * 2,
+            "untuned_team": [[1, 1, 1, 1]] * 2}
+  for arm, per_seed in scores.items():
+    for seed, s in enumerate(per_seed):
+      _team_cell(results, "split_facts", arm, seed, {str(i): float(v) for i, v in enumerate(s)})
+  _team_cell(results, "grid_path", "ppo_single", 0, {"0": 1.0, "1": 0.0})
+  learning_results.write_team(results, docs, ["split_facts", "grid_path"],
+                              learning.TEAM_ARM_NAMES, {"split_facts": [], "grid_path": []},
+                              readme=readme)
+  text = open(readme).read()
+  assert text.startswith("# t\n\n" + learning_results.README_BEGIN) and text.endswith("\nafter\n")
+  # grpo 75 %, 50 % against ppo 50 %, 25 %: +25 points on both seeds (interval 0; of the
+  # means, t(1) · s / √2 = 12.71 · 0.177 / 1.414)
+  assert "| split_facts | grpo_team | 62.5 ± 158.8 | 37.5 ± 158.8 | +25.0 ± 0.0 |" in text
+  assert "| grid_path | pending | pending | 50.0 (1 seed) | pending |" in text
+
+
+def test_the_readmes_team_rows_are_the_finished_cells():
+  """The README's team rows are what the aggregator makes of the committed cells
+  (docs/results/): a cell added or removed without `--aggregate` fails here."""
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  block = readme.split(learning_results.README_BEGIN + "\n", 1)[1].split(
+      "\n" + learning_results.README_END, 1)[0]
+  summary = learning_results.summarize_team(os.path.join(ROOT, "docs", "results"), learning.TASKS,
+                                            learning.TEAM_ARM_NAMES)
+  assert block == learning_results.readme_rows(summary)
+
+
 def test_the_aggregator_does_not_import_the_driver():
   """bench.learning imports bench.learning_results, never the other way round."""
   path = os.path.join(ROOT, "bench", "learning_results.py")

@@ -16,9 +16,10 @@ it does copy a candidate.
 Grading is exact and accepts any way, not only the shortest. The graded reply's moves are
 its last `\\boxed{}`'s (move letters only, either case; spaces, commas, hyphens or arrows
 between them are ignored), else the run of move letters right after its last "Path:" or
-"path (from S to G) is" (the forms a small model writes: `Path: R D`, `The path from S to G
-is R D.`; letters each a word of their own, separated by spaces, hyphens or arrows: a comma
-ends the run). The moves from S must stay on the grid, never enter a wall and end on G.
+"path (from S to G) is" (the forms a small model writes: `Path: R D`, `Path: RRD`, `The path
+from S to G is R D.`; words of move letters, each one letter of either case or several in
+upper case, separated by spaces, hyphens or arrows: a comma ends the run, and a word such as
+"Right" or "dull" is no move). The moves from S must stay on the grid, never enter a wall and end on G.
 Anything else scores 0: neither form ("none"), a box with other text or a path's words
 without letters ("malformed"), a way off the grid or into a wall, or one that stops elsewhere
 ("boxed" or "path", wrong).
@@ -48,9 +49,11 @@ CANDIDATES = 3
 FORMATTED = ("boxed", "path")
 MOVES = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 _SEPARATORS = re.compile(r"[\s,;\-–>→]+")
-# "Path:" or "path (from S to G) is", then a run of move letters, each a word of its own
+# "Path:" or "path (from S to G) is", then a run of move words: one move letter of either case,
+# or several in upper case ("RRD"; a lower-case word of them is English: "dull")
 _PATH = re.compile(r"\bpath(?:\s+from\s+S\s+to\s+G)?\s*(?::|\bis\b)", re.IGNORECASE)
-_MOVE_RUN = re.compile(r"\s*[UDLR](?![A-Za-z])(?:[ \t\-–>→]*[UDLR](?![A-Za-z]))*", re.IGNORECASE)
+_MOVE_WORD = r"(?:[UDLR]{2,}|[UDLRudlr])(?![A-Za-z])"
+_MOVE_RUN = re.compile(rf"\s*{_MOVE_WORD}(?:[ \t\-–>→]*{_MOVE_WORD})*")
 
 
 def shortest(rows: Sequence[str]) -> Optional[str]:

@@ -44,6 +44,10 @@ _GRID = Problem("q", "RRDD", "g", meta={"rows": ["S.#", ".#.", "..G"]})
     ("Path: R R\nPath: D-D->R R", True, "path"),
     ("The path from S to G is D D R R, a short one.", True, "path"),
     ("Path: D D R R then stop", True, "path"),  # the run of letters, then other words
+    ("Path: DDRR.", True, "path"),  # upper-case letters written together
+    ("Path: DD-R R", True, "path"),
+    ("Path: DDRRU", False, "path"),  # past G
+    ("Path: ddrr", False, "malformed"),  # lower case together is a word, not moves
     ("The path from S to G is D D, R R.", False, "path"),  # a comma ends the run: D D
     ("Path: R R D D", False, "path"),  # into the wall
     ("Path: D D R R \\boxed{RR}", False, "boxed"),  # a box counts first
