@@ -7,6 +7,7 @@ model's transformers checkpoint, with our logits.
 PEFT loading of `save_peft_adapters`' folders in general: tests/lora/test_peft_io.py
 (test_our_adapters_load_in_peft_with_equal_logits). Here: the folders a trained run exports."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -93,6 +94,29 @@ def test_restore_gives_the_run_and_its_greedy_replies_equal_launch_eval(run, tmp
   with open(os.path.join(workdir, "eval.json")) as f:
     written = json.load(f)
   assert restored.evaluate(num_problems=PROBLEMS)["accuracy"] == written["accuracy"]
+
+
+def test_each_role_replies_through_its_own_adapter_and_no_other(run):
+  """Two trained adapters of a tiny model can give the same greedy tokens, so the PEFT
+  comparison below cannot tell which adapter a role used. Here the repeater's adapter alone
+  is pushed far from where training left it: the repeater's reply must change and the
+  speaker's must not (kills "every role uses adapter 0" and "every role uses adapter 1")."""
+  workdir, _, _, _ = run
+  restored = restore_lib.restore(workdir)
+  task, seen = "Repeat: 0", [("speaker", "0 0")]
+  rng = np.random.default_rng(0)
+
+  def pushed(x):  # [L, A=2, ...]: a large random B for adapter 1 only
+    x = np.array(x)
+    x[:, 1] += rng.normal(0.0, 5.0, x[:, 1].shape).astype(x.dtype)
+    return jnp.asarray(x)
+
+  layers = {target: {**factors, "b": pushed(factors["b"])}
+            for target, factors in restored.policy.layers.items()}
+  moved = dataclasses.replace(restored, policy=dataclasses.replace(restored.policy,
+                                                                   layers=layers))
+  assert moved.reply("speaker", task) == restored.reply("speaker", task)
+  assert moved.reply("repeater", task, seen) != restored.reply("repeater", task, seen)
 
 
 def test_a_role_replies_with_its_own_adapter_as_launch_generate_does(run, tmp_path):
