@@ -278,16 +278,21 @@ def _pm(mean: Optional[float], half: Optional[float], seeds: int) -> str:
   return f"{100 * mean:+.1f} {ci}" if mean < 0 else f"{100 * mean:.1f} {ci}"
 
 
+def _signed(diff: dict) -> str:
+  """A paired difference (`paired_difference`) in points, signed, or "pending"."""
+  if not diff["seeds"]:
+    return "pending"
+  return f"{100 * diff['mean']:+.1f} " + ("(1 seed)" if diff["ci95"] is None
+                                         else f"± {100 * diff['ci95']:.1f}")
+
+
 def team_table(rows: dict[str, dict], references: Sequence[str] = REFERENCES) -> str:
   lines = ["| arm | held-out accuracy % | seeds | " + " | ".join(
       f"minus {ref} (points)" for ref in references) + " | tokens (iteration or problem) |",
            "| --- | --- | --- |" + " --- |" * len(references) + " --- |"]
   for arm, row in rows.items():
     vs = [row["vs"].get(ref) for ref in references]
-    diff = ["–" if d is None else ("pending" if not d["seeds"] else
-                                   f"{100 * d['mean']:+.1f} " + (
-                                       "(1 seed)" if d["ci95"] is None
-                                       else f"± {100 * d['ci95']:.1f}")) for d in vs]
+    diff = ["–" if d is None else _signed(d) for d in vs]
     budget = row.get("token_budget")
     lines.append(f"| {arm} | {_pm(row['mean'], row['ci95'], row['seeds'])} | {row['seeds']} | "
                  + " | ".join(diff) + f" | {'–' if budget is None else budget} |")
@@ -372,10 +377,7 @@ def readme_rows(summary: dict[str, dict]) -> str:
                    " | pending |")
       continue
     row = rows[best]
-    d = row["vs"].get("ppo_single", {"seeds": 0})
-    diff = "pending" if not d["seeds"] else _pm(d["mean"], d["ci95"], d["seeds"])
-    if d["seeds"] and d["mean"] >= 0:
-      diff = "+" + diff
+    diff = _signed(row["vs"].get("ppo_single", {"seeds": 0}))
     lines.append(f"| {task} | {best} | {_pm(row['mean'], row['ci95'], row['seeds'])} | "
                  f"{_pm(ppo['mean'], ppo['ci95'], ppo['seeds'])} | {diff} |")
   return "\n".join(lines)

@@ -19,7 +19,8 @@ between them are ignored), else the run of move letters right after its last "Pa
 "path (from S to G) is" (the forms a small model writes: `Path: R D`, `Path: RRD`, `The path
 from S to G is R D.`; words of move letters, each one letter of either case or several in
 upper case, separated by spaces, hyphens or arrows: a comma ends the run, and a word such as
-"Right" or "dull" is no move). The moves from S must stay on the grid, never enter a wall and end on G.
+"Right" or "dull" is no move). The moves from S must stay on the grid, never enter a wall
+and end on G.
 Anything else scores 0: neither form ("none"), a box with other text or a path's words
 without letters ("malformed"), a way off the grid or into a wall, or one that stops elsewhere
 ("boxed" or "path", wrong).
