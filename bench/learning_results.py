@@ -315,13 +315,14 @@ def analysis_table(rows: dict[str, dict]) -> str:
 
 def team_curves(results: str, task: str, arms: Sequence[str]) -> dict[str, list]:
   """{arm: [(iteration, mean held-out accuracy over seeds)]} of `task`'s trained arms
-  (iteration 0: untuned_team)."""
+  (iteration 0: untuned_team), from finished cells only (a running cell's curve points are
+  left out until its eval.json exists)."""
   base = [c["eval"]["accuracy"] for c in load_team_cells(results, task, "untuned_team").values()]
   out = {}
   for arm in arms:
     points: dict[int, list] = {}
-    for folder in glob.glob(os.path.join(results, task, arm, "seed*")):
-      for r in read_jsonl(os.path.join(folder, "heldout.jsonl")):
+    for path in glob.glob(os.path.join(results, task, arm, "seed*", "eval.json")):
+      for r in read_jsonl(os.path.join(os.path.dirname(path), "heldout.jsonl")):
         points.setdefault(int(r["iteration"]), []).append(float(r["accuracy"]))
     if points:
       if base:

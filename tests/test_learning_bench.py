@@ -362,6 +362,20 @@ def test_the_readme_row_is_the_best_multi_agent_arm_against_ppo(tmp_path):
   assert "| grid_path | pending | pending | 50.0 (1 seed) | pending |" in text
 
 
+def test_team_curves_take_finished_cells_only(tmp_path):
+  """A running cell's curve point (heldout.jsonl, no eval.json yet) is no number of the
+  report: the curves leave it out until the cell has finished."""
+  results = str(tmp_path)
+  _team_cell(results, "grid_path", "marft_a_team", 0, {"0": 1.0, "1": 0.0})
+  for seed, point in ((0, 0.25), (1, 0.75)):
+    folder = os.path.join(results, "grid_path", "marft_a_team", f"seed{seed}")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "heldout.jsonl"), "w") as f:
+      f.write(json.dumps({"iteration": 8, "accuracy": point, "problems": 40}) + "\n")
+  assert learning_results.team_curves(results, "grid_path", ["marft_a_team"]) == {
+      "marft_a_team": [(8, 0.25)]}
+
+
 def test_the_readmes_team_rows_are_the_finished_cells():
   """The README's team rows are what the aggregator makes of the committed cells
   (docs/results/): a cell added or removed without `--aggregate` fails here."""
