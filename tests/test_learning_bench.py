@@ -362,6 +362,39 @@ def test_the_readme_row_is_the_best_multi_agent_arm_against_ppo(tmp_path):
   assert "| grid_path | pending | pending | 50.0 (1 seed) | pending |" in text
 
 
+def test_accuracy_by_kind_splits_each_seeds_scores_by_the_problems_question(tmp_path):
+  """split_facts problems scored right exactly when they ask for a total: by kind, totals
+  100 % and differences 0 % on every seed (the kind read from each problem's question, not
+  its meta); a second arm right on seed 0's differences only: 100 % and 0 %, mean 50 ±
+  t(1)·s/√2."""
+  results, docs = str(tmp_path / "results"), str(tmp_path / "docs")
+  os.makedirs(docs)
+  source = team_tasks.problems("split_facts", "test")
+  is_total = {s: "How many more" not in source.problem_for_seed(s).question
+              for s in range(100, 130)}
+  assert 0 < sum(is_total.values()) < len(is_total)
+  for seed in (0, 1):
+    _team_cell(results, "split_facts", "ppo_single", seed,
+               {str(s): float(t) for s, t in is_total.items()})
+    _team_cell(results, "split_facts", "marft_a_team", seed,
+               {str(s): float(seed == 0 and not t) for s, t in is_total.items()})
+  summary = learning_results.write_team(results, docs, ["split_facts"], learning.TEAM_ARM_NAMES,
+                                        {"split_facts": []})
+  ppo = summary["split_facts"]["ppo_single"]["by_kind"]
+  assert (ppo["total"]["mean"], ppo["total"]["ci95"], ppo["difference"]["mean"]) == (1, 0, 0)
+  assert ppo["total"]["problems"] == sum(is_total.values())
+  team = summary["split_facts"]["marft_a_team"]["by_kind"]
+  assert team["total"]["mean"] == 0
+  mean, half = learning_results.ci95([1.0, 0.0])
+  assert (team["difference"]["mean"], team["difference"]["ci95"]) == (mean, pytest.approx(half))
+  md = open(os.path.join(docs, "results.md")).read()
+  n_diff, n_total = len(is_total) - sum(is_total.values()), sum(is_total.values())
+  assert f"| arm | difference ({n_diff}) | total ({n_total}) |" in md
+  assert "| ppo_single | 0.0 ± 0.0 | 100.0 ± 0.0 |" in md
+  assert f"| marft_a_team | 50.0 ± {100 * half:.1f} | 0.0 ± 0.0 |" in md
+  assert "| untuned_team |" not in md.split("by kind of problem")[1]
+
+
 def test_team_curves_take_finished_cells_only(tmp_path):
   """A running cell's curve point (heldout.jsonl, no eval.json yet) is no number of the
   report: the curves leave it out until the cell has finished."""

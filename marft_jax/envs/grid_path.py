@@ -113,7 +113,8 @@ def render(rows: Sequence[str]) -> str:
 
 def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
   """`n` problems of `split`; the same arguments always give the same list. `answer` is a
-  shortest path (one of several the grader accepts); meta: `rows` (the grid), `split`."""
+  shortest path (one of several the grader accepts); meta: `rows` (the grid), `kind` (how
+  long its shortest paths are: "2_moves", "3_moves", "4+_moves"), `split`."""
   rng = rng_for(NAME, split, seed)
   problems = []
   while len(problems) < n:
@@ -128,8 +129,14 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
       question += f"\nCandidate paths: {listed}."
     problems.append(Problem(question=question, answer=path,
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
-                            meta={"rows": list(rows), "split": split}))
+                            meta={"rows": list(rows), "kind": path_kind(path),
+                                  "split": split}))
   return problems
+
+
+def path_kind(path: str) -> str:
+  """A problem's kind by its shortest path's length (2 to 3 moves, or 4 and more)."""
+  return f"{len(path)}_moves" if len(path) < 4 else "4+_moves"
 
 
 def read_path(reply: str) -> tuple[Optional[str], str]:

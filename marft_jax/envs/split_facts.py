@@ -59,25 +59,26 @@ def _draw(rng):
   else:
     question, answer = f"How many more {things} are in {x} than in {y}?", counts[i] - counts[j]
   signature = (NAME, container, tuple(counts), kind, i, j)
-  return facts, question, answer, signature, things
+  return facts, question, answer, signature, things, kind
 
 
 def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
   """`n` problems of `split`; the same arguments always give the same list. `question` is
   the whole problem (facts, then question: what a fingerprint hashes); meta holds
-  `facts`, `ask` (the question alone), `task` (what roles without a view see), `split`."""
+  `facts`, `ask` (the question alone), `task` (what roles without a view see), `kind`
+  (the question's, one of `KINDS`), `split`."""
   rng = rng_for(NAME, split, seed)
   problems = []
   while len(problems) < n:
     drawn = _draw(rng)
     if drawn is None or arithmetic.split_of(drawn[3]) != split:
       continue
-    facts, question, answer, _, things = drawn
+    facts, question, answer, _, things, kind = drawn
     problems.append(Problem(
         question=f"{facts}\n{question}", answer=str(answer),
         id=f"{NAME}-{split}-s{seed}-{len(problems)}",
         meta={"facts": facts, "ask": question, "task": TASK.format(things=things),
-              "split": split}))
+              "kind": kind, "split": split}))
   return problems
 
 

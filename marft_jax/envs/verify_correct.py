@@ -60,17 +60,18 @@ def _draw(rng):
 
 def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
   """`n` problems of `split`; the same arguments always give the same list (meta:
-  `expression`, `split`)."""
+  `expression`, `kind`: "times" when a step multiplies, else "add_sub", and `split`)."""
   rng = rng_for(NAME, split, seed)
   problems = []
   while len(problems) < n:
     drawn = _draw(rng)
     if drawn is None or arithmetic.split_of(drawn[2]) != split:
       continue
-    question, answer, _, expr = drawn
+    question, answer, signature, expr = drawn
+    kind = "times" if any(op == "times" for op, _ in signature[2]) else "add_sub"
     problems.append(Problem(question=question, answer=str(answer),
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
-                            meta={"expression": expr, "split": split}))
+                            meta={"expression": expr, "kind": kind, "split": split}))
   return problems
 
 

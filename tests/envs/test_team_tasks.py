@@ -5,6 +5,7 @@ shared stream refused where roles see views of their own).
 """
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -116,6 +117,31 @@ def test_every_shipped_grid_has_its_answer_as_a_way():
     assert grid_path.grade(f"\\boxed{{{p.answer}}}", p)[0]
 
 
+
+def _fewest_moves(rows):
+  """The length of the shortest way from S to G by trying every move string, shortest
+  first (independent of `grid_path.shortest`'s breadth-first search)."""
+  for k in range(1, 9):
+    if any(grid_path.follow(rows, "".join(m)) for m in itertools.product("UDLR", repeat=k)):
+      return k
+  return None
+
+
+@pytest.mark.parametrize("task", sorted(MODULES))
+def test_each_problems_kind_is_read_from_its_own_text(task):
+  problems = MODULES[task].generate_problems(150, 2, "test")
+  for p in problems:
+    if task == "split_facts":
+      want = "difference" if p.meta["ask"].startswith("How many more") else "total"
+    elif task == "verify_correct":
+      want = "times" if "*" in p.meta["expression"] else "add_sub"
+    else:
+      k = _fewest_moves(p.meta["rows"])
+      want = f"{k}_moves" if k < 4 else "4+_moves"
+    assert p.meta["kind"] == want, p
+  kinds = {"split_facts": set(split_facts.KINDS), "verify_correct": {"times", "add_sub"},
+           "grid_path": {"2_moves", "3_moves", "4+_moves"}}[task]
+  assert {p.meta["kind"] for p in problems} == kinds
 def test_split_facts_shows_each_half_to_one_role():
   p = split_facts.generate_problems(1, 0, "test")[0]
   obs = split_facts.observation(p, ("reporter", "middle", "answerer"))
