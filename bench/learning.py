@@ -478,12 +478,16 @@ def cells(sweep: str, arms: Sequence[str], tasks: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--sweep", default="arithmetic", choices=tuple(SWEEPS))
+  parser.add_argument("--sweep", default="arithmetic", choices=tuple(SWEEPS),
+                      help="which sweep: the arithmetic arms, or the team tasks' arms")
   parser.add_argument("--arms", default="", help="comma-separated arms (default: all)")
   parser.add_argument("--tasks", default=",".join(TASKS), help="team sweep: its tasks")
-  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+  parser.add_argument("--seeds", default=",".join(map(str, SEEDS)),
+                      help="comma-separated seeds; seed k of every arm scores the same "
+                           "held-out problems")
   parser.add_argument("--runs", default="/root/marft_runs", help="workdirs (checkpoints)")
-  parser.add_argument("--results", default=os.path.join(ROOT, "docs", "results"))
+  parser.add_argument("--results", default=os.path.join(ROOT, "docs", "results"),
+                      help="where finished cells' results go (a cell with eval.json is skipped)")
   parser.add_argument("--print_commands", action="store_true", help="print, run nothing")
   parser.add_argument("--budget", action="store_true", help="print each arm's token budget")
   parser.add_argument("--aggregate", action="store_true", help="write the results files")
