@@ -349,7 +349,8 @@ def kind_table(rows: dict[str, dict]) -> str:
     return "Accuracy by kind of problem: pending (no finished cell)."
   sizes = {k: next(row["by_kind"][k]["problems"] for row in rows.values()
                    if k in row.get("by_kind", {})) for k in kinds}
-  lines = ["Held-out accuracy % by kind of problem (its generator's `kind`; problems a seed):",
+  lines = ["Held-out accuracy % by kind of problem (its generator's `kind`; in brackets, how "
+           "many of a seed's held-out problems are of that kind):",
            "", "| arm | " + " | ".join(f"{k} ({sizes[k]:.0f})" for k in kinds) + " |",
            "| --- |" + " --- |" * len(kinds)]
   for arm, row in rows.items():
