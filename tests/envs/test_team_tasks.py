@@ -117,7 +117,6 @@ def test_every_shipped_grid_has_its_answer_as_a_way():
     assert grid_path.grade(f"\\boxed{{{p.answer}}}", p)[0]
 
 
-
 def _fewest_moves(rows):
   """The length of the shortest way from S to G by trying every move string, shortest
   first (independent of `grid_path.shortest`'s breadth-first search)."""
@@ -142,6 +141,8 @@ def test_each_problems_kind_is_read_from_its_own_text(task):
   kinds = {"split_facts": set(split_facts.KINDS), "verify_correct": {"times", "add_sub"},
            "grid_path": {"2_moves", "3_moves", "4+_moves"}}[task]
   assert {p.meta["kind"] for p in problems} == kinds
+
+
 def test_split_facts_shows_each_half_to_one_role():
   p = split_facts.generate_problems(1, 0, "test")[0]
   obs = split_facts.observation(p, ("reporter", "middle", "answerer"))
