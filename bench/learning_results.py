@@ -328,11 +328,21 @@ def team_table(rows: dict[str, dict], references: Sequence[str] = REFERENCES) ->
   return "\n".join(lines)
 
 
+# The per-role rates in the order a transcript is read: the first role's answer, what the last
+# role does with it, and the team's answer. Keys role_analysis adds later go after, sorted.
+ANALYSIS_ORDER = ("first_right_rate", "keeps_rate", "overrules_rate", "fixes_rate", "breaks_rate",
+                  "right_without_relay_rate", "last_right_rate")
+
+
 def analysis_table(rows: dict[str, dict]) -> str:
-  keys = sorted({k for row in rows.values() for k in row.get("analysis", {})})
+  present = {k for row in rows.values() for k in row.get("analysis", {})}
+  keys = [k for k in ANALYSIS_ORDER if k in present] + sorted(present - set(ANALYSIS_ORDER))
   if not keys:
     return "Per-role analysis: pending (no finished team cell)."
-  lines = ["Per-role analysis (the share of held-out episodes; `bench.learning.role_analysis`):",
+  lines = ["Per-role analysis (the share of held-out episodes; `bench.learning.role_analysis`: "
+           "the first role right; the last role keeping its answer, overruling it, overruling "
+           "it and right where it was wrong (fixes) or wrong where it was right (breaks); "
+           "split_facts: the answerer right though the relay was not; the team right):",
            "", "| arm | " + " | ".join(k.removesuffix("_rate") + " %" for k in keys) + " |",
            "| --- |" + " --- |" * len(keys)]
   for arm, row in rows.items():

@@ -287,6 +287,18 @@ def test_role_analysis_counts_who_fixes_what():
                  "keeps_rate": 0.25}
 
 
+def test_the_analysis_table_reads_in_transcript_order():
+  """Columns in the order a transcript is read (the first role, what the last does with its
+  answer, the team's answer), not alphabetical; a rate role_analysis adds later goes last."""
+  rows = {"marft_a_team": {"analysis": {"last_right_rate": 0.5, "fixes_rate": 0.125,
+                                        "first_right_rate": 0.25, "a_new_rate": 0.75}},
+          "ppo_single": {}}
+  lines = learning_results.analysis_table(rows).splitlines()
+  assert lines[2] == "| arm | first_right % | fixes % | last_right % | a_new % |"
+  assert lines[4:] == ["| marft_a_team | 25.0 | 12.5 | 50.0 | 75.0 |"]
+  assert "pending" in learning_results.analysis_table({"ppo_single": {}})
+
+
 def test_problem_scores_and_the_majority_vote():
   greedy = [_episode(7, "", "", "3", True), _episode(8, "", "", "4", False)]
   assert learning.problem_scores(greedy, 1) == {"7": 1.0, "8": 0.0}
