@@ -372,9 +372,9 @@ def kind_table(rows: dict[str, dict]) -> str:
 
 
 def team_curves(results: str, task: str, arms: Sequence[str]) -> dict[str, list]:
-  """{arm: [(iteration, mean held-out accuracy over seeds)]} of `task`'s trained arms
-  (iteration 0: untuned_team), from finished cells only (a running cell's curve points are
-  left out until its eval.json exists)."""
+  """{arm: [(iteration, mean, lowest, highest held-out accuracy over seeds, seeds)]} of
+  `task`'s trained arms (iteration 0: untuned_team), from finished cells only (a running
+  cell's curve points are left out until its eval.json exists)."""
   base = [c["eval"]["accuracy"] for c in load_team_cells(results, task, "untuned_team").values()]
   out = {}
   for arm in arms:
@@ -385,27 +385,33 @@ def team_curves(results: str, task: str, arms: Sequence[str]) -> dict[str, list]
     if points:
       if base:
         points[0] = base
-      out[arm] = [(k, float(np.mean(v))) for k, v in sorted(points.items())]
+      out[arm] = [(k, float(np.mean(v)), min(v), max(v), len(v))
+                  for k, v in sorted(points.items())]
   return out
 
 
 def plot_team(curve_data: dict[str, dict[str, list]], png_path: str) -> None:
-  """One panel per task: each trained arm's held-out accuracy against iterations."""
+  """One panel per task: each trained arm's mean held-out accuracy against iterations, a
+  band from its lowest to its highest seed, and its seed count in the legend."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
-  fig = Figure(figsize=(7, 2.6 * max(len(curve_data), 1)), layout="constrained")
+  fig = Figure(figsize=(7, 2.8 * max(len(curve_data), 1)), layout="constrained")
   FigureCanvasAgg(fig)
   axes = fig.subplots(max(len(curve_data), 1), 1, squeeze=False)[:, 0]
   for ax, (task, data) in zip(axes, curve_data.items()):
     for arm, points in data.items():
-      x, y = zip(*points)
-      ax.plot(x, y, marker="o", markersize=3, label=arm)
+      x, mean, low, high, seeds = zip(*points)
+      finished = seeds[-1]  # iteration 0 counts the untuned team's seeds instead
+      line, = ax.plot(x, 100 * np.array(mean), marker="o", markersize=3,
+                      label=f"{arm} ({finished} seed{'s' * (finished > 1)})")
+      ax.fill_between(x, 100 * np.array(low), 100 * np.array(high), color=line.get_color(),
+                      alpha=0.12, linewidth=0)
     ax.set_title(task, fontsize=9)
-    ax.set_ylabel("held-out accuracy")
+    ax.set_ylabel("held-out accuracy %")
     ax.grid(alpha=0.3)
     if data:
       ax.legend(loc="best", fontsize=7)
-  axes[-1].set_xlabel("iteration")
+  axes[-1].set_xlabel("iteration (band: lowest to highest seed)")
   fig.savefig(png_path, format="png", dpi=100)
 
 
@@ -463,7 +469,11 @@ def write_team(results: str, docs: str, tasks: Sequence[str], arms: Sequence[str
               team_table(extra[task], ABLATION_REFERENCES),
               analysis_table(summary[task]),
               kind_table(summary[task])]
-  parts += [f"![held-out accuracy of the team sweep's arms]({TEAM_CURVES_PNG})", TEAM_END]
+  parts += ["Held-out accuracy of each trained arm as it trains (greedy; iteration 0 is the "
+            "untuned team, the middle point the curve problems, the last the final "
+            "evaluation's), the mean over its finished seeds and a band from the lowest seed "
+            "to the highest:",
+            f"![held-out accuracy of the team sweep's arms]({TEAM_CURVES_PNG})", TEAM_END]
   replace_between(os.path.join(docs, "results.md"), TEAM_BEGIN, TEAM_END, "\n\n".join(parts),
                   "# Results")
   if readme is not None:

@@ -418,7 +418,27 @@ def test_team_curves_take_finished_cells_only(tmp_path):
     with open(os.path.join(folder, "heldout.jsonl"), "w") as f:
       f.write(json.dumps({"iteration": 8, "accuracy": point, "problems": 40}) + "\n")
   assert learning_results.team_curves(results, "grid_path", ["marft_a_team"]) == {
-      "marft_a_team": [(8, 0.25)]}
+      "marft_a_team": [(8, 0.25, 0.25, 0.25, 1)]}
+
+
+def test_team_curves_give_each_points_mean_and_spread_over_seeds(tmp_path):
+  """Iteration 0 is the untuned team's seeds; each later point the finished seeds' mean,
+  lowest and highest, and how many seeds it holds."""
+  results = str(tmp_path)
+  _team_cell(results, "grid_path", "untuned_team", 0, {"0": 0.0, "1": 0.0})
+  _team_cell(results, "grid_path", "untuned_team", 1, {"0": 1.0, "1": 0.0})
+  for seed, points in ((0, (0.25, 0.5)), (1, (0.75, 1.0)), (2, (0.5,))):
+    _team_cell(results, "grid_path", "marft_a_team", seed, {"0": 1.0})
+    with open(os.path.join(results, "grid_path", "marft_a_team", f"seed{seed}",
+                           "heldout.jsonl"), "w") as f:
+      for iteration, point in zip((8, 16), points):
+        f.write(json.dumps({"iteration": iteration, "accuracy": point}) + "\n")
+  got = learning_results.team_curves(results, "grid_path", ["marft_a_team", "ppo_single"])
+  assert got == {"marft_a_team": [(0, 0.25, 0.0, 0.5, 2), (8, 0.5, 0.25, 0.75, 3),
+                                  (16, 0.75, 0.5, 1.0, 2)]}
+  png = str(tmp_path / "curves.png")
+  learning_results.plot_team({"grid_path": got}, png)
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_the_readmes_team_rows_are_the_finished_cells():
