@@ -230,8 +230,28 @@ def load_team_cells(results: str, task: str, arm: str) -> dict[int, dict]:
     for name in ("eval", "problems", "analysis"):
       file = os.path.join(folder, f"{name}.json")
       cell[name] = json.load(open(file, encoding="utf-8")) if os.path.exists(file) else None
+    cell["metrics"] = read_jsonl(os.path.join(folder, "metrics.jsonl"))
     out[int(os.path.basename(folder)[len("seed"):])] = cell
   return out
+
+
+def training_signal(runs: dict[int, dict]) -> Optional[dict]:
+  """The reward a trained arm learned from (metrics.jsonl, one record per iteration): its
+  mean training reward and the share of its iterations in which no episode was rewarded
+  (a 0/1 reward: nothing for the policy gradient to push towards), each a mean over seeds;
+  None for an arm that did not train."""
+  per_seed = []
+  for cell in runs.values():
+    by_step = {int(r["step"]): float(r["reward"]) for r in cell.get("metrics") or []
+               if "reward" in r}
+    if by_step:
+      rewards = np.array(list(by_step.values()))
+      per_seed.append((rewards.mean(), np.mean(rewards == 0)))
+  if not per_seed:
+    return None
+  reward, rewardless = np.mean(per_seed, axis=0)
+  return {"reward": float(reward), "rewardless_iterations": float(rewardless),
+          "seeds": len(per_seed)}
 
 
 def paired_difference(arm: dict[int, dict], reference: dict[int, dict]) -> dict:
@@ -290,6 +310,9 @@ def summarize_team(results: str, tasks: Sequence[str], arms: Sequence[str],
         row["token_budget"] = next(iter(runs.values()))["eval"].get("token_budget")
         row["problems"] = int(next(iter(runs.values()))["eval"]["episodes"])
         row["by_kind"] = accuracy_by_kind(task, runs)
+        signal = training_signal(runs)
+        if signal:
+          row["training"] = signal
         analyses = [c["analysis"] for c in runs.values() if c["analysis"]]
         if analyses:
           row["analysis"] = {k: float(np.mean([a[k] for a in analyses]))
@@ -349,6 +372,19 @@ def analysis_table(rows: dict[str, dict]) -> str:
     if row.get("analysis"):
       lines.append(f"| {arm} | " + " | ".join(f"{100 * row['analysis'].get(k, 0):.1f}"
                                              for k in keys) + " |")
+  return "\n".join(lines)
+
+
+def training_table(rows: dict[str, dict]) -> str:
+  """Each trained arm's training signal (`training_signal`)."""
+  trained = {arm: row["training"] for arm, row in rows.items() if row.get("training")}
+  if not trained:
+    return "Training signal: pending (no finished trained cell)."
+  lines = ["Training signal (each iteration's episodes, from metrics.jsonl; mean over seeds):",
+           "", "| arm | training reward % | iterations with no rewarded episode % |",
+           "| --- | --- | --- |"]
+  lines += [f"| {arm} | {100 * t['reward']:.1f} | {100 * t['rewardless_iterations']:.0f} |"
+            for arm, t in trained.items()]
   return "\n".join(lines)
 
 
@@ -467,6 +503,7 @@ def write_team(results: str, docs: str, tasks: Sequence[str], arms: Sequence[str
               team_table(summary[task]),
               f"Ablations of marft_a_team ({task}):",
               team_table(extra[task], ABLATION_REFERENCES),
+              training_table(summary[task]),
               analysis_table(summary[task]),
               kind_table(summary[task])]
   parts += ["Held-out accuracy of each trained arm as it trains (greedy; iteration 0 is the "

@@ -299,6 +299,21 @@ def test_the_analysis_table_reads_in_transcript_order():
   assert "pending" in learning_results.analysis_table({"ppo_single": {}})
 
 
+def test_training_signal_is_each_seeds_reward_and_rewardless_iterations():
+  """Per seed, the mean of its iterations' rewards and the share of iterations whose reward
+  is 0, one record per step (a resumed step's last record counts); then the mean over
+  seeds. An arm that did not train (no metrics) has none."""
+  seed0 = [{"step": 0, "reward": 0.75}, {"step": 0, "reward": 0.0}, {"step": 1, "reward": 0.5},
+           {"step": 2, "reward": 0.0}, {"step": 3, "reward": 0.25}, {"step": 4}]
+  seed1 = [{"step": 0, "reward": 0.25}, {"step": 1, "reward": 0.25}]
+  got = learning_results.training_signal({0: {"metrics": seed0}, 1: {"metrics": seed1}})
+  assert got == {"reward": pytest.approx((0.1875 + 0.25) / 2),
+                 "rewardless_iterations": pytest.approx(0.25), "seeds": 2}
+  assert learning_results.training_signal({0: {"metrics": []}}) is None
+  table = learning_results.training_table({"marft_a_team": {"training": got}, "untuned_team": {}})
+  assert table.splitlines()[4:] == ["| marft_a_team | 21.9 | 25 |"]
+
+
 def test_problem_scores_and_the_majority_vote():
   greedy = [_episode(7, "", "", "3", True), _episode(8, "", "", "4", False)]
   assert learning.problem_scores(greedy, 1) == {"7": 1.0, "8": 0.0}
