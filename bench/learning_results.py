@@ -235,6 +235,17 @@ def load_team_cells(results: str, task: str, arm: str) -> dict[int, dict]:
   return out
 
 
+def reply_lengths(runs: dict[int, dict]) -> dict[str, float]:
+  """{role: its held-out replies' mean length in tokens, a mean over seeds}, in the order the
+  team acts (eval.json's `reply_tokens/<role>`)."""
+  per_role: dict[str, list] = {}
+  for cell in runs.values():
+    for key, value in cell["eval"].items():
+      if key.startswith("reply_tokens/"):
+        per_role.setdefault(key.removeprefix("reply_tokens/"), []).append(float(value))
+  return {role: float(np.mean(values)) for role, values in per_role.items()}
+
+
 def training_signal(runs: dict[int, dict]) -> Optional[dict]:
   """The reward a trained arm learned from (metrics.jsonl, one record per iteration): its
   mean training reward and the share of its iterations in which no episode was rewarded
@@ -310,6 +321,9 @@ def summarize_team(results: str, tasks: Sequence[str], arms: Sequence[str],
         row["token_budget"] = next(iter(runs.values()))["eval"].get("token_budget")
         row["problems"] = int(next(iter(runs.values()))["eval"]["episodes"])
         row["by_kind"] = accuracy_by_kind(task, runs)
+        lengths = reply_lengths(runs)
+        if lengths:
+          row["reply_tokens"] = lengths
         signal = training_signal(runs)
         if signal:
           row["training"] = signal
@@ -385,6 +399,19 @@ def training_table(rows: dict[str, dict]) -> str:
            "| --- | --- | --- |"]
   lines += [f"| {arm} | {100 * t['reward']:.1f} | {100 * t['rewardless_iterations']:.0f} |"
             for arm, t in trained.items()]
+  return "\n".join(lines)
+
+
+def reply_table(rows: dict[str, dict]) -> str:
+  """Each finished arm's held-out reply lengths by role (`reply_lengths`)."""
+  measured = {arm: row["reply_tokens"] for arm, row in rows.items() if row.get("reply_tokens")}
+  if not measured:
+    return "Reply lengths: pending (no finished cell)."
+  lines = ["Held-out reply length (generated tokens a reply, stop token included; each role's "
+           "mean over seeds, the roles in the order they act; the caps are the Setup's):",
+           "", "| arm | tokens by role |", "| --- | --- |"]
+  lines += [f"| {arm} | " + ", ".join(f"{role} {n:.1f}" for role, n in roles.items()) + " |"
+            for arm, roles in measured.items()]
   return "\n".join(lines)
 
 
@@ -504,6 +531,7 @@ def write_team(results: str, docs: str, tasks: Sequence[str], arms: Sequence[str
               f"Ablations of marft_a_team ({task}):",
               team_table(extra[task], ABLATION_REFERENCES),
               training_table(summary[task]),
+              reply_table(summary[task]),
               analysis_table(summary[task]),
               kind_table(summary[task])]
   parts += ["Held-out accuracy of each trained arm as it trains (greedy; iteration 0 is the "

@@ -314,6 +314,16 @@ def test_training_signal_is_each_seeds_reward_and_rewardless_iterations():
   assert table.splitlines()[4:] == ["| marft_a_team | 21.9 | 25 |"]
 
 
+def test_reply_lengths_are_each_roles_mean_over_seeds_in_acting_order():
+  runs = {0: {"eval": {"accuracy": 0.5, "reply_tokens/solver": 10.0, "reply_tokens/checker": 4.0}},
+          1: {"eval": {"reply_tokens/solver": 20.0, "reply_tokens/checker": 6.0}}}
+  got = learning_results.reply_lengths(runs)
+  assert list(got.items()) == [("solver", 15.0), ("checker", 5.0)]
+  assert learning_results.reply_lengths({0: {"eval": {"accuracy": 0.5}}}) == {}
+  table = learning_results.reply_table({"marft_a_team": {"reply_tokens": got}, "swapped": {}})
+  assert table.splitlines()[4:] == ["| marft_a_team | solver 15.0, checker 5.0 |"]
+
+
 def test_problem_scores_and_the_majority_vote():
   greedy = [_episode(7, "", "", "3", True), _episode(8, "", "", "4", False)]
   assert learning.problem_scores(greedy, 1) == {"7": 1.0, "8": 0.0}
