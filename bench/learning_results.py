@@ -6,15 +6,18 @@ docs/results.md and docs/learning_curves.png.
 
 Per arm: the held-out accuracy's mean over seeds and its 95 % interval, mean ± t₀.₉₇₅,ₙ₋₁·s/√n
 (Student's t, s the sample standard deviation over the n seeds; no interval for one seed);
-the graded role's answer-format rate; the mean reply length per role; the wall-clock of a run
+the graded role's answer-format rate; the mean reply length per role (`reply_lengths`, the
+roles in the order they act); the wall-clock of a run
 (training iterations for trained arms, the evaluation for untuned ones). Arms with no
 finished cell are listed as pending.
 
 The team sweep (`write_team`): per task and arm the held-out accuracy over seeds, and paired
 differences against single-agent PPO and the untuned team, each seed's difference taken on
 the problems both arms scored (problems.json: the same held-out problems by construction),
-mean ± t₀.₉₇₅,ₙ₋₁·s/√n over seeds; the per-role analyses (analysis.json); the accuracy by
-kind of problem (problems.json's scores, each problem's kind regenerated from its seed);
+mean ± t₀.₉₇₅,ₙ₋₁·s/√n over seeds; the training signal (metrics.jsonl: the mean training
+reward and the iterations with none); the reply lengths (eval.json); the per-role analyses
+(analysis.json); the accuracy by kind of problem (problems.json's scores, each problem's kind
+regenerated from its seed);
 docs/results/team.json, docs/team_curves.png and the part of docs/results.md between
 `TEAM_BEGIN`/`TEAM_END`.
 
@@ -75,12 +78,11 @@ def summarize(cells: dict[str, dict[int, dict]], arms: dict) -> dict[str, dict]:
       out[arm] = {"mean": None, "ci95": None, "seeds": 0}
       continue
     mean, half = ci95([r["accuracy"] for r in runs])
-    roles = sorted({k.split("/", 1)[1] for r in runs for k in r if k.startswith("reply_tokens/")})
     wall_key = "train_wall_s" if spec.trained else "driver_wall_s"
     out[arm] = {
         "mean": mean, "ci95": half, "seeds": len(runs),
         "answer_format_rate": _mean_of(runs, "answer_format_rate/"),
-        "reply_tokens": {role: _mean_of(runs, f"reply_tokens/{role}") for role in roles},
+        "reply_tokens": reply_lengths(runs),
         "wall_s": _mean_of(runs, wall_key),
         "problems": int(runs[0]["episodes"]),
     }
@@ -235,12 +237,12 @@ def load_team_cells(results: str, task: str, arm: str) -> dict[int, dict]:
   return out
 
 
-def reply_lengths(runs: dict[int, dict]) -> dict[str, float]:
-  """{role: its held-out replies' mean length in tokens, a mean over seeds}, in the order the
-  team acts (eval.json's `reply_tokens/<role>`)."""
+def reply_lengths(evals: Sequence[dict]) -> dict[str, float]:
+  """{role: its held-out replies' mean length in tokens, a mean over the seeds' eval.json
+  (`reply_tokens/<role>`)}, in the order the team acts."""
   per_role: dict[str, list] = {}
-  for cell in runs.values():
-    for key, value in cell["eval"].items():
+  for scores in evals:
+    for key, value in scores.items():
       if key.startswith("reply_tokens/"):
         per_role.setdefault(key.removeprefix("reply_tokens/"), []).append(float(value))
   return {role: float(np.mean(values)) for role, values in per_role.items()}
@@ -321,7 +323,7 @@ def summarize_team(results: str, tasks: Sequence[str], arms: Sequence[str],
         row["token_budget"] = next(iter(runs.values()))["eval"].get("token_budget")
         row["problems"] = int(next(iter(runs.values()))["eval"]["episodes"])
         row["by_kind"] = accuracy_by_kind(task, runs)
-        lengths = reply_lengths(runs)
+        lengths = reply_lengths([c["eval"] for c in runs.values()])
         if lengths:
           row["reply_tokens"] = lengths
         signal = training_signal(runs)

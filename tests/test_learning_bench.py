@@ -79,7 +79,7 @@ def test_aggregate_writes_the_table_json_and_curves(tmp_path):
   md = open(os.path.join(docs, "results.md")).read()
   assert md.startswith("# title\n\nhand-written") and md.rstrip().endswith("notes kept")
   assert "old" not in md
-  assert "| marft_a_2agent | 30.0 ± 24.8 | 3 | 70.0 | actor 8.0, reasoner 41.0 | 20.0 min |" in md
+  assert "| marft_a_2agent | 30.0 ± 24.8 | 3 | 70.0 | reasoner 41.0, actor 8.0 | 20.0 min |" in md
   assert "| untuned_2agent | 25.0 n/a (1 seed) | 1 | 10.0 |" in md
   assert "| grpo_2agent | pending | 0 |" in md
   assert os.path.getsize(os.path.join(docs, learning_results.CURVES_PNG)) > 1000
@@ -315,11 +315,11 @@ def test_training_signal_is_each_seeds_reward_and_rewardless_iterations():
 
 
 def test_reply_lengths_are_each_roles_mean_over_seeds_in_acting_order():
-  runs = {0: {"eval": {"accuracy": 0.5, "reply_tokens/solver": 10.0, "reply_tokens/checker": 4.0}},
-          1: {"eval": {"reply_tokens/solver": 20.0, "reply_tokens/checker": 6.0}}}
-  got = learning_results.reply_lengths(runs)
+  evals = [{"accuracy": 0.5, "reply_tokens/solver": 10.0, "reply_tokens/checker": 4.0},
+           {"reply_tokens/solver": 20.0, "reply_tokens/checker": 6.0}]
+  got = learning_results.reply_lengths(evals)
   assert list(got.items()) == [("solver", 15.0), ("checker", 5.0)]
-  assert learning_results.reply_lengths({0: {"eval": {"accuracy": 0.5}}}) == {}
+  assert learning_results.reply_lengths([{"accuracy": 0.5}]) == {}
   table = learning_results.reply_table({"marft_a_team": {"reply_tokens": got}, "swapped": {}})
   assert table.splitlines()[4:] == ["| marft_a_team | solver 15.0, checker 5.0 |"]
 
