@@ -41,7 +41,8 @@ first, and whether it is right).
 
 Resume: workdirs live outside the repository (`--runs`, default /root/marft_runs/<key>/seed<k>);
 `launch.train` resumes from the checkpoint there, and a cell whose eval.json exists in
-`--results` (default docs/results/<key>/seed<k>/) is skipped. Rerunning the same command
+`--results` (default docs/results/<key>/seed<k>/) is skipped. A running cell's files (its
+curve points too) stay in its workdir; `--results` gets them when the cell has finished. Rerunning the same command
 continues a sweep that spans sessions. Only small files enter `--results`.
 
   python -m bench.learning --sweep=team --budget                  # the token budget per arm
@@ -419,10 +420,13 @@ def run_cell(key: str, seed: int, runs: str, results: str, sweep: Optional[dict]
     print("budget: " + budget_lines([key])[0], flush=True)
   work = workdir(runs, key, seed)
   os.makedirs(work, exist_ok=True)
-  os.makedirs(out, exist_ok=True)
   log = os.path.join(work, "driver.log")
   start = time.time()
-  curve_path = os.path.join(out, "heldout.jsonl")
+  # A running cell's curve points stay in its workdir, so that `results` (the repository)
+  # holds finished cells only; a cell begun before they moved there brings its points along.
+  curve_path = os.path.join(work, "heldout.jsonl")
+  if os.path.exists(os.path.join(out, "heldout.jsonl")) and not os.path.exists(curve_path):
+    shutil.move(os.path.join(out, "heldout.jsonl"), curve_path)
   if spec.trained:
     for stop in s["curve_points"]:
       if any(r["iteration"] >= stop for r in read_jsonl(curve_path)):
@@ -438,6 +442,7 @@ def run_cell(key: str, seed: int, runs: str, results: str, sweep: Optional[dict]
   _run(cell_commands(key, seed, runs, sweep)[-1], log)
   result = _eval_json(work, key)
   result["driver_wall_s"] = time.time() - start  # this session's share (a resume: less)
+  os.makedirs(out, exist_ok=True)
   if spec.trained:
     metrics = os.path.join(work, "metrics.jsonl")
     shutil.copyfile(metrics, os.path.join(out, "metrics.jsonl"))
@@ -446,6 +451,7 @@ def run_cell(key: str, seed: int, runs: str, results: str, sweep: Optional[dict]
     with open(curve_path, "a", encoding="utf-8") as f:
       f.write(json.dumps({"iteration": s["iterations"], "accuracy": result["accuracy"],
                           "problems": result["episodes"]}) + "\n")
+    shutil.copyfile(curve_path, os.path.join(out, "heldout.jsonl"))
   if task:
     _write_task_files(key, work, out, result)
   result["commands"] = [shell(c) for c in cell_commands(key, seed, runs, sweep)]

@@ -174,6 +174,42 @@ def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
   assert ran == []
 
 
+def test_a_running_cell_keeps_its_files_out_of_the_results(tmp_path, monkeypatch):
+  """A cell stopped after its mid-run point has nothing in `results` (the repository holds
+  finished cells only); resumed, it runs only what is left and then writes its files."""
+  runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
+  ran = []
+
+  def fake_run(command, log_path):
+    ran.append(command[2])
+    work = next(w for w in command if w.startswith("--workdir="))[len("--workdir="):]
+    if command[2] == "launch.train":
+      stop = int(next(w for w in command if w.startswith("--config.iterations=")).split("=")[1])
+      if stop == learning.SWEEP["iterations"] and len(ran) == 3:
+        raise KeyboardInterrupt  # the session stops during the last segment
+      with open(os.path.join(work, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": stop - 1, "reward": 0.5, "time/iteration_s": 1.0}) + "\n")
+      open(os.path.join(work, "step"), "w").write(str(stop))
+    else:
+      step = int(open(os.path.join(work, "step")).read())
+      with open(os.path.join(work, "eval.json"), "w") as f:
+        json.dump({"accuracy": step / 100, "episodes": 4, "checkpoint_step": step}, f)
+
+  monkeypatch.setattr(learning, "_run", fake_run)
+  with pytest.raises(KeyboardInterrupt):
+    learning.run_cell("marft_a_2agent", 0, runs, results)
+  assert ran == ["launch.train", "launch.eval", "launch.train"]
+  assert not os.path.exists(os.path.join(results, "marft_a_2agent"))
+  ran.clear()
+  learning.run_cell("marft_a_2agent", 0, runs, results)
+  assert ran == ["launch.train", "launch.eval"]  # the mid-run point is not evaluated again
+  out = os.path.join(results, "marft_a_2agent", "seed0")
+  mid, end = learning.SWEEP["curve_points"][0], learning.SWEEP["iterations"]
+  assert [r["iteration"] for r in learning.read_jsonl(os.path.join(out, "heldout.jsonl"))] \
+      == [mid, end]
+  assert sorted(os.listdir(out)) == ["eval.json", "heldout.jsonl", "metrics.jsonl"]
+
+
 # --- the team sweep ----------------------------------------------------------------------------
 
 TEAM_TRAINED = [k for k, spec in learning.TEAM_ARMS.items() if spec.trained]
