@@ -42,8 +42,9 @@ first, and whether it is right).
 Resume: workdirs live outside the repository (`--runs`, default /root/marft_runs/<key>/seed<k>);
 `launch.train` resumes from the checkpoint there, and a cell whose eval.json exists in
 `--results` (default docs/results/<key>/seed<k>/) is skipped. A running cell's files (its
-curve points too) stay in its workdir; `--results` gets them when the cell has finished. Rerunning the same command
-continues a sweep that spans sessions. Only small files enter `--results`.
+curve points too) stay in its workdir; `--results` gets them when the cell has finished.
+Rerunning the same command continues a sweep that spans sessions. Only small files enter
+`--results`.
 
   python -m bench.learning --sweep=team --budget                  # the token budget per arm
   python -m bench.learning --sweep=team --print_commands           # every cell's commands

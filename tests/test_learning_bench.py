@@ -132,13 +132,14 @@ def test_every_trained_arm_has_the_same_rollout_budget():
   assert budgets == {(s["iterations"] * s["episodes"], s["reasoner_tokens"] + s["actor_tokens"])}
 
 
-def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
-  """Segments already on record are not rerun; a finished cell runs nothing."""
-  runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
-  ran = []
+def _fake_launch(ran, interrupt_call=None):
+  """Plays launch.train / launch.eval with files only, recording each command in `ran`;
+  call number `interrupt_call` (1-based) raises KeyboardInterrupt, as a stopped session."""
 
-  def fake_run(command, log_path):  # plays launch.train / launch.eval: files only
+  def fake_run(command, log_path):
     ran.append(command)
+    if len(ran) == interrupt_call:
+      raise KeyboardInterrupt
     work = next(w for w in command if w.startswith("--workdir="))[len("--workdir="):]
     if command[2] == "launch.train":
       stop = int(next(w for w in command if w.startswith("--config.iterations="))
@@ -154,7 +155,14 @@ def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
       with open(os.path.join(work, "eval.json"), "w") as f:
         json.dump({"accuracy": step / 100, "episodes": problems, "checkpoint_step": step}, f)
 
-  monkeypatch.setattr(learning, "_run", fake_run)
+  return fake_run
+
+
+def test_run_cell_resumes_where_its_files_say(tmp_path, monkeypatch):
+  """Segments already on record are not rerun; a finished cell runs nothing."""
+  runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
+  ran = []
+  monkeypatch.setattr(learning, "_run", _fake_launch(ran))
   mid, end = learning.SWEEP["curve_points"][0], learning.SWEEP["iterations"]
   out = os.path.join(results, "marft_a_2agent", "seed0")
   os.makedirs(out)
@@ -179,30 +187,16 @@ def test_a_running_cell_keeps_its_files_out_of_the_results(tmp_path, monkeypatch
   finished cells only); resumed, it runs only what is left and then writes its files."""
   runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
   ran = []
-
-  def fake_run(command, log_path):
-    ran.append(command[2])
-    work = next(w for w in command if w.startswith("--workdir="))[len("--workdir="):]
-    if command[2] == "launch.train":
-      stop = int(next(w for w in command if w.startswith("--config.iterations=")).split("=")[1])
-      if stop == learning.SWEEP["iterations"] and len(ran) == 3:
-        raise KeyboardInterrupt  # the session stops during the last segment
-      with open(os.path.join(work, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": stop - 1, "reward": 0.5, "time/iteration_s": 1.0}) + "\n")
-      open(os.path.join(work, "step"), "w").write(str(stop))
-    else:
-      step = int(open(os.path.join(work, "step")).read())
-      with open(os.path.join(work, "eval.json"), "w") as f:
-        json.dump({"accuracy": step / 100, "episodes": 4, "checkpoint_step": step}, f)
-
-  monkeypatch.setattr(learning, "_run", fake_run)
+  # the mid-run segment trains and evaluates; the session stops during the last segment
+  monkeypatch.setattr(learning, "_run", _fake_launch(ran, interrupt_call=3))
   with pytest.raises(KeyboardInterrupt):
     learning.run_cell("marft_a_2agent", 0, runs, results)
-  assert ran == ["launch.train", "launch.eval", "launch.train"]
+  assert [c[2] for c in ran] == ["launch.train", "launch.eval", "launch.train"]
   assert not os.path.exists(os.path.join(results, "marft_a_2agent"))
   ran.clear()
   learning.run_cell("marft_a_2agent", 0, runs, results)
-  assert ran == ["launch.train", "launch.eval"]  # the mid-run point is not evaluated again
+  # the mid-run point is not evaluated again
+  assert [c[2] for c in ran] == ["launch.train", "launch.eval"]
   out = os.path.join(results, "marft_a_2agent", "seed0")
   mid, end = learning.SWEEP["curve_points"][0], learning.SWEEP["iterations"]
   assert [r["iteration"] for r in learning.read_jsonl(os.path.join(out, "heldout.jsonl"))] \
