@@ -106,7 +106,8 @@ _SAME_WORKER = {"tests/envs/test_code_env.py": "tests/envs/test_sandbox.py"}
 # busy to the end (two runs: 832 and 840 s, 908 and 909 s). A renamed file must be renamed
 # here too (test_suite_order.py checks that each exists).
 _SLOW_FILES_FIRST = (
-    "tests/train/test_trainer.py", "tests/test_combinations.py", "tests/models/test_layouts.py",
+    "tests/train/test_trainer.py", "tests/train/test_config_keys.py",  # its key cover: 2+ min
+    "tests/test_combinations.py", "tests/models/test_layouts.py",
     "tests/train/test_multihost.py", "tests/test_bench.py", "tests/train/test_evaluate.py",
     "tests/train/test_async_rollout.py",  # 44 s alone at load average 2.6, 85 s at 9
     "tests/train/test_graphs_end_to_end.py", "tests/train/test_process_split.py",
@@ -116,6 +117,7 @@ _SLOW_FILES_FIRST = (
     "tests/models/test_transformer.py", "tests/test_launch.py", "tests/train/test_teams.py",
     "tests/rollout/test_rewards.py", "tests/train/test_steady_state_compiles.py",
     "tests/test_bench_accelerator.py", "tests/models/test_sampler_fast_paths.py",
+    "tests/test_launch_configs.py",
     "tests/test_packaging.py")  # a fresh venv and a wheel: 60-90 s
 
 
