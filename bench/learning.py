@@ -36,8 +36,10 @@ every arm of a sweep scores the same held-out problems (the evaluation's seed co
 `config.seed` and every arm plays them in calls of the same size; the majority vote's calls
 hold its samples of as many problems), so arms are compared by paired differences per seed.
 Each cell keeps, beside its eval.json, problems.json (each problem's 0/1 score by its seed),
-and for a team of two analysis.json (`role_analysis`: how often the last role overrules the
-first, and whether it is right).
+for a team of two analysis.json (`role_analysis`: how often the last role overrules the
+first, and whether it is right), and on grid_path choice.json (`candidate_choice`: how often
+the graded path copies a listed candidate, and which). `--reanalyse` rewrites those two from
+the transcripts in the finished cells' workdirs.
 
 Resume: workdirs live outside the repository (`--runs`, default /root/marft_runs/<key>/seed<k>);
 `launch.train` resumes from the checkpoint there, and a cell whose eval.json exists in
@@ -350,6 +352,39 @@ def role_analysis(task: str, episodes: Sequence[dict]) -> dict:
           **{f"{k}_rate": counts[k] / n for k in counts if k != "episodes"}}
 
 
+def candidate_choice(task: str, episodes: Sequence[dict]) -> Optional[dict]:
+  """Where the graded path comes from, over a grid_path cell's greedy held-out transcripts
+  (None for another task, or a grid with no candidates listed): one of the task's listed
+  candidates, by its place in the list, another path or no path; and how often a copied
+  candidate is the right one (a pick that ignores the grid is right 1 in `CANDIDATES`)."""
+  if task != "grid_path":
+    return None
+  source = team_tasks.problems(task, "test")
+  counts = collections.Counter()
+  for e in episodes:
+    if e.get("dropped"):
+      continue
+    listed = source.problem_for_seed(int(e["seed"])).meta["candidates"]
+    if not listed:
+      return None
+    info = e["infos"][-1]
+    role = next(iter(info["correct"]))
+    path, right = info["prediction"][role], bool(info["correct"][role])
+    counts["episodes"] += 1
+    if path in listed:
+      counts["candidate"] += 1
+      counts[f"place_{listed.index(path) + 1}"] += 1
+      counts["candidate_right"] += right
+    else:
+      counts["other_path" if path else "no_path"] += 1
+  n = max(counts["episodes"], 1)
+  return {"episodes": counts["episodes"], "candidates": len(listed),
+          **{f"{k}_rate": counts[k] / n for k in
+             ("candidate", *(f"place_{i + 1}" for i in range(len(listed))), "other_path",
+              "no_path")},
+          "right_when_candidate": counts["candidate_right"] / max(counts["candidate"], 1)}
+
+
 def problem_scores(episodes: Sequence[dict], samples: int) -> dict[str, float]:
   """{problem seed: 0/1}: each problem's greedy score, or with samples > 1 its majority
   vote's (the most common graded answer, ties to the one drawn first; no answer no vote)."""
@@ -471,9 +506,38 @@ def _write_task_files(key: str, work: str, out: str, result: dict) -> None:
   result["token_budget"] = token_budget(key)
   with open(os.path.join(out, "problems.json"), "w", encoding="utf-8") as f:
     json.dump(scores, f, sort_keys=True)
-  if spec.agents == 2 and spec.samples == 1:
-    with open(os.path.join(out, "analysis.json"), "w", encoding="utf-8") as f:
-      json.dump(role_analysis(task_of(key), episodes), f, indent=2)
+  write_analyses(key, episodes, out)
+
+
+def write_analyses(key: str, episodes: Sequence[dict], out: str) -> list[str]:
+  """A greedy cell's analyses of its held-out transcripts: analysis.json (`role_analysis`)
+  for a team of two, choice.json (`candidate_choice`) on grid_path. Returns the files
+  written."""
+  spec, task = spec_of(key), task_of(key)
+  if spec.samples != 1:
+    return []
+  analyses = {"analysis": role_analysis(task, episodes) if spec.agents == 2 else None,
+              "choice": candidate_choice(task, episodes)}
+  written = [name for name, analysis in analyses.items() if analysis is not None]
+  for name in written:
+    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
+      json.dump(analyses[name], f, indent=2)
+  return written
+
+
+def reanalyse(keys: Sequence[str], seeds: Sequence[int], runs: str, results: str) -> list[str]:
+  """Rewrites the analyses (`write_analyses`) of the finished cells whose workdir still holds
+  their held-out transcripts, so that an analysis added later covers cells run before it;
+  their scores and eval.json are left as they are. Returns the cells rewritten."""
+  done = []
+  for key in keys:
+    for seed in seeds:
+      out = os.path.join(results, key, f"seed{seed}")
+      path = os.path.join(workdir(runs, key, seed), f"{_result_stem(key)}_transcripts.jsonl")
+      if task_of(key) and os.path.exists(os.path.join(out, "eval.json")) and \
+          os.path.exists(path) and write_analyses(key, read_jsonl(path), out):
+        done.append(f"{key} seed {seed}")
+  return done
 
 
 def cells(sweep: str, arms: Sequence[str], tasks: Sequence[str]) -> list[str]:
@@ -498,6 +562,9 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("--print_commands", action="store_true", help="print, run nothing")
   parser.add_argument("--budget", action="store_true", help="print each arm's token budget")
   parser.add_argument("--aggregate", action="store_true", help="write the results files")
+  parser.add_argument("--reanalyse", action="store_true",
+                      help="team sweep: rewrite finished cells' transcript analyses from "
+                           "their workdirs' transcripts (those that still have them)")
   args = parser.parse_args(argv)
   names = list(ARMS) if args.sweep == "arithmetic" else sorted(
       {k.split("/", 1)[1] for k in SWEEPS["team"]})
@@ -520,6 +587,11 @@ def main(argv: Sequence[str]) -> None:
     return
   if args.budget:
     print("\n".join(budget_lines(keys)))
+    return
+  if args.reanalyse:
+    done = reanalyse(keys, seeds, args.runs, args.results)
+    print("\n".join(f"reanalysed {cell}" for cell in done) or "no finished cell with its "
+          f"transcripts under {args.runs}")
     return
   for key in keys:
     for seed in seeds:

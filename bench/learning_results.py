@@ -16,7 +16,8 @@ differences against single-agent PPO and the untuned team, each seed's differenc
 the problems both arms scored (problems.json: the same held-out problems by construction),
 mean ± t₀.₉₇₅,ₙ₋₁·s/√n over seeds; the training signal (metrics.jsonl: the mean training
 reward and the iterations with none); the reply lengths (eval.json); the per-role analyses
-(analysis.json); the accuracy by kind of problem (problems.json's scores, each problem's kind
+(analysis.json); on grid_path where the graded path comes from (choice.json); the accuracy by
+kind of problem (problems.json's scores, each problem's kind
 regenerated from its seed);
 docs/results/team.json, docs/team_curves.png and the part of docs/results.md between
 `TEAM_BEGIN`/`TEAM_END`.
@@ -223,13 +224,14 @@ ABLATION_REFERENCES = ("marft_a_team", "ppo_single")  # what each ablation is pa
 
 
 def load_team_cells(results: str, task: str, arm: str) -> dict[int, dict]:
-  """{seed: {"eval": eval.json, "problems": problems.json, "analysis": analysis.json or
-  None}} of `task`/`arm`'s finished cells."""
+  """{seed: {"eval": eval.json, "problems": problems.json, "analysis": analysis.json,
+  "choice": choice.json (each None where the cell has none), "metrics": metrics.jsonl's
+  records}} of `task`/`arm`'s finished cells."""
   out = {}
   for path in sorted(glob.glob(os.path.join(results, task, arm, "seed*", "eval.json"))):
     folder = os.path.dirname(path)
     cell = {}
-    for name in ("eval", "problems", "analysis"):
+    for name in ("eval", "problems", "analysis", "choice"):
       file = os.path.join(folder, f"{name}.json")
       cell[name] = json.load(open(file, encoding="utf-8")) if os.path.exists(file) else None
     cell["metrics"] = read_jsonl(os.path.join(folder, "metrics.jsonl"))
@@ -333,6 +335,11 @@ def summarize_team(results: str, tasks: Sequence[str], arms: Sequence[str],
         if analyses:
           row["analysis"] = {k: float(np.mean([a[k] for a in analyses]))
                              for k in analyses[0] if k.endswith("_rate")}
+        choices = [c["choice"] for c in runs.values() if c["choice"]]
+        if choices:  # the seeds whose transcripts were analysed: maybe fewer than `seeds`
+          row["choice"] = {"seeds": [k for k, c in runs.items() if c["choice"]], **{
+              k: float(np.mean([c[k] for c in choices])) for k in choices[0]
+              if k.endswith("_rate") or k == "right_when_candidate"}}
       row["vs"] = {ref: paired_difference(runs, cells[ref]) for ref in references
                    if ref != arm}
       out[task][arm] = row
@@ -388,6 +395,29 @@ def analysis_table(rows: dict[str, dict]) -> str:
     if row.get("analysis"):
       lines.append(f"| {arm} | " + " | ".join(f"{100 * row['analysis'].get(k, 0):.1f}"
                                              for k in keys) + " |")
+  return "\n".join(lines)
+
+
+def choice_table(rows: dict[str, dict]) -> Optional[str]:
+  """Where each arm's graded path comes from (`bench.learning.candidate_choice`), or None
+  where no row has it (a task that lists no candidates)."""
+  measured = {arm: row["choice"] for arm, row in rows.items() if row.get("choice")}
+  if not measured:
+    return None
+  places = sorted({k for c in measured.values() for k in c if k.startswith("place_")})
+  lines = ["Where the graded path comes from (the share of held-out episodes, mean over the "
+           "seeds whose transcripts were analysed, by number; `bench.learning.candidate_choice`): one of "
+           "the listed candidates, by its place in the list, or another path; and how often a "
+           "copied candidate is the right one (a pick that ignores the grid: "
+           f"{100 / len(places):.0f} %):",
+           "", "| arm | seeds | a candidate % | " + " | ".join(
+               f"{p.removeprefix('place_').removesuffix('_rate')}. listed %" for p in places)
+           + " | another path % | no path % | right when a candidate % |",
+           "| --- | --- | --- |" + " --- |" * len(places) + " --- | --- | --- |"]
+  for arm, c in measured.items():
+    lines.append(f"| {arm} | {', '.join(map(str, c['seeds']))} | {100 * c['candidate_rate']:.1f} | " + " | ".join(
+        f"{100 * c.get(p, 0):.1f}" for p in places) + f" | {100 * c['other_path_rate']:.1f} | "
+        f"{100 * c['no_path_rate']:.1f} | {100 * c['right_when_candidate']:.1f} |")
   return "\n".join(lines)
 
 
@@ -535,7 +565,9 @@ def write_team(results: str, docs: str, tasks: Sequence[str], arms: Sequence[str
               training_table(summary[task]),
               reply_table(summary[task]),
               analysis_table(summary[task]),
+              choice_table({**summary[task], **extra[task]}),
               kind_table(summary[task])]
+  parts = [part for part in parts if part is not None]
   parts += ["Held-out accuracy of each trained arm as it trains (greedy; iteration 0 is the "
             "untuned team, the middle point the curve problems, the last the final "
             "evaluation's), the mean over its finished seeds and a band from the lowest seed "

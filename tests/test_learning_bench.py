@@ -4,6 +4,7 @@ sweep's arms: equal generated tokens per iteration (counted from the parsed conf
 each arm trains, the majority vote's problems, the per-role analysis and paired differences."""
 
 import ast
+import collections
 import json
 import math
 import os
@@ -315,6 +316,93 @@ def test_role_analysis_counts_who_fixes_what():
   assert got == {"episodes": 4, "first_right_rate": 0.5, "last_right_rate": 0.5,
                  "overrules_rate": 0.5, "fixes_rate": 0.25, "breaks_rate": 0.25,
                  "keeps_rate": 0.25}
+
+
+def _listed(problem) -> list[str]:
+  """The candidate paths as the task's text lists them (read independently of the meta)."""
+  line = problem.question.rsplit("Candidate paths: ", 1)[1].rstrip(".")
+  return [c.replace(" ", "") for c in line.split(", ")]
+
+
+def _path_episode(seed, path, correct, dropped=None):
+  return {"seed": seed, "dropped": dropped, "turns": [{"reply": ""}],
+          "infos": [{"prediction": {"executor": path}, "correct": {"executor": correct}}]}
+
+
+def test_candidate_choice_counts_where_the_graded_path_comes_from():
+  source = team_tasks.problems("grid_path", "test")
+  listed = {s: _listed(source.problem_for_seed(s)) for s in range(1, 7)}
+  gold = {s: source.problem_for_seed(s).answer for s in listed}
+  wrong = {s: next(c for c in listed[s] if c != gold[s]) for s in listed}
+  episodes = [
+      _path_episode(1, gold[1], True),  # the right candidate
+      _path_episode(2, listed[2][0], listed[2][0] == gold[2]),  # the first listed
+      _path_episode(3, wrong[3], False),  # a failing candidate
+      _path_episode(4, "UUUUUUUU", False),  # a path the task does not list
+      _path_episode(5, None, False),  # no path
+      _path_episode(6, gold[6], True, dropped="env error"),  # not counted
+  ]
+  places = collections.Counter(listed[s].index(p) + 1 for s, p in
+                               ((1, gold[1]), (2, listed[2][0]), (3, wrong[3])))
+  got = learning.candidate_choice("grid_path", episodes)
+  assert got == {"episodes": 5, "candidates": 3, "candidate_rate": 3 / 5,
+                 **{f"place_{i}_rate": places[i] / 5 for i in (1, 2, 3)},
+                 "other_path_rate": 1 / 5, "no_path_rate": 1 / 5,
+                 "right_when_candidate": (1 + (listed[2][0] == gold[2])) / 3}
+  assert learning.candidate_choice("verify_correct", episodes) is None
+
+
+def test_the_choice_table_names_the_places_and_the_chance_rate():
+  choice = {"seeds": [1, 2], "candidate_rate": 0.6, "place_1_rate": 0.5, "place_2_rate": 0.1,
+            "place_3_rate": 0.0, "other_path_rate": 0.3, "no_path_rate": 0.1,
+            "right_when_candidate": 0.4}
+  table = learning_results.choice_table({"ppo_single": {"choice": choice}, "untuned_team": {}})
+  lines = table.splitlines()
+  assert "33 %" in lines[0]
+  assert lines[2] == ("| arm | seeds | a candidate % | 1. listed % | 2. listed % | 3. listed % "
+                      "| another path % | no path % | right when a candidate % |")
+  assert lines[4:] == ["| ppo_single | 1, 2 | 60.0 | 50.0 | 10.0 | 0.0 | 30.0 | 10.0 | 40.0 |"]
+  assert learning_results.choice_table({"ppo_single": {}}) is None
+
+
+def test_reanalyse_rewrites_the_analyses_of_finished_cells_that_kept_their_transcripts(
+    tmp_path):
+  source = team_tasks.problems("grid_path", "test")
+  runs, results = tmp_path / "runs", tmp_path / "results"
+  team_ep = _path_episode(1, source.problem_for_seed(1).answer, True)
+  team_ep["turns"] = [{"reply": "The path from S to G is " + team_ep["infos"][0]["prediction"][
+      "executor"]}, {"reply": ""}]
+  for key, seed in (("grid_path/marft_a_team", 0), ("grid_path/ppo_single", 0),
+                    ("grid_path/ppo_single", 1)):
+    out = results / key / f"seed{seed}"
+    out.mkdir(parents=True)
+    (out / "eval.json").write_text('{"accuracy": 1.0}')
+  # ppo_single seed 1 lost its workdir; grpo_team seed 0 is still running (no eval.json)
+  for key in ("grid_path/marft_a_team", "grid_path/ppo_single", "grid_path/grpo_team"):
+    work = learning.workdir(str(runs), key, 0)
+    os.makedirs(work)
+    with open(os.path.join(work, "eval_transcripts.jsonl"), "w") as f:
+      f.write(json.dumps(team_ep) + "\n")
+  majority = results / "grid_path/majority_single/seed0"  # a vote: no greedy transcript
+  majority.mkdir(parents=True)
+  (majority / "eval.json").write_text("{}")
+  os.makedirs(learning.workdir(str(runs), "grid_path/majority_single", 0))
+  with open(os.path.join(learning.workdir(str(runs), "grid_path/majority_single", 0),
+                         learning._result_stem("grid_path/majority_single")
+                         + "_transcripts.jsonl"), "w") as f:
+    f.write(json.dumps(team_ep) + "\n")
+  done = learning.reanalyse(["grid_path/marft_a_team", "grid_path/ppo_single",
+                             "grid_path/grpo_team", "grid_path/majority_single"], [0, 1],
+                            str(runs), str(results))
+  assert done == ["grid_path/marft_a_team seed 0", "grid_path/ppo_single seed 0"]
+  team, single = results / "grid_path/marft_a_team/seed0", results / "grid_path/ppo_single"
+  assert json.loads((team / "analysis.json").read_text())["first_right_rate"] == 1.0
+  assert json.loads((team / "choice.json").read_text())["right_when_candidate"] == 1.0
+  assert (single / "seed0/choice.json").exists() and not (single / "seed0/analysis.json").exists()
+  assert sorted(os.listdir(single / "seed1")) == ["eval.json"]
+  assert (team / "eval.json").read_text() == '{"accuracy": 1.0}'
+  assert not (results / "grid_path/grpo_team").exists()
+  assert os.listdir(majority) == ["eval.json"]
 
 
 def test_the_analysis_table_reads_in_transcript_order():

@@ -114,7 +114,8 @@ def render(rows: Sequence[str]) -> str:
 def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
   """`n` problems of `split`; the same arguments always give the same list. `answer` is a
   shortest path (one of several the grader accepts); meta: `rows` (the grid), `kind` (how
-  long its shortest paths are: "2_moves", "3_moves", "4+_moves"), `split`."""
+  long its shortest paths are: "2_moves", "3_moves", "4+_moves"), `candidates` (the paths the
+  task lists, in its order; none when `CANDIDATES` is 0), `split`."""
   rng = rng_for(NAME, split, seed)
   problems = []
   while len(problems) < n:
@@ -124,13 +125,13 @@ def generate_problems(n: int, seed: int, split: str = "train") -> list[Problem]:
     rows, path = drawn
     question = (f"Grid ({ROWS} rows, {COLS} columns; S start, G goal, # wall, . free):\n"
                 f"{render(rows)}\n{ASK}")
-    if CANDIDATES:
-      listed = ", ".join(" ".join(c) for c in candidates(rng, rows, path))
-      question += f"\nCandidate paths: {listed}."
+    listed = candidates(rng, rows, path) if CANDIDATES else []
+    if listed:
+      question += f"\nCandidate paths: {', '.join(' '.join(c) for c in listed)}."
     problems.append(Problem(question=question, answer=path,
                             id=f"{NAME}-{split}-s{seed}-{len(problems)}",
                             meta={"rows": list(rows), "kind": path_kind(path),
-                                  "split": split}))
+                                  "candidates": listed, "split": split}))
   return problems
 
 

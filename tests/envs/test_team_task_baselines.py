@@ -79,6 +79,7 @@ def test_candidates_list_the_way_and_failing_paths(monkeypatch):
   for p in grid_path.generate_problems(30, 2, "train"):
     listed = p.question.rsplit("Candidate paths: ", 1)[1].rstrip(".").split(", ")
     paths = [c.replace(" ", "") for c in listed]
+    assert p.meta["candidates"] == paths  # what the analysis of a copied candidate reads
     assert len(set(paths)) == 3 and p.answer in paths
     assert [grid_path.follow(p.meta["rows"], c) for c in paths].count(True) == 1
     assert {len(c) for c in paths} == {len(p.answer)}
