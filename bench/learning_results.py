@@ -410,7 +410,7 @@ def choice_table(rows: dict[str, dict]) -> Optional[str]:
            "the listed candidates, by its place in the list, or another path; and how often a "
            "copied candidate is the right one (a pick that ignores the grid: "
            f"{100 / len(places):.0f} %):",
-           "", "| arm | seeds | a candidate % | " + " | ".join(
+           "", "| arm | seeds analysed | a candidate % | " + " | ".join(
                f"{p.removeprefix('place_').removesuffix('_rate')}. listed %" for p in places)
            + " | another path % | no path % | right when a candidate % |",
            "| --- | --- | --- |" + " --- |" * len(places) + " --- | --- | --- |"]

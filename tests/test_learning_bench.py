@@ -359,8 +359,8 @@ def test_the_choice_table_names_the_places_and_the_chance_rate():
   table = learning_results.choice_table({"ppo_single": {"choice": choice}, "untuned_team": {}})
   lines = table.splitlines()
   assert "33 %" in lines[0]
-  assert lines[2] == ("| arm | seeds | a candidate % | 1. listed % | 2. listed % | 3. listed % "
-                      "| another path % | no path % | right when a candidate % |")
+  assert lines[2] == ("| arm | seeds analysed | a candidate % | 1. listed % | 2. listed % | "
+                      "3. listed % | another path % | no path % | right when a candidate % |")
   assert lines[4:] == ["| ppo_single | 1, 2 | 60.0 | 50.0 | 10.0 | 0.0 | 30.0 | 10.0 | 40.0 |"]
   assert learning_results.choice_table({"ppo_single": {}}) is None
 
