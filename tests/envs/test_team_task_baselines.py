@@ -83,3 +83,9 @@ def test_candidates_list_the_way_and_failing_paths(monkeypatch):
     assert len(set(paths)) == 3 and p.answer in paths
     assert [grid_path.follow(p.meta["rows"], c) for c in paths].count(True) == 1
     assert {len(c) for c in paths} == {len(p.answer)}
+
+
+def test_a_grid_without_candidates_lists_none(monkeypatch):
+  monkeypatch.setattr(grid_path, "CANDIDATES", 0)
+  for p in grid_path.generate_problems(10, 2, "train"):
+    assert p.meta["candidates"] == [] and "Candidate paths" not in p.question
