@@ -321,6 +321,14 @@ def first_answer(task: str, reply: str, problem) -> tuple[Optional[str], bool]:
       value == int(problem.answer)
 
 
+def graded_answer(episode: dict) -> tuple[Optional[str], bool]:
+  """(the graded role's answer as its task read it, or None; whether it is right) at the
+  episode's end; (None, False) for a dropped episode or one that ended without a grade."""
+  info = episode["infos"][-1] if episode["infos"] and not episode.get("dropped") else {}
+  role = next(iter(info.get("correct", {})), None)
+  return (info["prediction"][role], bool(info["correct"][role])) if role else (None, False)
+
+
 def role_analysis(task: str, episodes: Sequence[dict]) -> dict:
   """Who fixes what, over a team of two's held-out transcripts (greedy: one per problem):
   the first role right, the last right; the last role overruling the first (a different
@@ -333,9 +341,7 @@ def role_analysis(task: str, episodes: Sequence[dict]) -> dict:
       continue
     problem = source.problem_for_seed(int(e["seed"]))
     first, first_right = first_answer(task, e["turns"][0]["reply"], problem)
-    info = e["infos"][-1]
-    role = next(iter(info["correct"]))
-    last, last_right = info["prediction"][role], bool(info["correct"][role])
+    last, last_right = graded_answer(e)
     counts["episodes"] += 1
     counts["first_right"] += first_right
     counts["last_right"] += last_right
@@ -367,9 +373,7 @@ def candidate_choice(task: str, episodes: Sequence[dict]) -> Optional[dict]:
     listed = source.problem_for_seed(int(e["seed"])).meta["candidates"]
     if not listed:
       return None
-    info = e["infos"][-1]
-    role = next(iter(info["correct"]))
-    path, right = info["prediction"][role], bool(info["correct"][role])
+    path, right = graded_answer(e)
     counts["episodes"] += 1
     if path in listed:
       counts["candidate"] += 1
@@ -390,10 +394,7 @@ def problem_scores(episodes: Sequence[dict], samples: int) -> dict[str, float]:
   vote's (the most common graded answer, ties to the one drawn first; no answer no vote)."""
   by_seed: dict[str, list] = {}
   for e in episodes:
-    info = e["infos"][-1] if e["infos"] and not e.get("dropped") else {}
-    role = next(iter(info.get("correct", {})), None)
-    by_seed.setdefault(str(e["seed"]), []).append(
-        (info["prediction"][role], bool(info["correct"][role])) if role else (None, False))
+    by_seed.setdefault(str(e["seed"]), []).append(graded_answer(e))
   out = {}
   for seed, group in by_seed.items():
     if samples == 1:

@@ -337,7 +337,7 @@ def summarize_team(results: str, tasks: Sequence[str], arms: Sequence[str],
                              for k in analyses[0] if k.endswith("_rate")}
         choices = [c["choice"] for c in runs.values() if c["choice"]]
         if choices:  # the seeds whose transcripts were analysed: maybe fewer than `seeds`
-          row["choice"] = {"seeds": [k for k, c in runs.items() if c["choice"]], **{
+          row["choice"] = {"seeds_analysed": [k for k, c in runs.items() if c["choice"]], **{
               k: float(np.mean([c[k] for c in choices])) for k in choices[0]
               if k.endswith("_rate") or k == "right_when_candidate"}}
       row["vs"] = {ref: paired_difference(runs, cells[ref]) for ref in references
@@ -406,18 +406,19 @@ def choice_table(rows: dict[str, dict]) -> Optional[str]:
     return None
   places = sorted({k for c in measured.values() for k in c if k.startswith("place_")})
   lines = ["Where the graded path comes from (the share of held-out episodes, mean over the "
-           "seeds whose transcripts were analysed, by number; `bench.learning.candidate_choice`): one of "
-           "the listed candidates, by its place in the list, or another path; and how often a "
-           "copied candidate is the right one (a pick that ignores the grid: "
-           f"{100 / len(places):.0f} %):",
+           "seeds whose transcripts were analysed, by number; "
+           "`bench.learning.candidate_choice`): one of the listed candidates, by its place in "
+           "the list, or another path; and how often a copied candidate is the right one (a "
+           f"pick that ignores the grid: {100 / len(places):.0f} %):",
            "", "| arm | seeds analysed | a candidate % | " + " | ".join(
                f"{p.removeprefix('place_').removesuffix('_rate')}. listed %" for p in places)
            + " | another path % | no path % | right when a candidate % |",
            "| --- | --- | --- |" + " --- |" * len(places) + " --- | --- | --- |"]
   for arm, c in measured.items():
-    lines.append(f"| {arm} | {', '.join(map(str, c['seeds']))} | {100 * c['candidate_rate']:.1f} | " + " | ".join(
-        f"{100 * c.get(p, 0):.1f}" for p in places) + f" | {100 * c['other_path_rate']:.1f} | "
-        f"{100 * c['no_path_rate']:.1f} | {100 * c['right_when_candidate']:.1f} |")
+    seeds = ", ".join(map(str, c["seeds_analysed"]))
+    rates = [c["candidate_rate"], *(c.get(p, 0) for p in places), c["other_path_rate"],
+             c["no_path_rate"], c["right_when_candidate"]]
+    lines.append(f"| {arm} | {seeds} | " + " | ".join(f"{100 * r:.1f}" for r in rates) + " |")
   return "\n".join(lines)
 
 

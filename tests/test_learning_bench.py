@@ -353,8 +353,8 @@ def test_candidate_choice_counts_where_the_graded_path_comes_from():
 
 
 def test_the_choice_table_names_the_places_and_the_chance_rate():
-  choice = {"seeds": [1, 2], "candidate_rate": 0.6, "place_1_rate": 0.5, "place_2_rate": 0.1,
-            "place_3_rate": 0.0, "other_path_rate": 0.3, "no_path_rate": 0.1,
+  choice = {"seeds_analysed": [1, 2], "candidate_rate": 0.6, "place_1_rate": 0.5,
+            "place_2_rate": 0.1, "place_3_rate": 0.0, "other_path_rate": 0.3, "no_path_rate": 0.1,
             "right_when_candidate": 0.4}
   table = learning_results.choice_table({"ppo_single": {"choice": choice}, "untuned_team": {}})
   lines = table.splitlines()
@@ -386,9 +386,9 @@ def test_reanalyse_rewrites_the_analyses_of_finished_cells_that_kept_their_trans
   majority = results / "grid_path/majority_single/seed0"  # a vote: no greedy transcript
   majority.mkdir(parents=True)
   (majority / "eval.json").write_text("{}")
-  os.makedirs(learning.workdir(str(runs), "grid_path/majority_single", 0))
-  with open(os.path.join(learning.workdir(str(runs), "grid_path/majority_single", 0),
-                         learning._result_stem("grid_path/majority_single")
+  work = learning.workdir(str(runs), "grid_path/majority_single", 0)
+  os.makedirs(work)
+  with open(os.path.join(work, learning._result_stem("grid_path/majority_single")
                          + "_transcripts.jsonl"), "w") as f:
     f.write(json.dumps(team_ep) + "\n")
   done = learning.reanalyse(["grid_path/marft_a_team", "grid_path/ppo_single",
